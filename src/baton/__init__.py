@@ -1,0 +1,1 @@
+"""baton: an LLM serving engine with prefill/decode disaggregation."""

@@ -1,0 +1,27 @@
+"""Pure-torch models: specs from HF configs, the decoder, the MTP draft, the loader.
+
+Never imports the scheduler, transfer or server packages.
+"""
+
+from baton.model.attention import DenseAttention, StaticKVCache
+from baton.model.decoder import CausalLM
+from baton.model.draft import DraftSpec, MTPDraft
+from baton.model.loader import load_draft, load_model, load_spec
+from baton.model.registry import ARCHITECTURES, spec_from_config
+from baton.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+
+__all__ = [
+    "ARCHITECTURES",
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "CausalLM",
+    "DenseAttention",
+    "DraftSpec",
+    "MTPDraft",
+    "ModelSpec",
+    "StaticKVCache",
+    "load_draft",
+    "load_model",
+    "load_spec",
+    "spec_from_config",
+]

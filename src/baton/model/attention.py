@@ -1,0 +1,206 @@
+"""Self-attention: the projection module and the attention backends it calls.
+
+``Attention`` owns q/k/v/o projections, optional per-head q/k norms and rotary. It never
+stores keys and values itself: each forward receives an ``AttentionBackend`` that decides
+where K/V live (nowhere, a contiguous cache, or -- in the engine -- paged pools) and
+computes softmax(q k^T) v for one layer. Backends receive the layer's window, so the
+attention kind of a layer stays data.
+
+Window semantics follow Hugging Face: a sliding layer with window W lets the token at
+position p see keys at positions p-W+1 .. p (W tokens, itself included)::
+
+    keys:    0 1 2 3 4 5 6 7
+    query 6:       [3 4 5 6]      W = 4
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from baton.model.spec import ModelSpec
+
+
+class AttentionBackend(Protocol):
+    """Stores this step's K/V (if it keeps any) and attends.
+
+    q: [B, T, num_heads, head_dim]; k, v: [B, T, num_kv_heads, head_dim];
+    returns [B, T, num_heads, head_dim].
+    """
+
+    def attend(
+        self,
+        layer_id: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor: ...
+
+
+def visibility_mask(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """[Tq, Tk] bool, True where query q_pos[i] may see key k_pos[j] (causal + window)."""
+    keep = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        keep &= k_pos[None, :] > q_pos[:, None] - window
+    return keep
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; mask: [Tq, Tk] bool or None (= causal)."""
+    if softcap is None:
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+            )
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    # Logit soft-capping (Gemma2) has no fused kernel: the slow, obviously-correct path.
+    rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = visibility_mask(
+            torch.arange(q.shape[2]), torch.arange(k.shape[2]), window=None
+        ).to(q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+class DenseAttention:
+    """No cache: every row of the batch is one whole sequence at positions 0..T-1.
+
+    Used for training and for full-sequence logits.
+    """
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple[int, int | None, torch.device], torch.Tensor] = {}
+
+    def _mask(self, num_tokens: int, window: int | None, device: torch.device) -> torch.Tensor:
+        key = (num_tokens, window, device)
+        if key not in self._masks:
+            pos = torch.arange(num_tokens, device=device)
+            self._masks[key] = visibility_mask(pos, pos, window)
+        return self._masks[key]
+
+    def attend(self, layer_id, q, k, v, window, scale, softcap):  # noqa: ARG002
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
+        num_tokens = q.shape[2]
+        mask = None if window is None or window >= num_tokens else self._mask(
+            num_tokens, window, q.device
+        )
+        return masked_attention(q, k, v, mask, scale, softcap).transpose(1, 2)
+
+
+class StaticKVCache:
+    """A contiguous K/V cache per layer for a batch of equal-length sequences.
+
+    The slow, obviously-correct reference that the paged engine is compared against. Every
+    layer keeps all positions (a sliding layer simply masks the old ones).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.seq_len = 0
+        """Positions already written (the next forward starts here)."""
+
+    def step(self) -> _CacheStep:
+        """The backend for one forward that continues at ``seq_len``."""
+        return _CacheStep(self, self.seq_len)
+
+
+class _CacheStep:
+    def __init__(self, cache: StaticKVCache, start: int) -> None:
+        self.cache = cache
+        self.start = start
+
+    def attend(self, layer_id, q, k, v, window, scale, softcap):
+        cache, start = self.cache, self.start
+        num_tokens = q.shape[1]
+        end = start + num_tokens
+        if end > cache.max_len:
+            raise ValueError(f"sequence length {end} exceeds the cache's max_len {cache.max_len}")
+        cache.k[layer_id][:, :, start:end] = k.transpose(1, 2)
+        cache.v[layer_id][:, :, start:end] = v.transpose(1, 2)
+        cache.seq_len = max(cache.seq_len, end)
+        first = 0 if window is None else max(0, end - num_tokens - window + 1)
+        keys = cache.k[layer_id][:, :, first:end]
+        values = cache.v[layer_id][:, :, first:end]
+        q_pos = torch.arange(start, end, device=q.device)
+        mask = visibility_mask(q_pos, torch.arange(first, end, device=q.device), window)
+        out = masked_attention(q.transpose(1, 2), keys, values, mask, scale, softcap)
+        return out.transpose(1, 2)
+
+
+class Attention(nn.Module):
+    """Projections + rotary for one layer; K/V storage is the backend's business."""
+
+    def __init__(self, spec: ModelSpec, window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = spec.num_heads, spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.window = window
+        self.scale = spec.softmax_scale
+        self.softcap = spec.attn_logit_softcap
+        q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        layer_id: int,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        # x: [B, T, hidden]
+        lead = x.shape[:-1]
+        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rotary
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+
+
+def make_rotary(spec: ModelSpec) -> RotaryEmbedding:
+    return RotaryEmbedding(spec.rope, spec.head_dim)

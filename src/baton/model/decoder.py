@@ -1,0 +1,105 @@
+"""The decoder-only causal LM used for every supported architecture.
+
+Module tree and parameter names match Hugging Face checkpoints
+(``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ``model.norm``, ``lm_head``),
+so ``loader.py`` copies tensors by name. Differences between families (Gemma's sandwich
+norms and soft-capping, Qwen3's q/k norms, per-layer sliding windows) come from the
+``ModelSpec``; there is no per-family subclass.
+
+Who calls it: the engine's runner (with paged attention backends), the training script and
+the reference generator (with ``DenseAttention`` / ``StaticKVCache``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baton.model.attention import Attention, AttentionBackend, make_rotary
+from baton.model.layers import GatedMLP, RMSNorm
+from baton.model.spec import ModelSpec
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; Gemma2 adds post-norms on both branches."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, window: int | None) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        eps, offset = spec.rms_norm_eps, spec.norm_offset
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+        self.self_attn = Attention(spec, window)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias)
+        self.sandwich_norm = spec.sandwich_norm
+        if spec.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn)
+        if self.sandwich_norm:
+            x = x + self.post_attention_layernorm(h)
+            h = self.mlp(self.pre_feedforward_layernorm(x))
+            return x + self.post_feedforward_layernorm(h)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, spec.window_of(i)) for i in range(spec.num_layers)
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.norm_offset)
+        self.rotary_emb = make_rotary(spec)
+        self.embed_scale = spec.embed_scale
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale != 1.0:
+            # NOTE: Gemma rounds the scale to the activation dtype before multiplying.
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
+
+
+class CausalLM(nn.Module):
+    """``forward`` returns final-normed hidden states; ``compute_logits`` applies the head."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.model = DecoderModel(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        # input_ids, positions: [B, T] -> hidden: [B, T, hidden]
+        x = self.model.embed(input_ids)
+        rotary = self.model.rotary_emb(positions)
+        for layer in self.model.layers:
+            x = layer(x, rotary, attn)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,99 @@
+"""Building blocks shared by every architecture: RMSNorm, rotary embedding, gated MLP.
+
+Pure torch, no engine imports. Numerics follow the Hugging Face reference implementations
+(norms in fp32, rotary tables in fp32, ``rotate_half`` layout) so that fp32 logits match
+transformers to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from baton.model.spec import RopeSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; ``offset=1`` gives Gemma's ``x * (1 + weight)`` with zero-initialised weight."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.eps = eps
+        self.offset = offset
+        init = torch.zeros(dim) if offset else torch.ones(dim)
+        self.weight = nn.Parameter(init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            # NOTE: Gemma multiplies in fp32 before casting back; Llama casts first.
+            return (h * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in fp32, with linear / llama3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for given positions; the table is computed on the fly (it is cheap)."""
+
+    def __init__(self, rope: RopeSpec, head_dim: int) -> None:
+        super().__init__()
+        # NOTE: a plain attribute, not a buffer: ``module.to(bfloat16)`` must not round it.
+        self.inv_freq = rope_inv_freq(rope, head_dim)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [...] int -> cos, sin: [..., head_dim] fp32
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [..., T, heads, head_dim]; cos/sin: [..., T, head_dim] (broadcast over heads)."""
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+ACT_FNS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) -- SwiGLU / GeGLU."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = ACT_FNS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

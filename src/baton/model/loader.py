@@ -1,0 +1,133 @@
+"""Loading (and saving) Hugging Face model directories.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json``; optionally ``mtp_config.json`` + ``mtp.safetensors`` for
+the MTP draft. Tensors are copied by name into the modules built from the ``ModelSpec``;
+a missing or unexpected tensor is a ``ValueError`` naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from baton.model.decoder import CausalLM
+from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
+from baton.model.registry import spec_from_config
+from baton.model.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Buffers some exporters write that carry no information for us.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, default: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or default
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ValueError(f"{path} not found")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_spec(model_dir: str | os.PathLike) -> ModelSpec:
+    return spec_from_config(read_json(Path(model_dir) / "config.json"))
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(read_json(index)["weight_map"].values()))
+        return [model_dir / s for s in shards]
+    raise ValueError(
+        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json"
+    )
+
+
+def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") -> None:
+    """Copy every tensor of ``files`` into ``module``'s parameters of the same name."""
+    params = dict(module.named_parameters())  # tied weights appear once
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name = key[len(prefix) :] if key.startswith(prefix) else None
+                if name is None or name.endswith(IGNORED_SUFFIXES):
+                    continue
+                if name not in params:
+                    raise ValueError(f"{path.name}: unexpected tensor {key!r}")
+                tensor = f.get_tensor(key)
+                param = params[name]
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"{path.name}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+                        f"the config implies {tuple(param.shape)}"
+                    )
+                with torch.no_grad():
+                    param.copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+def load_model(
+    model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None
+) -> CausalLM:
+    """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's)."""
+    model_dir = Path(model_dir)
+    spec = load_spec(model_dir)
+    torch_dtype = resolve_dtype(dtype, spec.dtype)
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    model = model.to_empty(device="cpu").to(torch_dtype)
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_tensors_into(model, _weight_files(model_dir))
+    return model.eval()
+
+
+def has_draft(model_dir: str | os.PathLike) -> bool:
+    return (Path(model_dir) / DRAFT_CONFIG_FILE).is_file()
+
+
+def load_draft(model_dir: str | os.PathLike, target: CausalLM) -> MTPDraft | None:
+    """The MTP draft stored beside the target, or None if the directory has none."""
+    model_dir = Path(model_dir)
+    if not has_draft(model_dir):
+        return None
+    draft_spec = DraftSpec.from_json(read_json(model_dir / DRAFT_CONFIG_FILE))
+    weights = model_dir / draft_spec.weights_file
+    if not weights.is_file():
+        raise ValueError(f"{DRAFT_CONFIG_FILE} names {draft_spec.weights_file}, not found")
+    draft = MTPDraft(target.spec, draft_spec)
+    dtype = target.model.embed_tokens.weight.dtype
+    draft = draft.to(dtype)
+    load_tensors_into(draft, [weights])
+    return draft.eval()
+
+
+def save_draft(model_dir: str | os.PathLike, draft: MTPDraft, dtype: torch.dtype) -> None:
+    model_dir = Path(model_dir)
+    tensors = {k: v.detach().to(dtype).contiguous() for k, v in draft.state_dict().items()}
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(IGNORED_SUFFIXES)}
+    save_file(tensors, str(model_dir / draft.draft_spec.weights_file), metadata={"format": "pt"})
+    with open(model_dir / DRAFT_CONFIG_FILE, "w") as f:
+        json.dump(draft.draft_spec.to_json(), f, indent=2)

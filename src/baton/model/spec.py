@@ -1,0 +1,124 @@
+"""ModelSpec: one normalised, validated description of a decoder-only checkpoint.
+
+Hugging Face configs disagree on names and defaults (``rope_theta`` vs ``rope_parameters``,
+``use_sliding_window`` + ``max_window_layers`` vs ``layer_types``, Gemma's norm offset).
+``registry.py`` turns each supported ``config.json`` into a ``ModelSpec``; everything below
+the loader reads only the spec. The attention kind of every layer is data
+(``layer_types``), never layer-index arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters."""
+
+    theta: float = 10000.0
+    """Base of the rotary frequencies."""
+    rope_type: str = "default"
+    """One of ``ROPE_TYPES``."""
+    factor: float = 1.0
+    """Scaling factor for ``linear`` and ``llama3``."""
+    low_freq_factor: float = 1.0
+    """``llama3`` only."""
+    high_freq_factor: float = 4.0
+    """``llama3`` only."""
+    original_max_position_embeddings: int = 8192
+    """``llama3`` only."""
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
+            )
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be positive, got {self.theta}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything the pure-torch model needs to build itself; frozen and validated."""
+
+    architecture: str
+    """The Hugging Face architecture name, e.g. ``Qwen3ForCausalLM``."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    layer_types: tuple[str, ...]
+    """Attention kind of each layer: ``full_attention`` or ``sliding_attention``."""
+    sliding_window: int | None = None
+    """Tokens a sliding layer sees, the current one included (HF semantics)."""
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-6
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """Qwen3: RMSNorm over each head of q and k before rotary."""
+    hidden_act: str = "silu"
+    norm_offset: float = 0.0
+    """Gemma: RMSNorm multiplies by ``(offset + weight)``."""
+    sandwich_norm: bool = False
+    """Gemma2: extra post-attention, pre- and post-feedforward norms."""
+    embed_scale: float = 1.0
+    """Gemma: embeddings are multiplied by sqrt(hidden_size)."""
+    attn_scale: float = 0.0
+    """Softmax scale; 0 means ``head_dim ** -0.5``."""
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    dtype: str = "float32"
+    """Checkpoint dtype: ``float32``, ``bfloat16`` or ``float16``."""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_kv_heads <= 0 or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if not self.layer_types:
+            raise ValueError("a model needs at least one layer")
+        bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"unsupported layer_types {bad}; supported: {', '.join(LAYER_TYPES)}")
+        if SLIDING_ATTENTION in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is unset")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(
+                f"unsupported hidden activation {self.hidden_act!r}; "
+                f"supported: {', '.join(ACTIVATIONS)}"
+            )
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attn_scale or self.head_dim**-0.5
+
+    def window_of(self, layer_id: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer_id] == SLIDING_ATTENTION else None
