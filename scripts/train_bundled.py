@@ -15,7 +15,6 @@ import argparse
 import hashlib
 import json
 import math
-import os
 import sys
 import sysconfig
 import time
@@ -108,7 +107,9 @@ def encode_stream(tok, texts: list[str]) -> np.ndarray:
 
 def model_config(args, tok) -> dict:
     num_layers = args.layers
-    layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    layer_types = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+    ]
     eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     return {
         "architectures": ["Qwen3ForCausalLM"],
@@ -141,7 +142,11 @@ def model_config(args, tok) -> dict:
 def init_weights(module: torch.nn.Module, num_layers: int) -> None:
     for name, p in module.named_parameters():
         if p.dim() == 2:
-            std = 0.02 / math.sqrt(2 * num_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            std = (
+                0.02 / math.sqrt(2 * num_layers)
+                if name.endswith(("o_proj.weight", "down_proj.weight"))
+                else 0.02
+            )
             torch.nn.init.normal_(p, std=std)
         elif "bias" in name:
             torch.nn.init.zeros_(p)
@@ -158,7 +163,9 @@ def losses(model: CausalLM, draft: MTPDraft, batch: torch.Tensor, draft_window: 
     h = hidden[:, :-1].detach()
     dh = draft(model, h, inputs[:, 1:], positions[:, 1:], DenseAttention())
     draft_logits = model.compute_logits(dh)  # guesses of x[2..T]
-    ce = F.cross_entropy(draft_logits.reshape(-1, draft_logits.shape[-1]), targets[:, 1:].reshape(-1))
+    ce = F.cross_entropy(
+        draft_logits.reshape(-1, draft_logits.shape[-1]), targets[:, 1:].reshape(-1)
+    )
     # Distil the target's own next-next distribution: acceptance is agreement with the target.
     # Every 4th position only: full-vocabulary softmaxes dominate a step of a model this small.
     teacher = F.log_softmax(logits[:, 1::4].detach(), dim=-1)
@@ -176,11 +183,14 @@ def lr_at(step: int, args) -> float:
 
 @torch.no_grad()
 def evaluate(model, draft, stream: np.ndarray, context: int, max_windows: int) -> dict:
-    model.eval(); draft.eval()
+    model.eval()
+    draft.eval()
     n = min(max_windows, (len(stream) - 1) // (context + 1))
     tl = dl = agree = total = 0.0
     for i in range(n):
-        chunk = torch.from_numpy(stream[i * (context + 1) : (i + 1) * (context + 1)].astype(np.int64))[None]
+        chunk = torch.from_numpy(
+            stream[i * (context + 1) : (i + 1) * (context + 1)].astype(np.int64)
+        )[None]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             t_loss, d_loss, _ = losses(model, draft, chunk, 0)
             inputs = chunk[:, :-1]
@@ -191,17 +201,24 @@ def evaluate(model, draft, stream: np.ndarray, context: int, max_windows: int) -
             d_next = model.compute_logits(dh).argmax(-1)  # draft's guess of x[t+2]
         agree += (d_next == tgt_next[:, 1:]).float().sum().item()
         total += d_next.numel()
-        tl += t_loss.item(); dl += d_loss.item()
-    model.train(); draft.train()
+        tl += t_loss.item()
+        dl += d_loss.item()
+    model.train()
+    draft.train()
     return {
-        "target_loss": tl / n, "target_ppl": math.exp(tl / n),
-        "draft_loss": dl / n, "draft_ppl": math.exp(dl / n),
-        "draft_agreement_teacher_forced": agree / total, "windows": n,
+        "target_loss": tl / n,
+        "target_ppl": math.exp(tl / n),
+        "draft_loss": dl / n,
+        "draft_ppl": math.exp(dl / n),
+        "draft_agreement_teacher_forced": agree / total,
+        "windows": n,
     }
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--out", default="models/baton-stdlib-qwen3")
     p.add_argument("--work-dir", default="runs/bundled")
     p.add_argument("--vocab", type=int, default=4096)
@@ -240,33 +257,44 @@ def main() -> None:
     else:
         train_stream, held_stream = encode_stream(tok, train_texts), encode_stream(tok, held_texts)
         np.savez(cache, train=train_stream, held=held_stream)
-    print(f"files: {len(train_files)} train / {len(held_files)} held out; "
-          f"tokens: {len(train_stream):,} train / {len(held_stream):,} held out", flush=True)
+    print(
+        f"files: {len(train_files)} train / {len(held_files)} held out; "
+        f"tokens: {len(train_stream):,} train / {len(held_stream):,} held out",
+        flush=True,
+    )
 
     cfg = model_config(args, tok)
     spec = spec_from_config(cfg)
     torch.manual_seed(args.seed)
     model = CausalLM(spec)
     draft = MTPDraft(spec, DraftSpec(sliding_window=args.draft_window))
-    init_weights(model, args.layers); init_weights(draft, 1)
+    init_weights(model, args.layers)
+    init_weights(draft, 1)
     params = list(model.parameters()) + list(draft.parameters())
     decay = [q for q in params if q.dim() == 2]
     no_decay = [q for q in params if q.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     gen = torch.Generator().manual_seed(args.seed)
     step, elapsed = 0, 0.0
     ckpt = work / "ckpt.pt"
     if ckpt.exists() and not args.probe:
         state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"]); draft.load_state_dict(state["draft"])
-        opt.load_state_dict(state["opt"]); gen.set_state(state["gen"])
+        model.load_state_dict(state["model"])
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
         step, elapsed = state["step"], state["elapsed"]
         print(f"resumed at step {step}", flush=True)
     stream = torch.from_numpy(train_stream.astype(np.int64))
     span = args.context + 1
     t0 = time.time() - elapsed
-    model.train(); draft.train()
+    model.train()
+    draft.train()
     # torch.compile fuses the many small elementwise ops: ~2.2x faster steps on 2 cores.
     loss_fn = losses if args.no_compile else torch.compile(losses)
     while step < args.steps:
@@ -284,20 +312,39 @@ def main() -> None:
         step += 1
         if step % 10 == 0 or args.probe:
             tps = step * args.batch * args.context / (time.time() - t0)
-            print(f"step {step} loss {t_loss.item():.3f} draft {d_ce.item():.3f} kd {d_kd.item():.3f} "
-                  f"lr {lr_at(step, args):.2e} {tps:,.0f} tok/s {time.time() - t0:.0f}s", flush=True)
+            print(
+                f"step {step} loss {t_loss.item():.3f} draft {d_ce.item():.3f} "
+                f"kd {d_kd.item():.3f} "
+                f"lr {lr_at(step, args):.2e} {tps:,.0f} tok/s {time.time() - t0:.0f}s",
+                flush=True,
+            )
         if args.probe and step >= 5:
             return
         if step % args.ckpt_every == 0 or step == args.steps:
-            torch.save({"model": model.state_dict(), "draft": draft.state_dict(), "opt": opt.state_dict(),
-                        "gen": gen.get_state(), "step": step, "elapsed": time.time() - t0}, ckpt)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "draft": draft.state_dict(),
+                    "opt": opt.state_dict(),
+                    "gen": gen.get_state(),
+                    "step": step,
+                    "elapsed": time.time() - t0,
+                },
+                ckpt,
+            )
     wall = time.time() - t0
     report = finish(model, draft, cfg, args, out, held_stream, tok)
     report.update(
-        wall_time_s=round(wall), steps=args.steps, train_tokens_seen=args.steps * args.batch * args.context,
-        corpus_train_tokens=int(len(train_stream)), corpus_held_out_tokens=int(len(held_stream)),
-        train_files=len(train_files), held_out_files=len(held_files), python=sys.version.split()[0],
-        threads=args.threads, args=vars(args),
+        wall_time_s=round(wall),
+        steps=args.steps,
+        train_tokens_seen=args.steps * args.batch * args.context,
+        corpus_train_tokens=int(len(train_stream)),
+        corpus_held_out_tokens=int(len(held_stream)),
+        train_files=len(train_files),
+        held_out_files=len(held_files),
+        python=sys.version.split()[0],
+        threads=args.threads,
+        args=vars(args),
     )
     (out / "training_report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2))
@@ -307,17 +354,26 @@ def finish(model, draft, cfg, args, out: Path, held_stream, tok) -> dict:
     from safetensors.torch import save_file
 
     metrics = evaluate(model, draft, held_stream, args.context, args.eval_windows)
-    model.eval(); draft.eval()
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    model.eval()
+    draft.eval()
+    tensors = {
+        k: v.detach().to(torch.bfloat16).contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight"
+    }
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    gen_cfg = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "pad_token_id": cfg["pad_token_id"]}
+    gen_cfg = {
+        "bos_token_id": cfg["bos_token_id"],
+        "eos_token_id": cfg["eos_token_id"],
+        "pad_token_id": cfg["pad_token_id"],
+    }
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     save_draft(out, draft, torch.bfloat16)
     # Acceptance with a 3-step greedy draft chain on held-out code, in bf16 as shipped.
     from baton.model.loader import load_draft, load_model
 
-    m, = (load_model(out, "bfloat16"),)
+    (m,) = (load_model(out, "bfloat16"),)
     d = load_draft(out, m)
     accepted: list[int] = []
     rng = np.random.default_rng(args.seed)

@@ -64,11 +64,12 @@ class Tokenizer:
         self.pad_token_id = self._id_or_none(pad_token)
         self._config_eos_token_id = self._id_or_none(eos_token)
         self._generation_eos_token_ids = tuple(generation_eos_token_ids)
-        self.eos_token_ids: frozenset[int] = frozenset(
-            {i for i in (self._config_eos_token_id,) if i is not None}
-            | set(self._generation_eos_token_ids)
-        )
-        self._post_processor_adds_bos = self._probe_post_processor_bos()
+        # Generation must stop on any of them: chat models often end turns with a token
+        # (e.g. <|im_end|>) other than the one generation_config lists first.
+        eos_ids = set(self._generation_eos_token_ids)
+        if self._config_eos_token_id is not None:
+            eos_ids.add(self._config_eos_token_id)
+        self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self._compiled_template: jinja2.Template | None = None
 
     # ---- loading -------------------------------------------------------------------------
@@ -122,28 +123,15 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         bos = self.bos_token_id
-        if add_special_tokens and bos is not None and self._needs_bos_prepended(ids, bos):
+        # ``add_bos_token: true`` with a tokenizer.json whose post-processor does not add BOS
+        # (older exports): add it ourselves. Starting with BOS already covers both a
+        # post-processor that adds it and text that spells it out (no double BOS).
+        if add_special_tokens and self.add_bos_token and bos is not None and ids[:1] != [bos]:
             ids.insert(0, bos)
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def _probe_post_processor_bos(self) -> bool:
-        # Encoding "" with special tokens yields exactly what the post-processor adds.
-        if self.bos_token_id is None:
-            return False
-        probe = self._backend.encode("", add_special_tokens=True).ids
-        return bool(probe) and probe[0] == self.bos_token_id
-
-    def _needs_bos_prepended(self, ids: list[int], bos: int) -> bool:
-        # ``add_bos_token: true`` with a tokenizer.json whose post-processor does not add BOS
-        # (older exports): add it ourselves, unless the text already starts with it.
-        return (
-            self.add_bos_token is True
-            and not self._post_processor_adds_bos
-            and (not ids or ids[0] != bos)
-        )
 
     # ---- chat template -------------------------------------------------------------------
 
@@ -367,8 +355,9 @@ class IncrementalDetokenizer:
     The window technique (as in vLLM and tokenizers' DecodeStream): keep a token window
     ``[prefix, ...)`` whose first part ``[prefix, read)`` is already emitted as
     ``prefix_text``. Each step decodes the window and emits what lies beyond
-    ``prefix_text``, except a trailing run of U+FFFD, which is what a character whose UTF-8
-    bytes are split across tokens decodes to until its last byte arrives. When the window
+    ``prefix_text`` and was not emitted yet, holding back a trailing run of U+FFFD: that is
+    what a character whose UTF-8 bytes are split across tokens decodes to until its last
+    byte arrives. When the window
     decodes with a clean end, it slides forward, so a step costs O(window), not O(sequence).
 
     The concatenation of all deltas plus ``flush()`` equals ``tokenizer.decode`` of the

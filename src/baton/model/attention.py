@@ -44,9 +44,7 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def visibility_mask(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
-) -> torch.Tensor:
+def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """[Tq, Tk] bool, True where query q_pos[i] may see key k_pos[j] (causal + window)."""
     keep = k_pos[None, :] <= q_pos[:, None]
     if window is not None:
@@ -77,9 +75,9 @@ def masked_attention(
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
-        mask = visibility_mask(
-            torch.arange(q.shape[2]), torch.arange(k.shape[2]), window=None
-        ).to(q.device)
+        mask = visibility_mask(torch.arange(q.shape[2]), torch.arange(k.shape[2]), window=None).to(
+            q.device
+        )
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
@@ -104,8 +102,10 @@ class DenseAttention:
     def attend(self, layer_id, q, k, v, window, scale, softcap):  # noqa: ARG002
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, T, D]
         num_tokens = q.shape[2]
-        mask = None if window is None or window >= num_tokens else self._mask(
-            num_tokens, window, q.device
+        mask = (
+            None
+            if window is None or window >= num_tokens
+            else self._mask(num_tokens, window, q.device)
         )
         return masked_attention(q, k, v, mask, scale, softcap).transpose(1, 2)
 

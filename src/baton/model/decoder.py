@@ -30,7 +30,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, offset)
         self.self_attn = Attention(spec, window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, offset)
-        self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias)
+        self.mlp = GatedMLP(
+            spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias
+        )
         self.sandwich_norm = spec.sandwich_norm
         if spec.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)

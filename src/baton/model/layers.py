@@ -38,7 +38,9 @@ class RMSNorm(nn.Module):
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in fp32, with linear / llama3 scaling applied."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim))
+    inv_freq = 1.0 / (
+        rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim)
+    )
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

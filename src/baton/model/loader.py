@@ -55,9 +55,7 @@ def _weight_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(read_json(index)["weight_map"].values()))
         return [model_dir / s for s in shards]
-    raise ValueError(
-        f"{model_dir} has neither model.safetensors nor model.safetensors.index.json"
-    )
+    raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
 def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") -> None:
@@ -88,9 +86,7 @@ def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") ->
         raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
-def load_model(
-    model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None
-) -> CausalLM:
+def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None) -> CausalLM:
     """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's)."""
     model_dir = Path(model_dir)
     spec = load_spec(model_dir)

@@ -21,9 +21,7 @@ def new_cache(model: CausalLM, batch_size: int, max_len: int) -> StaticKVCache:
 
 
 @torch.inference_mode()
-def forward_step(
-    model: CausalLM, cache: StaticKVCache, input_ids: torch.Tensor
-) -> torch.Tensor:
+def forward_step(model: CausalLM, cache: StaticKVCache, input_ids: torch.Tensor) -> torch.Tensor:
     """Run ``input_ids`` [B, T] after what the cache holds; returns hidden [B, T, H]."""
     start = cache.seq_len
     positions = torch.arange(start, start + input_ids.shape[1]).expand_as(input_ids)
@@ -103,8 +101,6 @@ def speculative_greedy(
         # it were made from draft hiddens and are recomputed from the target's.
         dcache.seq_len = base_draft + 1
         if n_ok:
-            _draft_forward(
-                model, draft, dcache, verify[:, :n_ok], torch.tensor([guesses[:n_ok]])
-            )
+            _draft_forward(model, draft, dcache, verify[:, :n_ok], torch.tensor([guesses[:n_ok]]))
         h_last = verify[:, n_ok : n_ok + 1]
     return out[:max_new_tokens], accepted

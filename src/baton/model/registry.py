@@ -91,6 +91,12 @@ def _llama(cfg: Config, arch: str) -> ModelSpec:
 def _qwen_layer_types(cfg: Config, spec: dict[str, Any]) -> int | None:
     """Qwen2/Qwen3: a window only when use_sliding_window; layers >= max_window_layers slide."""
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    if window is None and cfg.get("layer_types") is not None:
+        # NOTE: as in transformers, `sliding_attention` layers without use_sliding_window
+        # get no window at all, i.e. they attend fully.
+        spec["layer_types"] = tuple(
+            FULL_ATTENTION if t == SLIDING_ATTENTION else t for t in spec["layer_types"]
+        )
     if cfg.get("layer_types") is None:
         first_sliding = cfg.get("max_window_layers", cfg["num_hidden_layers"])
         spec["layer_types"] = tuple(
