@@ -1,1 +1,14 @@
 """baton: an LLM serving engine with prefill/decode disaggregation."""
+
+from baton.request import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy: importing baton for SamplingParams must not load torch models.
+    if name == "LLM":
+        from baton.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -59,13 +59,15 @@ def masked_attention(
     mask: torch.Tensor | None,
     scale: float,
     softcap: float | None,
+    causal: bool = True,
 ) -> torch.Tensor:
-    """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; mask: [Tq, Tk] bool or None (= causal)."""
+    """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; mask: [Tq, Tk] bool (True = visible), or
+    None for plain causal (square) attention -- or, with ``causal=False``, no mask at all."""
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
             return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, enable_gqa=gqa
+                q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa
             )
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     # Logit soft-capping (Gemma2) has no fused kernel: the slow, obviously-correct path.

@@ -25,7 +25,9 @@ def forward_step(model: CausalLM, cache: StaticKVCache, input_ids: torch.Tensor)
     """Run ``input_ids`` [B, T] after what the cache holds; returns hidden [B, T, H]."""
     start = cache.seq_len
     positions = torch.arange(start, start + input_ids.shape[1]).expand_as(input_ids)
-    return model(input_ids, positions, cache.step())
+    hidden = model(input_ids, positions, cache.step())
+    cache.seq_len = start + input_ids.shape[1]
+    return hidden
 
 
 @torch.inference_mode()
@@ -54,7 +56,9 @@ def _draft_forward(model, draft, cache: StaticKVCache, hidden, next_ids) -> torc
     # Draft slot s holds the pair (h_s, x_{s+1}); its rotary position is s + 1.
     start = cache.seq_len
     positions = torch.arange(start + 1, start + 1 + next_ids.shape[1]).expand_as(next_ids)
-    return draft(model, hidden, next_ids, positions, cache.step())
+    out = draft(model, hidden, next_ids, positions, cache.step())
+    cache.seq_len = start + next_ids.shape[1]
+    return out
 
 
 @torch.inference_mode()

@@ -1,0 +1,25 @@
+# The two set-up commands of the README: `make demo` (main job) and `make test` (tests).
+# Each creates .venv and installs what it needs on first use.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# NOTE: pin torch first: any other request pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: $(STAMP)
+	$(VENV)/bin/baton generate
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q

@@ -1,0 +1,1 @@
+"""The engine: scheduler, runner, sampler and the offline ``LLM`` API."""

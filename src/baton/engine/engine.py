@@ -1,0 +1,288 @@
+"""LLMEngine and the offline ``LLM`` API.
+
+The engine owns one model, its ``ModelCache`` (pools registered in a ``StateRegistry``), a
+``Scheduler`` and a ``ModelRunner``. ``add_request`` validates everything about a request
+before it touches any state, so a bad request raises ``ValueError`` and the others keep
+running. ``step`` runs one scheduled batch and returns the requests it advanced; stop
+conditions (EOS, stop ids, stop strings, max_tokens, the context) are checked here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.engine.runner import ModelRunner
+from baton.engine.sampler import Sampler, SamplingState
+from baton.engine.scheduler import Scheduler
+from baton.memory.cache import ModelCache
+from baton.memory.state import StateRegistry
+from baton.model.loader import load_model, resolve_dtype
+from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.tokenizer import IncrementalDetokenizer, Tokenizer
+
+FINISH = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+}
+
+
+class _NoText:
+    """Detokenizer stand-in for models served without a tokenizer."""
+
+    text = ""
+
+    def step(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
+
+
+@dataclass
+class _Track:
+    """Engine-side bookkeeping of one request."""
+
+    request: Request
+    prompt: str | None
+    sampling: SamplingState
+    detok: IncrementalDetokenizer | _NoText
+    metrics: RequestMetrics
+    max_tokens: int
+    text: str = ""
+    num_emitted_chars: int = 0
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: FinishReason | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = load_model(model_dir, config.dtype)
+        spec = self.model.spec
+        # A directory without tokenizer.json serves token ids only (text stays empty).
+        has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer.from_dir(model_dir) if has_tokenizer else None
+        self.max_model_len = config.scheduler.max_model_len or spec.max_position_embeddings
+        self.registry = StateRegistry()
+        dtype = resolve_dtype(config.dtype, spec.dtype)
+        self.cache = ModelCache(
+            spec, config.cache, config.scheduler, self.max_model_len, dtype, self.registry
+        )
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.scheduler = Scheduler(config.scheduler, self.cache)
+        self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids))
+        self.tracks: dict[str, _Track] = {}
+        self._ids = itertools.count()
+        self._seeds = itertools.count(config.seed * 1_000_003)
+
+    # -- requests --------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt", "")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Check a request against the model and memory; returns its max_tokens."""
+        if not token_ids:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        vocab = self.model.spec.vocab_size
+        bad = [t for t in token_ids if not (0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        room = self.max_model_len - len(token_ids)
+        if room <= 0:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if max_tokens > room:
+            raise ValueError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
+                f"context of {self.max_model_len} tokens"
+            )
+        total = len(token_ids) + max_tokens
+        for pool in self.cache.pools:
+            need = pool.peak_units(total)
+            if need > pool.component.num_units:
+                raise ValueError(
+                    f"a request of {total} tokens needs {need} units of {pool.name}, which "
+                    f"has {pool.component.num_units}; raise num_pages or kv_cache_memory_mb"
+                )
+        return max_tokens
+
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
+        text, token_ids = self.encode_prompt(prompt)
+        max_tokens = self.validate(token_ids, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.tracks:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else next(self._seeds)
+        vocab = self.model.spec.vocab_size
+        self.tracks[request_id] = _Track(
+            request=request,
+            prompt=text,
+            sampling=SamplingState(params, token_ids, vocab, seed=seed),
+            detok=IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else _NoText(),
+            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
+            max_tokens=max_tokens,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.scheduler.add(request)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        track = self.tracks.pop(request_id, None)
+        if track is None:
+            return None
+        self.scheduler.abort(request_id)
+        track.metrics.finished_time = time.monotonic()
+        return self._output(track, finish=FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- stepping --------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        now = time.monotonic()
+        for chunk in batch.chunks:
+            metrics = self.tracks[chunk.request.request_id].metrics
+            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+        states = {
+            c.request.request_id: self.tracks[c.request.request_id].sampling for c in batch.chunks
+        }
+        result = self.runner.execute(batch, states)
+        self.scheduler.commit(batch)
+        outputs = []
+        if result.sampled is None:
+            return outputs
+        now = time.monotonic()
+        for row, request_id in enumerate(result.request_ids):
+            track = self.tracks[request_id]
+            self._append(track, row, result.sampled, now)
+            outputs.append(self._output(track, finish=track.finish_reason))
+            if track.finish_reason is not None:
+                self.scheduler.finish(track.request, FINISH[track.finish_reason])
+                del self.tracks[request_id]
+        return outputs
+
+    def _append(self, track: _Track, row: int, sampled, now: float) -> None:
+        token = sampled.token_ids[row]
+        request, params = track.request, track.request.sampling_params
+        request.output_token_ids.append(token)
+        track.sampling.append(token)
+        track.new_token_ids = [token]
+        track.metrics.first_token_time = track.metrics.first_token_time or now
+        track.metrics.num_generated_tokens += 1
+        track.cumulative_logprob += sampled.logprobs[row]
+        if track.logprobs is not None:
+            entry = {token: sampled.logprobs[row]}
+            entry.update(dict(sampled.top_logprobs[row] or []))
+            track.logprobs.append(entry)
+        if token in params.stop_token_ids:
+            track.finish_reason, request.stop_reason = FinishReason.STOP, token
+        elif token in self.eos_token_ids and not params.ignore_eos:
+            track.finish_reason = FinishReason.STOP
+        else:
+            delta = track.detok.step([token])
+            track.text += delta
+            self._check_stop_strings(track, len(track.text) - len(delta))
+        if track.finish_reason is None and (
+            request.num_output_tokens >= track.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
+            track.finish_reason = FinishReason.LENGTH
+        if track.finish_reason is not None:
+            track.metrics.finished_time = now
+            if track.finish_reason is FinishReason.LENGTH and request.stop_reason is None:
+                track.text += track.detok.flush()
+
+    def _check_stop_strings(self, track: _Track, delta_start: int) -> None:
+        params = track.request.sampling_params
+        if not params.stop or track.request.num_output_tokens < params.min_tokens:
+            return
+        # Only a match overlapping the new delta is new.
+        longest = max(len(s) for s in params.stop)
+        tail_start = max(0, delta_start - longest + 1)
+        for stop in params.stop:
+            idx = track.text.find(stop, tail_start)
+            if idx >= 0:
+                cut = idx + len(stop) if params.include_stop_str_in_output else idx
+                track.text = track.text[:cut]
+                track.finish_reason, track.request.stop_reason = FinishReason.STOP, stop
+                return
+
+    def _output(self, track: _Track, finish: FinishReason | None) -> RequestOutput:
+        params = track.request.sampling_params
+        text = track.text
+        if finish is None and params.stop:
+            # Hold back what could still become a stop string.
+            text = text[: max(track.num_emitted_chars, len(text) - max(map(len, params.stop)) + 1)]
+        delta_text = text[track.num_emitted_chars :]
+        track.num_emitted_chars = len(text)
+        n_new = len(track.new_token_ids)
+        logprobs = track.logprobs
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(track.request.output_token_ids),
+            cumulative_logprob=track.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=finish.value if finish else None,
+            stop_reason=track.request.stop_reason,
+        )
+        delta = CompletionOutput(
+            index=0,
+            text=delta_text,
+            token_ids=list(track.new_token_ids),
+            logprobs=logprobs[-n_new:] if logprobs and n_new else None,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+        )
+        track.new_token_ids = []
+        return RequestOutput(
+            request_id=track.request.request_id,
+            prompt=track.prompt,
+            prompt_token_ids=track.request.prompt_token_ids,
+            outputs=[completion],
+            finished=finish is not None,
+            metrics=track.metrics,
+            delta=delta,
+        )

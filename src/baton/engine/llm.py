@@ -1,0 +1,85 @@
+"""The offline API users know from vLLM: ``LLM(model).generate(prompts, SamplingParams)``.
+
+``generate`` validates every prompt before adding any, so one bad prompt raises
+``ValueError`` and leaves the engine as it was; ``generate_stream`` yields one
+``RequestOutput`` per new token whose ``delta`` holds the increment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.outputs import RequestOutput
+from baton.request import SamplingParams
+
+Prompt = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
+        """``kwargs`` are engine options (``EngineConfig.from_kwargs``): ``dtype``,
+        ``page_size``, ``num_pages``, ``sliding_mode``, ``max_num_seqs``, ... ."""
+        self.engine = LLMEngine(model, EngineConfig.from_kwargs(**kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def _requests(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+    ) -> list[tuple[Prompt, SamplingParams]]:
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        )
+        batch = [prompts] if single else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            per = [params or SamplingParams()] * len(batch)
+        else:
+            per = list(params)
+            if len(per) != len(batch):
+                raise ValueError(f"{len(per)} sampling params for {len(batch)} prompts")
+        for prompt, p in zip(batch, per, strict=True):
+            _, ids = self.engine.encode_prompt(prompt)
+            self.engine.validate(ids, p)
+        return list(zip(batch, per, strict=True))
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in prompt order."""
+        ids = [self.engine.add_request(p, s) for p, s in self._requests(prompts, sampling_params)]
+        done: dict[str, RequestOutput] = {}
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort_request(request_id)
+            raise
+        return [done[i] for i in ids]
+
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        ((prompt, params),) = self._requests(prompt, sampling_params)
+        request_id = self.engine.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        finished = out.finished
+                        yield out
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)

@@ -1,0 +1,48 @@
+"""What the engine returns: vLLM-shaped ``RequestOutput`` / ``CompletionOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Seconds from arrival to the first generated token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, float]] | None = None
+    """Per generated token: {token id: logprob} of the sampled token and the top-n."""
+    finish_reason: str | None = None
+    """``stop``, ``length``, ``abort`` or None while running."""
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that ended the request, if any."""
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    delta: CompletionOutput | None = field(default=None, repr=False)
+    """What this step added (text, token ids, logprobs); for streaming."""

@@ -1,0 +1,324 @@
+"""Batched sampler: one row of fp32 logits per request in, one token per request out.
+
+Owns the per-request sampling state (penalty counts, the random stream) and the logits
+pipeline; touches no model, cache or scheduler state. The model runner calls ``sample`` once
+per step with the last-position logits of each scheduled request and then ``append``s the
+tokens it keeps; the speculative verifier calls ``probs`` for rejection sampling.
+
+Pipeline, in the order of transformers and vLLM, each stage vectorised over the batch::
+
+    raw ─▶ repetition penalty (HF; prompt + output) ─▶ frequency / presence (OpenAI; output)
+        ─▶ min_tokens (EOS + stop ids ─▶ -inf) ─┬─▶ greedy rows: argmax
+                                                └─▶ temperature ─▶ top-k ─▶ top-p ─▶ min-p
+                                                    ─▶ softmax ─▶ inverse-CDF draw
+
+Randomness is counter-based: the draw for output position ``p`` of a request is a pure function
+of ``(seed, p)``. A seeded request therefore yields the same tokens whatever else shares its
+batch, after a recompute-preemption, and on a PD decode worker handed the prefill's effective
+``SamplingState.seed``; nothing else of the random state needs to travel.
+
+Reported logprobs are those of the model's raw distribution (``log_softmax`` of the logits
+before penalties, temperature and truncation), vLLM's default ``logprobs_mode="raw_logprobs"``:
+they describe the model, not the sampling recipe, and stay finite for truncated tokens.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from baton.request import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_STREAM_GENERATOR = 1 << 32
+"""Domain word that keeps ``generator`` seeds apart from ``random`` draws."""
+
+
+def _mix64(*words: int) -> int:
+    """splitmix64 folded over ``words``: a well-mixed 64-bit hash of a tuple of ints."""
+    h = 0
+    for word in words:
+        h = (h ^ (word & _MASK64)) + _GOLDEN & _MASK64
+        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def _token_ids_tensor(token_ids: Sequence[int], vocab_size: int, name: str) -> torch.Tensor:
+    ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"{name} has token id {bad}, outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+class SamplingState:
+    """Per-request sampling state: create once per request, ``append`` every kept token.
+
+    ``seed`` is the effective seed: the argument if given (a PD decode worker passes the
+    prefill's), else ``params.seed``, else a fresh random one, so unseeded requests differ.
+    Penalty bookkeeping is dense (``[vocab_size]`` tensors, updated in O(1) per token) and
+    allocated only when the request uses a penalty.
+    """
+
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        vocab_size: int,
+        *,
+        output_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
+            raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
+        if seed is None:
+            seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.params = params
+        self.vocab_size = vocab_size
+        self.seed: int = seed
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_output_tokens = 0
+        self.prompt_mask: torch.Tensor | None = None  # [vocab_size] bool, tokens of the prompt
+        self.output_counts: torch.Tensor | None = None  # [vocab_size] int32, per output token
+        if (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        ):
+            self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
+            self.prompt_mask[_token_ids_tensor(prompt_token_ids, vocab_size, "prompt")] = True
+            self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)
+        if output_token_ids:
+            ids = _token_ids_tensor(output_token_ids, vocab_size, "output_token_ids")
+            if self.output_counts is not None:
+                self.output_counts += torch.bincount(ids, minlength=vocab_size).to(torch.int32)
+            self.num_output_tokens = len(output_token_ids)
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token the engine kept (moves the random stream forward)."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is not in the vocabulary [0, {self.vocab_size})")
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+        self.num_output_tokens += 1
+
+    def random(self, position: int, stream: int = 0) -> float:
+        """A uniform draw in [0, 1) for output ``position``; ``stream`` separates uses."""
+        return (_mix64(self.seed, position, stream) >> 11) * 2.0**-53
+
+    def generator(self, position: int, stream: int = 0, device: str = "cpu") -> torch.Generator:
+        """A fresh generator for tensor draws at output ``position`` (e.g. speculative verify)."""
+        seed = _mix64(self.seed, position, stream, _STREAM_GENERATOR) >> 1
+        return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class SamplerOutput:
+    """What ``Sampler.sample`` picked, one entry per row."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    """Raw-distribution logprob of each sampled token."""
+    top_logprobs: list[list[tuple[int, float]] | None]
+    """``params.logprobs`` most likely ``(token_id, logprob)`` pairs, descending; None if not
+    asked for, ``[]`` for ``logprobs=0``."""
+
+
+class Sampler:
+    """Stateless batched sampler; all per-request state lives in ``SamplingState``.
+
+    ``eos_token_ids`` are masked, with each request's ``stop_token_ids``, while it has fewer
+    than ``min_tokens`` outputs (EOS is left alone under ``ignore_eos``, as in vLLM, since it
+    does not stop such a request). Stopping on EOS is the engine's job, not the sampler's.
+    """
+
+    def __init__(self, eos_token_ids: frozenset[int] = frozenset()) -> None:
+        for token_id in eos_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"eos_token_ids must be non-negative ints, got {token_id!r}")
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Pick one token per row of ``logits`` [B, V]; does not ``append`` it."""
+        x, greedy_rows, random_rows = self._process(logits, states)
+        token_ids = torch.empty(len(states), dtype=torch.long, device=x.device)  # [B]
+        if greedy_rows:
+            token_ids[greedy_rows] = _rows(x, greedy_rows).argmax(dim=-1)
+        if random_rows:
+            probs = _rows(x, random_rows).softmax(dim=-1)  # [R, V]
+            randoms = [states[i].random(states[i].num_output_tokens) for i in random_rows]
+            token_ids[random_rows] = _inverse_cdf(probs, randoms)
+        return _logprobs(logits.float(), token_ids, states)
+
+    def probs(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        """The distribution ``sample`` draws from, [B, V] fp32; one-hot rows for greedy."""
+        x, greedy_rows, random_rows = self._process(logits, states)
+        if not greedy_rows:
+            return x.softmax(dim=-1)
+        probs = torch.zeros_like(x)
+        if random_rows:
+            probs[random_rows] = _rows(x, random_rows).softmax(dim=-1)
+        argmax = _rows(x, greedy_rows).argmax(dim=-1)  # [G]
+        probs[torch.tensor(greedy_rows, device=x.device), argmax] = 1.0
+        return probs
+
+    def processed_logits(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> torch.Tensor:
+        """Logits after the pipeline, [B, V]; -inf marks removed tokens. Greedy rows stop
+        after min_tokens (no temperature or truncation)."""
+        return self._process(logits, states)[0]
+
+    def _process(
+        self, logits: torch.Tensor, states: Sequence[SamplingState]
+    ) -> tuple[torch.Tensor, list[int], list[int]]:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(
+                f"logits must be [num_states={len(states)}, vocab], got {tuple(logits.shape)}"
+            )
+        vocab_size = logits.shape[1]
+        for state in states:
+            if state.output_counts is not None and state.vocab_size != vocab_size:
+                raise ValueError(
+                    f"a SamplingState was built for vocab_size={state.vocab_size}, "
+                    f"but logits have {vocab_size} columns"
+                )
+        x = logits.float()
+        x = _apply_penalties(x, states)
+        x = self._mask_min_tokens(x, states)
+        greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
+        random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
+        if random_rows:
+            warped = _warp(_rows(x, random_rows), [states[i].params for i in random_rows])
+            if greedy_rows:
+                x = x.clone() if x is logits else x
+                x[random_rows] = warped
+            else:
+                x = warped
+        return x, greedy_rows, random_rows
+
+    def _mask_min_tokens(self, x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, state in enumerate(states):
+            params = state.params
+            if state.num_output_tokens >= params.min_tokens:
+                continue
+            stop_ids = set(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids |= self.eos_token_ids
+            ids = [t for t in stop_ids if t < x.shape[1]]
+            rows += [i] * len(ids)
+            cols += ids
+        if not rows:
+            return x
+        x = x.clone()
+        x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -torch.inf
+        return x
+
+
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` without the copy when ``rows`` is every row in order."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
+def _per_row(values: list[float], x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=x.dtype, device=x.device)[:, None]  # [R, 1]
+
+
+def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Repetition (HF: prompt + output, applied once per token), then frequency and presence
+    (OpenAI: output only). Returns a new tensor when anything changes."""
+    rows = [i for i, s in enumerate(states) if s.output_counts is not None]
+    if not rows:
+        return x
+    sub = [states[i] for i in rows]
+    counts = torch.stack([s.output_counts for s in sub]).to(x.device)  # [P, V] int32
+    y = _rows(x, rows)
+    rep = [s.params.repetition_penalty for s in sub]
+    if any(r != 1.0 for r in rep):
+        seen = torch.stack([s.prompt_mask for s in sub]).to(x.device) | (counts > 0)
+        penalty = _per_row(rep, y)
+        y = torch.where(seen, torch.where(y < 0, y * penalty, y / penalty), y)
+    freq = [s.params.frequency_penalty for s in sub]
+    if any(freq):
+        y = y - _per_row(freq, y) * counts
+    presence = [s.params.presence_penalty for s in sub]
+    if any(presence):
+        y = y - _per_row(presence, y) * (counts > 0)
+    if len(rows) == x.shape[0]:
+        return y
+    x = x.clone()
+    x[rows] = y
+    return x
+
+
+def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p with the semantics of transformers' warpers
+    (ties at the top-k boundary survive; at least one token always survives)."""
+    vocab_size = x.shape[1]
+    temperatures = [p.temperature for p in params]
+    if any(t != 1.0 for t in temperatures):
+        x = x / _per_row(temperatures, x)
+    top_ks = [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params]
+    if any(top_ks):
+        k_max = max(top_ks)
+        top_values = x.topk(k_max, dim=-1).values  # [R, k_max], descending
+        kth = torch.tensor([k - 1 if k else k_max - 1 for k in top_ks], device=x.device)
+        threshold = top_values.gather(1, kth[:, None])  # [R, 1]
+        if not all(top_ks):
+            threshold[torch.tensor([k == 0 for k in top_ks], device=x.device)] = -torch.inf
+        x = x.masked_fill(x < threshold, -torch.inf)
+    top_ps = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_ps):
+        # Ascending, like TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p.
+        sorted_x, order = x.sort(dim=-1)
+        cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= _per_row([1.0 - p for p in top_ps], x)
+        remove[:, -1] = False
+        remove &= _per_row(top_ps, x) < 1.0  # top_p == 1 is off, not "drop zero-mass tokens"
+        x = x.masked_fill(remove.scatter(1, order, remove), -torch.inf)
+    min_ps = [p.min_p for p in params]
+    if any(min_ps):
+        probs = x.softmax(dim=-1)
+        floor = _per_row(min_ps, x) * probs.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(probs <= floor, -torch.inf)
+    return x
+
+
+def _inverse_cdf(probs: torch.Tensor, randoms: list[float]) -> torch.Tensor:
+    """The token whose CDF interval holds ``u * total``, per row; [R] long."""
+    cdf = probs.double().cumsum(dim=-1)  # [R, V], float64 so 150k-token sums stay exact enough
+    u = torch.tensor(randoms, dtype=torch.float64, device=probs.device)[:, None]
+    token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+    # NOTE: u * total can round up to total; then the search runs off the end. Such rows
+    # (probability ~2^-53) take the mode rather than a zero-probability token.
+    overflow = token_ids >= probs.shape[1]
+    if bool(overflow.any()):
+        token_ids = torch.where(overflow, probs.argmax(dim=-1), token_ids)
+    return token_ids
+
+
+def _logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
+) -> SamplerOutput:
+    log_norm = raw.logsumexp(dim=-1)  # [B]
+    sampled = raw.gather(1, token_ids[:, None]).squeeze(1) - log_norm
+    top: list[list[tuple[int, float]] | None] = [None] * len(states)
+    asked = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+    num_max = max((states[i].params.logprobs or 0 for i in asked), default=0)
+    for i in asked:
+        top[i] = []
+    if num_max:
+        values, ids = _rows(raw, asked).topk(num_max, dim=-1)  # [A, num_max], descending
+        values = values - log_norm[asked][:, None]
+        for i, id_row, value_row in zip(asked, ids.tolist(), values.tolist(), strict=True):
+            num = states[i].params.logprobs or 0
+            top[i] = list(zip(id_row[:num], value_row[:num], strict=True))
+    return SamplerOutput(token_ids.tolist(), sampled.tolist(), top)

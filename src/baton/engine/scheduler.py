@@ -1,0 +1,147 @@
+"""Continuous batching with chunked prefill, admission by memory, preemption by recompute.
+
+Device-free Python: it decides which requests run how many tokens this step and returns a
+typed ``SchedulerOutput``; it touches memory only through the ``Memory`` protocol
+(bookkeeping of the pools). Policy, in order, every step:
+
+1. running requests, oldest first, get their next tokens (1 for decode, the rest of a
+   chunked prompt otherwise) while the token budget lasts; if the pools cannot grow, the
+   newest running request is preempted (its units freed, its progress recomputed later);
+2. if nothing was preempted, waiting requests are admitted, oldest first, while there are
+   free sequence slots, budget, and every pool can hold their first chunk.
+
+The engine reports back with ``commit`` after the step; finishing and aborting free every
+unit of a request at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from baton.config import SchedulerConfig
+from baton.request import Request, RequestStatus
+
+
+class Memory(Protocol):
+    def can_grow(self, request_id: str, start: int, end: int) -> bool: ...
+    def grow(self, request_id: str, start: int, end: int) -> None: ...
+    def trim(self, request_id: str, num_computed: int) -> None: ...
+    def free(self, request_id: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int
+    """Position of the first token computed this step (= num_computed_tokens before)."""
+    num_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the last known token, so a new one is sampled."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, memory: Memory) -> None:
+        self.config = config
+        self.memory = memory
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            start = request.num_computed_tokens
+            while not self.memory.can_grow(request.request_id, start, start + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is not RequestStatus.RUNNING:
+                break  # it preempted itself: nothing after it can run either
+            self.memory.grow(request.request_id, start, start + n)
+            out.chunks.append(ScheduledChunk(request, start, n))
+            scheduled.add(request.request_id)
+            budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            if not self.memory.can_grow(request.request_id, start, start + n):
+                break  # queue: wait for memory rather than run out of it
+            self.waiting.popleft()
+            self.memory.grow(request.request_id, start, start + n)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, start, n))
+            budget -= n
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.memory.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """Record that the step ran: advance progress and drop state behind the windows."""
+        for chunk in out.chunks:
+            chunk.request.num_computed_tokens = chunk.end
+            self.memory.trim(chunk.request.request_id, chunk.end)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a running or waiting request and free all its units at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.memory.free(request.request_id)
+        request.status = status
+
+    def abort(self, request_id: str) -> Request | None:
+        for request in (*self.running, *self.waiting):
+            if request.request_id == request_id:
+                self.finish(request, RequestStatus.FINISHED_ABORTED)
+                return request
+        return None

@@ -1,0 +1,21 @@
+"""Per-request state memory: the page allocator, the pools and the state registry.
+
+Every pool declares its per-request state to the ``StateRegistry`` when it is created;
+nothing else keeps a list of pools. Device-free bookkeeping (which request owns which
+unit) and the storage tensors live together in each pool, but the scheduler only calls
+the bookkeeping half.
+"""
+
+from baton.memory.block_pool import BlockPool
+from baton.memory.pools import PagedPool, RingPool, StatePool
+from baton.memory.state import StateComponent, StateRegistry, UnitRange
+
+__all__ = [
+    "BlockPool",
+    "PagedPool",
+    "RingPool",
+    "StateComponent",
+    "StatePool",
+    "StateRegistry",
+    "UnitRange",
+]

@@ -1,0 +1,292 @@
+"""K/V pools, one per attention kind: full (paged), sliding (paged) and sliding (ring).
+
+Storage layout, for every pool: ``[num_units, num_layers, 2 (k/v), rows, num_kv_heads,
+head_dim]`` -- all layers of one unit are contiguous, so a request whose units are adjacent
+moves as one large run in a disaggregated handoff.
+
+A sliding layer with window W lets the query at position q see keys q-W+1 .. q. After a
+step that computed positions up to ``end``, future queries (>= end) need only keys
+>= end-W+1, so a sliding pool keeps ``keep = W - 1 + slack`` positions::
+
+    positions      0 ....................... end-W+1 ........ end
+    sliding paged  [freed pages ][page-floored window pages   ]
+    ring (W rows)  row = position % rows, overwritten in place
+
+``slack`` keeps extra positions for speculative rollback. A pool is used in three phases
+per step: the scheduler calls ``num_new_units`` / ``grow`` (bookkeeping), the runner calls
+``read`` (context before the step) then ``write`` (the step's keys and values), and the
+engine calls ``trim`` after the step. Nothing here knows about requests beyond their ids.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+
+import torch
+
+from baton.memory.block_pool import BlockPool
+from baton.memory.state import StateComponent, StateRegistry, UnitRange
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class StatePool(ABC):
+    """One pool of per-request K/V state for a set of layers; declares its component."""
+
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        unit: str,
+        layer_ids: tuple[int, ...],
+        num_units: int,
+        rows: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        registry: StateRegistry,
+        *,
+        page_size: int | None = None,
+        window: int | None = None,
+        ring_rows: int | None = None,
+    ) -> None:
+        self.name = name
+        self.layer_ids = layer_ids
+        self.rows = rows
+        unit_shape = (len(layer_ids), 2, rows, num_kv_heads, head_dim)
+        self.storage = torch.zeros((num_units, *unit_shape), dtype=dtype)
+        self.blocks = BlockPool(num_units)
+        self.num_tokens: dict[str, int] = {}
+        """Per request: one past the last position written (what the units cover)."""
+        self.component = StateComponent(
+            name=name,
+            kind=kind,
+            layer_ids=layer_ids,
+            unit=unit,
+            unit_bytes=self.storage[0].numel() * self.storage.element_size(),
+            num_units=num_units,
+            dtype=_dtype_name(dtype),
+            page_size=page_size,
+            window=window,
+            ring_rows=ring_rows,
+            unit_shape=unit_shape,
+            storage=self.storage,
+            index=self.index,
+        )
+        registry.register(self.component)
+
+    # -- bookkeeping (scheduler side) ------------------------------------------------------
+    @abstractmethod
+    def num_new_units(self, request_id: str, start: int, end: int) -> int:
+        """Units that ``grow`` would allocate to run positions [start, end)."""
+
+    @abstractmethod
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        """Allocate what running [start, end) needs; the caller checked ``num_new_units``."""
+
+    @abstractmethod
+    def trim(self, request_id: str, num_computed: int) -> None:
+        """Free units no query at a position >= ``num_computed`` can need."""
+
+    @abstractmethod
+    def free(self, request_id: str) -> None:
+        """Release every unit of the request (finish, abort, preemption)."""
+
+    @abstractmethod
+    def index(self, request_id: str) -> UnitRange:
+        """The units the request holds and the positions they cover (its own index)."""
+
+    @abstractmethod
+    def units_held(self, request_id: str) -> int: ...
+
+    @abstractmethod
+    def peak_units(self, num_tokens: int) -> int:
+        """The most units one request of ``num_tokens`` tokens can hold at once."""
+
+    @property
+    def num_free_units(self) -> int:
+        return self.blocks.num_free
+
+    # -- storage (runner side) -------------------------------------------------------------
+    @abstractmethod
+    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        """(unit ids, rows) of stored positions, each [len(positions)]."""
+
+    @abstractmethod
+    def _store_from(self, start: int, end: int) -> int:
+        """First position of [start, end) worth storing."""
+
+    def read(
+        self, layer: int, request_id: str, start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at positions [start, end) of pool-local ``layer``: [n, kv, d]."""
+        units, rows = self._slots(request_id, range(start, end))
+        return self.storage[units, layer, 0, rows], self.storage[units, layer, 1, rows]
+
+    def write(
+        self, layer: int, request_id: str, start: int, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """Store keys/values [n, kv, d] of positions start .. start+n (what is worth keeping)."""
+        end = start + k.shape[0]
+        first = self._store_from(start, end)
+        units, rows = self._slots(request_id, range(first, end))
+        self.storage[units, layer, 0, rows] = k[first - start :]
+        self.storage[units, layer, 1, rows] = v[first - start :]
+        self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), end)
+
+
+class PagedPool(StatePool):
+    """Pages of ``page_size`` positions; with a window, pages behind it are returned."""
+
+    def __init__(
+        self,
+        name: str,
+        layer_ids: tuple[int, ...],
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        registry: StateRegistry,
+        window: int | None = None,
+        slack: int = 0,
+    ) -> None:
+        kind = "paged_full" if window is None else "paged_sliding"
+        super().__init__(
+            name, kind, "page", layer_ids, num_pages, page_size, num_kv_heads, head_dim, dtype,
+            registry, page_size=page_size, window=window,
+        )  # fmt: skip
+        self.page_size = page_size
+        self.window = window
+        self.keep = None if window is None else window - 1 + slack
+        self.tables: dict[str, dict[int, int]] = {}
+        """request -> {logical page index: page id}, in logical order."""
+
+    def peak_units(self, num_tokens: int) -> int:
+        # All pages, or (sliding) the window's pages plus a chunk's new tail mid-step.
+        if self.keep is None:
+            return math.ceil(num_tokens / self.page_size)
+        return min(
+            math.ceil(num_tokens / self.page_size), 2 * (math.ceil(self.keep / self.page_size) + 1)
+        )
+
+    def _store_from(self, start: int, end: int) -> int:
+        return start if self.keep is None else max(start, end - self.keep)
+
+    def _needed_pages(self, request_id: str, start: int, end: int) -> range:
+        first = self._store_from(start, end)
+        if first >= end:
+            return range(0)
+        return range(first // self.page_size, (end - 1) // self.page_size + 1)
+
+    def num_new_units(self, request_id: str, start: int, end: int) -> int:
+        table = self.tables.get(request_id, {})
+        return sum(1 for p in self._needed_pages(request_id, start, end) if p not in table)
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        table = self.tables.setdefault(request_id, {})
+        self.num_tokens.setdefault(request_id, start)
+        missing = [p for p in self._needed_pages(request_id, start, end) if p not in table]
+        for logical, page in zip(missing, self.blocks.allocate(len(missing)), strict=True):
+            table[logical] = page
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        if self.keep is None or request_id not in self.tables:
+            return
+        table = self.tables[request_id]
+        # Queries >= num_computed see keys >= num_computed - window + 1 (- slack).
+        first_needed = max(0, num_computed - self.keep) // self.page_size
+        stale = [p for p in table if p < first_needed]
+        self.blocks.free([table.pop(p) for p in stale])
+
+    def free(self, request_id: str) -> None:
+        table = self.tables.pop(request_id, {})
+        self.blocks.free(list(table.values()))
+        self.num_tokens.pop(request_id, None)
+
+    def units_held(self, request_id: str) -> int:
+        return len(self.tables.get(request_id, {}))
+
+    def index(self, request_id: str) -> UnitRange:
+        table = self.tables.get(request_id, {})
+        logical = sorted(table)
+        start = logical[0] * self.page_size if logical else 0
+        return UnitRange(
+            tuple(table[p] for p in logical), start, self.num_tokens.get(request_id, 0)
+        )
+
+    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self.tables[request_id]
+        pos = torch.arange(positions.start, positions.stop)
+        logical = range(
+            positions.start // self.page_size, (positions.stop - 1) // self.page_size + 1
+        )
+        try:
+            pages = torch.tensor([table[p] for p in logical], dtype=torch.long)
+        except KeyError as e:
+            raise AssertionError(f"{self.name}: {request_id} holds no page {e}") from None
+        first = positions.start // self.page_size
+        return pages[pos // self.page_size - first], pos % self.page_size
+
+
+class RingPool(StatePool):
+    """One ring of ``window + slack`` rows per request; row = position % rows."""
+
+    def __init__(
+        self,
+        name: str,
+        layer_ids: tuple[int, ...],
+        num_rings: int,
+        window: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        registry: StateRegistry,
+        slack: int = 0,
+    ) -> None:
+        rows = window + slack
+        super().__init__(
+            name, "ring", "ring", layer_ids, num_rings, rows, num_kv_heads, head_dim, dtype,
+            registry, window=window, ring_rows=rows,
+        )  # fmt: skip
+        self.window = window
+        self.rings: dict[str, int] = {}
+
+    def _store_from(self, start: int, end: int) -> int:
+        return max(start, end - self.rows)
+
+    def num_new_units(self, request_id: str, start: int, end: int) -> int:
+        return 0 if request_id in self.rings else 1
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        if request_id not in self.rings:
+            self.rings[request_id] = self.blocks.allocate(1)[0]
+            self.num_tokens[request_id] = start
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        pass  # a ring overwrites in place
+
+    def free(self, request_id: str) -> None:
+        if request_id in self.rings:
+            self.blocks.free([self.rings.pop(request_id)])
+        self.num_tokens.pop(request_id, None)
+
+    def units_held(self, request_id: str) -> int:
+        return 1 if request_id in self.rings else 0
+
+    def peak_units(self, num_tokens: int) -> int:
+        return 1
+
+    def index(self, request_id: str) -> UnitRange:
+        if request_id not in self.rings:
+            return UnitRange((), 0, 0)
+        end = self.num_tokens.get(request_id, 0)
+        return UnitRange((self.rings[request_id],), max(0, end - self.rows), end)
+
+    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+        assert len(positions) <= self.rows, f"{self.name}: {len(positions)} positions > ring"
+        ring = torch.full((len(positions),), self.rings[request_id], dtype=torch.long)
+        return ring, torch.arange(positions.start, positions.stop) % self.rows

@@ -1,0 +1,233 @@
+"""Requests and their sampling parameters: the plain data every layer of the engine shares.
+
+``SamplingParams`` mirrors vLLM's names and defaults and is validated once, at construction, so
+nothing downstream re-checks it; every invalid value is a ``ValueError`` naming the field, the
+value and what is allowed (the server turns it into an OpenAI-shaped 400). ``Request`` is the
+scheduler's mutable record of one request; it holds no tensors and imports nothing from baton.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from enum import Enum, StrEnum
+
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for per generated token (OpenAI's limit)."""
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy, as in vLLM: dividing logits by less overflows fp32."""
+
+
+def _check_int(name: str, value: object, *, optional: bool = False) -> None:
+    # NOTE: bool is a subclass of int; ``max_tokens=True`` is a bug, not 1.
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        allowed = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+
+
+def _check_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return float(value)
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop; vLLM-compatible names and defaults."""
+
+    n: int = 1
+    """Completions per prompt; only 1 is supported."""
+    max_tokens: int | None = 16
+    """Most tokens to generate; None means up to the model's context length."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 (or below ``GREEDY_TEMPERATURE``) is greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest top set with probability >= top_p; in (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 or -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens less likely than min_p times the most likely one; in [0, 1]."""
+    seed: int | None = None
+    """Seed of this request's random stream; None draws a fresh one per request."""
+    repetition_penalty: float = 1.0
+    """HF/CTRL penalty on tokens of prompt and output: > 1 discourages repeats; > 0."""
+    presence_penalty: float = 0.0
+    """OpenAI penalty subtracted once from every token already generated; in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """OpenAI penalty subtracted per occurrence in the generated tokens; in [-2, 2]."""
+    stop: list[str] | str | None = None
+    """Stop strings; normalised to a tuple of non-empty strings (empty ones are dropped)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that stop generation besides EOS; normalised to a tuple."""
+    ignore_eos: bool = False
+    """Keep generating past EOS (benchmarks)."""
+    logprobs: int | None = None
+    """Top-n logprobs per generated token, 0..20; 0 returns only the sampled token's."""
+    skip_special_tokens: bool = True
+    """Drop special tokens when detokenizing."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string at the end of the text."""
+    min_tokens: int = 0
+    """EOS and stop token ids are masked until this many tokens have been generated."""
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n={self.n} is not supported; only n=1")
+        _check_int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens}")
+        for name, low, high in (
+            ("temperature", 0.0, math.inf),
+            ("top_p", 0.0, 1.0),
+            ("min_p", 0.0, 1.0),
+            ("repetition_penalty", 0.0, math.inf),
+            ("presence_penalty", -2.0, 2.0),
+            ("frequency_penalty", -2.0, 2.0),
+        ):
+            object.__setattr__(self, name, _check_float(name, getattr(self, name)))
+            value = getattr(self, name)
+            if not low <= value <= high:
+                allowed = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
+                raise ValueError(f"{name} must be {allowed}, got {value}")
+        if self.top_p == 0.0:
+            raise ValueError("top_p must be in (0, 1], got 0.0")
+        if self.repetition_penalty == 0.0:
+            raise ValueError("repetition_penalty must be > 0 (1 disables it), got 0.0")
+        _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}")
+        _check_int("seed", self.seed, optional=True)
+        _check_int("logprobs", self.logprobs, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
+            )
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            _check_bool(name, getattr(self, name))
+        object.__setattr__(self, "stop", _normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax of the penalised logits."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def _normalise_stop(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
+        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+    return tuple(s for s in stop if s)
+
+
+def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list | tuple):
+        raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+    for token_id in ids:
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
+    return tuple(ids)
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped, as the OpenAI API spells it."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class RequestStatus(Enum):
+    """Where a request is in its life; the scheduler owns the transitions."""
+
+    WAITING = "waiting"
+    WAITING_FOR_STATE = "waiting_for_state"
+    """Decode side of a PD pair: units reserved, waiting for prefill's state to land."""
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FAILED = "failed"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The OpenAI finish reason of a finished status, None while the request lives."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FAILED: FinishReason.ERROR,
+}
+
+
+@dataclass
+class Request:
+    """One request as the scheduler tracks it; plain data, mutated in place by the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the request reached the engine."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    """Tokens whose KV is in the cache (prompt and output), as in vLLM."""
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    """The stop string or stop token id that finished the request, None for EOS or length."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r} has an empty prompt")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then output, as a new list."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
