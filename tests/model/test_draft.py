@@ -8,8 +8,7 @@ import torch
 from baton.model import DraftSpec, MTPDraft, load_draft, load_model
 from baton.model.loader import save_draft
 from baton.model.reference import greedy_generate, speculative_greedy
-
-from .conftest import VOCAB
+from tests.hf_tiny import VOCAB
 
 
 @pytest.fixture()

@@ -9,8 +9,7 @@ import torch
 
 from baton.model import DenseAttention, load_model
 from baton.model.reference import greedy_generate
-
-from .conftest import ARCHS, SLIDING_ARCHS, VOCAB, WINDOW
+from tests.hf_tiny import ARCHS, SLIDING_ARCHS, VOCAB, WINDOW
 
 PROMPT_LEN = 5 * WINDOW + 3  # several windows, not a multiple of anything
 

@@ -57,13 +57,48 @@ def _token_ids_tensor(token_ids: Sequence[int], vocab_size: int, name: str) -> t
     return ids
 
 
+class TokenCounts:
+    """Distinct token ids and their counts in growable tensors: ``add`` is O(1), and a batch
+    step reads ``ids`` / ``counts`` views without touching the vocabulary (sparse penalties)."""
+
+    def __init__(self, token_ids: torch.Tensor) -> None:
+        ids, counts = torch.unique(token_ids, return_counts=True)
+        capacity = max(16, 2 * ids.numel())
+        self._ids = torch.zeros(capacity, dtype=torch.long)
+        self._counts = torch.zeros(capacity, dtype=torch.float32)
+        self._ids[: ids.numel()] = ids
+        self._counts[: ids.numel()] = counts.float()
+        self._slots = {token_id: slot for slot, token_id in enumerate(ids.tolist())}
+
+    def add(self, token_id: int) -> None:
+        slot = self._slots.get(token_id)
+        if slot is None:
+            slot = self._slots[token_id] = len(self._slots)
+            if slot == self._ids.numel():
+                self._ids = torch.cat([self._ids, torch.zeros_like(self._ids)])
+                self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
+            self._ids[slot] = token_id
+        self._counts[slot] += 1.0
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[: len(self._slots)]  # [num_distinct] long
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self._counts[: len(self._slots)]  # [num_distinct] float32, all >= 1
+
+    def as_dict(self) -> dict[int, int]:
+        return dict(zip(self.ids.tolist(), map(int, self.counts.tolist()), strict=True))
+
+
 class SamplingState:
     """Per-request sampling state: create once per request, ``append`` every kept token.
 
     ``seed`` is the effective seed: the argument if given (a PD decode worker passes the
     prefill's), else ``params.seed``, else a fresh random one, so unseeded requests differ.
-    Penalty bookkeeping is dense (``[vocab_size]`` tensors, updated in O(1) per token) and
-    allocated only when the request uses a penalty.
+    Penalty bookkeeping exists only when the request uses a penalty: ``seen`` (prompt and
+    output tokens) for the repetition penalty, ``output_counts`` for frequency / presence.
     """
 
     def __init__(
@@ -83,29 +118,24 @@ class SamplingState:
         self.vocab_size = vocab_size
         self.seed: int = seed
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_output_tokens = 0
-        self.prompt_mask: torch.Tensor | None = None  # [vocab_size] bool, tokens of the prompt
-        self.output_counts: torch.Tensor | None = None  # [vocab_size] int32, per output token
-        if (
-            params.repetition_penalty != 1.0
-            or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-        ):
-            self.prompt_mask = torch.zeros(vocab_size, dtype=torch.bool)
-            self.prompt_mask[_token_ids_tensor(prompt_token_ids, vocab_size, "prompt")] = True
-            self.output_counts = torch.zeros(vocab_size, dtype=torch.int32)
-        if output_token_ids:
-            ids = _token_ids_tensor(output_token_ids, vocab_size, "output_token_ids")
-            if self.output_counts is not None:
-                self.output_counts += torch.bincount(ids, minlength=vocab_size).to(torch.int32)
-            self.num_output_tokens = len(output_token_ids)
+        self.num_output_tokens = len(output_token_ids)
+        outputs = _token_ids_tensor(output_token_ids, vocab_size, "output_token_ids")
+        self.seen: TokenCounts | None = None
+        self.output_counts: TokenCounts | None = None
+        if params.repetition_penalty != 1.0:
+            prompt = _token_ids_tensor(prompt_token_ids, vocab_size, "prompt_token_ids")
+            self.seen = TokenCounts(torch.cat([prompt, outputs]))
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            self.output_counts = TokenCounts(outputs)
 
     def append(self, token_id: int) -> None:
         """Record a generated token the engine kept (moves the random stream forward)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is not in the vocabulary [0, {self.vocab_size})")
+        if self.seen is not None:
+            self.seen.add(token_id)
         if self.output_counts is not None:
-            self.output_counts[token_id] += 1
+            self.output_counts.add(token_id)
         self.num_output_tokens += 1
 
     def random(self, position: int, stream: int = 0) -> float:
@@ -288,7 +318,7 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if any(min_ps):
         probs = x.softmax(dim=-1)
         floor = _per_row(min_ps, x) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs <= floor, -torch.inf)
+        x = x.masked_fill(probs < floor, -torch.inf)
     return x
 
 

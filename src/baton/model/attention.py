@@ -76,11 +76,11 @@ def masked_attention(
     v = v.repeat_interleave(rep, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    if mask is None:
-        mask = visibility_mask(torch.arange(q.shape[2]), torch.arange(k.shape[2]), window=None).to(
-            q.device
-        )
-    scores = scores.masked_fill(~mask, float("-inf"))
+    if mask is None and causal:
+        positions = torch.arange(q.shape[2], device=q.device)
+        mask = visibility_mask(positions, positions, window=None)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 

@@ -1,15 +1,14 @@
 """Tiny random Hugging Face checkpoints of every supported architecture.
 
-Each fixture builds a transformers config, initialises the transformers model with a fixed
-seed, and ``save_pretrained``s it: baton then loads the same directory a user would give it.
+The ``hf_checkpoint`` fixture (registered in ``tests/conftest.py``) builds a transformers
+config, initialises the transformers model with a fixed seed, and ``save_pretrained``s it:
+baton then loads the same directory a user would give it.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 256
 WINDOW = 16
@@ -28,7 +27,8 @@ COMMON = dict(
 
 
 def _configs() -> dict[str, object]:
-    t = transformers
+    import transformers as t
+
     mixed = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
     return {
         "llama": t.LlamaConfig(num_hidden_layers=2, **COMMON),
@@ -96,7 +96,9 @@ def hf_checkpoint(tmp_path_factory):
     def get(name: str):
         if name not in cache:
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(
+            from transformers import AutoModelForCausalLM
+
+            model = AutoModelForCausalLM.from_config(
                 _configs()[name], torch_dtype=torch.float32
             ).eval()
             _randomise_norms(model)
