@@ -74,6 +74,29 @@ def test_processing_matches_transformers(trial: int):
         torch.testing.assert_close(probs[i], ref.softmax(-1), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [0.3, 8.0])
+def test_top_p_matches_transformers_beyond_the_candidate_window(scale: float):
+    """Vocab larger than the top-p candidate window: peaky rows are settled by the window,
+    flat rows (scale 0.3) fall back to ranking the whole vocabulary."""
+    vocab = 3000
+    torch.manual_seed(int(scale * 10))
+    logits = torch.randn(4, vocab) * scale
+    params = [
+        SamplingParams(top_p=0.9),
+        SamplingParams(top_p=0.5, temperature=0.7),
+        SamplingParams(top_p=0.95, top_k=1500),
+        SamplingParams(top_p=0.8, min_p=0.05),
+    ]
+    states = [_state(p, vocab=vocab) for p in params]
+    sampler = Sampler()
+    ours = sampler.processed_logits(logits, states)
+    probs = sampler.probs(logits, states)
+    for i, p in enumerate(params):
+        ref = _hf_reference(logits[i], [2, 3], p)
+        assert torch.equal(torch.isfinite(ours[i]), torch.isfinite(ref)), p
+        torch.testing.assert_close(probs[i], ref.softmax(-1), atol=1e-5, rtol=0)
+
+
 def test_processing_does_not_touch_the_input():
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
@@ -156,7 +179,8 @@ def test_handoff_with_the_effective_seed_continues_identically():
         token_id = sampler.sample(_logits_at(step)[None], [decode]).token_ids[0]
         assert token_id == tokens[step]
         decode.append(token_id)
-    assert torch.equal(decode.output_counts, colocated.output_counts)
+    assert decode.output_counts.as_dict() == colocated.output_counts.as_dict()
+    assert decode.seen.as_dict().keys() == colocated.seen.as_dict().keys()
 
 
 def _chi_square(counts: list[int], probs: list[float]) -> float:
@@ -184,6 +208,29 @@ def test_draws_follow_the_distribution_along_one_request():
         counts[token_id] += 1
         state.append(token_id)
     assert _chi_square(counts, DIST.tolist()) < CHI2_5DOF_999
+
+
+def test_draws_follow_the_distribution_across_cdf_blocks():
+    """Mass on both sides of block boundaries and in the short tail block."""
+    vocab, ids = 2500, [5, 1023, 1024, 2047, 2048, 2499]
+    num = 12_000
+    logits = torch.full((vocab,), -torch.inf)
+    logits[ids] = DIST.log()
+    states = [_state(SamplingParams(seed=s), vocab=vocab, prompt=[0]) for s in range(num)]
+    out = Sampler().sample(logits.expand(num, -1), states)
+    counts = [out.token_ids.count(t) for t in ids]
+    assert sum(counts) == num
+    assert _chi_square(counts, DIST.tolist()) < CHI2_5DOF_999
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53])
+def test_extreme_draws_land_on_tokens_with_mass(u: float, monkeypatch: pytest.MonkeyPatch):
+    vocab = 2500  # the last block (2048..2499) and token 0 have no mass
+    logits = torch.full((1, vocab), -torch.inf)
+    logits[0, [5, 1500]] = torch.tensor([0.0, 30.0])
+    state = _state(SamplingParams(), vocab=vocab)
+    monkeypatch.setattr(state, "random", lambda position, stream=0: u)
+    assert Sampler().sample(logits, [state]).token_ids == [5 if u == 0.0 else 1500]
 
 
 @pytest.mark.parametrize(

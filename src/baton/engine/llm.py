@@ -37,6 +37,10 @@ class LLM:
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         )
+        if not single and not isinstance(prompts, (list, tuple)):
+            raise ValueError(
+                f"a prompt must be a string, a list of token ids or a dict, got {prompts!r}"
+            )
         batch = [prompts] if single else list(prompts)
         if params is None or isinstance(params, SamplingParams):
             per = [params or SamplingParams()] * len(batch)
@@ -57,10 +61,11 @@ class LLM:
         """Outputs in prompt order."""
         ids = [self.engine.add_request(p, s) for p, s in self._requests(prompts, sampling_params)]
         done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
         except BaseException:
             for request_id in ids:

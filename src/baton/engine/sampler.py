@@ -36,6 +36,10 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _STREAM_GENERATOR = 1 << 32
 """Domain word that keeps ``generator`` seeds apart from ``random`` draws."""
+_CDF_BLOCK = 1024
+"""Columns per block of the two-level inverse CDF."""
+_TOP_P_CANDIDATES = 1024
+"""Tokens ranked before falling back to a full sort for top-p."""
 
 
 def _mix64(*words: int) -> int:
@@ -214,7 +218,7 @@ class Sampler:
             )
         vocab_size = logits.shape[1]
         for state in states:
-            if state.output_counts is not None and state.vocab_size != vocab_size:
+            if state.vocab_size != vocab_size:
                 raise ValueError(
                     f"a SamplingState was built for vocab_size={state.vocab_size}, "
                     f"but logits have {vocab_size} columns"
@@ -263,30 +267,42 @@ def _per_row(values: list[float], x: torch.Tensor) -> torch.Tensor:
 
 
 def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
-    """Repetition (HF: prompt + output, applied once per token), then frequency and presence
-    (OpenAI: output only). Returns a new tensor when anything changes."""
-    rows = [i for i, s in enumerate(states) if s.output_counts is not None]
-    if not rows:
+    """Repetition (HF: prompt + output, once per token), then frequency and presence (OpenAI:
+    output only), touching only the listed tokens. Returns a new tensor when anything changes."""
+    rep = [i for i, s in enumerate(states) if s.seen is not None]
+    out = [i for i, s in enumerate(states) if s.output_counts is not None]
+    if not rep and not out:
         return x
-    sub = [states[i] for i in rows]
-    counts = torch.stack([s.output_counts for s in sub]).to(x.device)  # [P, V] int32
-    y = _rows(x, rows)
-    rep = [s.params.repetition_penalty for s in sub]
-    if any(r != 1.0 for r in rep):
-        seen = torch.stack([s.prompt_mask for s in sub]).to(x.device) | (counts > 0)
-        penalty = _per_row(rep, y)
-        y = torch.where(seen, torch.where(y < 0, y * penalty, y / penalty), y)
-    freq = [s.params.frequency_penalty for s in sub]
-    if any(freq):
-        y = y - _per_row(freq, y) * counts
-    presence = [s.params.presence_penalty for s in sub]
-    if any(presence):
-        y = y - _per_row(presence, y) * (counts > 0)
-    if len(rows) == x.shape[0]:
-        return y
     x = x.clone()
-    x[rows] = y
+    if rep:
+        seen = [states[i].seen for i in rep]
+        rows, cols, _ = _flatten(rep, seen, x.device)  # type: ignore[arg-type]
+        penalty = _per_entry([states[i].params.repetition_penalty for i in rep], seen, x)
+        values = x[rows, cols]
+        x[rows, cols] = torch.where(values < 0, values * penalty, values / penalty)
+    if out:
+        output_counts = [states[i].output_counts for i in out]
+        rows, cols, counts = _flatten(out, output_counts, x.device)  # type: ignore[arg-type]
+        frequency = _per_entry([states[i].params.frequency_penalty for i in out], output_counts, x)
+        presence = _per_entry([states[i].params.presence_penalty for i in out], output_counts, x)
+        x[rows, cols] -= frequency * counts + presence
     return x
+
+
+def _flatten(
+    rows: list[int], tables: list[TokenCounts], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token id, count) of every entry of the tables, as three flat tensors."""
+    lengths = torch.tensor([t.ids.numel() for t in tables])
+    row_ids = torch.tensor(rows).repeat_interleave(lengths)
+    token_ids = torch.cat([t.ids for t in tables])
+    counts = torch.cat([t.counts for t in tables])
+    return row_ids.to(device), token_ids.to(device), counts.to(device)
+
+
+def _per_entry(values: list[float], tables: list[TokenCounts], x: torch.Tensor) -> torch.Tensor:
+    lengths = torch.tensor([t.ids.numel() for t in tables])
+    return torch.tensor(values, dtype=x.dtype).repeat_interleave(lengths).to(x.device)
 
 
 def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -305,49 +321,101 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         if not all(top_ks):
             threshold[torch.tensor([k == 0 for k in top_ks], device=x.device)] = -torch.inf
         x = x.masked_fill(x < threshold, -torch.inf)
-    top_ps = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_ps):
-        # Ascending, like TopPLogitsWarper: drop the low tail whose mass is <= 1 - top_p.
-        sorted_x, order = x.sort(dim=-1)
-        cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
-        remove = cumulative <= _per_row([1.0 - p for p in top_ps], x)
-        remove[:, -1] = False
-        remove &= _per_row(top_ps, x) < 1.0  # top_p == 1 is off, not "drop zero-mass tokens"
-        x = x.masked_fill(remove.scatter(1, order, remove), -torch.inf)
+    top_p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+    if top_p_rows:
+        top_ps = _per_row([params[i].top_p for i in top_p_rows], x)
+        removed = _outside_nucleus(_rows(x, top_p_rows).softmax(dim=-1), top_ps)
+        if len(top_p_rows) == len(params):
+            x = x.masked_fill(removed, -torch.inf)
+        else:
+            x[top_p_rows] = _rows(x, top_p_rows).masked_fill(removed, -torch.inf)
     min_ps = [p.min_p for p in params]
     if any(min_ps):
-        probs = x.softmax(dim=-1)
-        floor = _per_row(min_ps, x) * probs.amax(dim=-1, keepdim=True)
-        x = x.masked_fill(probs < floor, -torch.inf)
+        # p < min_p * p_max  <=>  logit - max_logit < log(min_p): no softmax needed.
+        log_floor = _per_row(min_ps, x).log() + x.amax(dim=-1, keepdim=True)
+        x = x.masked_fill(x < log_floor, -torch.inf)
     return x
 
 
+def _outside_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[R, V] bool, True where TopPLogitsWarper removes a token: those whose higher-ranked
+    mass is >= top_p (the top token always stays).
+
+    Sorting the whole vocabulary is the cost, so rank only the top ``_TOP_P_CANDIDATES``
+    first: when their mass reaches top_p, every other token is outside the nucleus. Rows where
+    it does not (flat distributions) are ranked in full.
+    """
+    num_candidates = min(probs.shape[1], _TOP_P_CANDIDATES)
+    removed, covered = _nucleus_in_top(probs, top_p, num_candidates)
+    if not bool(covered.all()):
+        rows = (~covered).nonzero().squeeze(1)
+        removed[rows] = _nucleus_in_top(probs[rows], top_p[rows], probs.shape[1])[0]
+    return removed
+
+
+def _nucleus_in_top(
+    probs: torch.Tensor, top_p: torch.Tensor, num_candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    values, ids = probs.topk(num_candidates, dim=-1)  # [R, C], descending
+    cumulative = values.cumsum(dim=-1)
+    is_kept = cumulative - values < top_p  # mass ranked above each candidate
+    is_kept[:, 0] = True
+    removed = torch.ones_like(probs, dtype=torch.bool).scatter_(1, ids, ~is_kept)
+    covered = (cumulative[:, -1:] >= top_p).squeeze(1) | (num_candidates == probs.shape[1])
+    return removed, covered
+
+
 def _inverse_cdf(probs: torch.Tensor, randoms: list[float]) -> torch.Tensor:
-    """The token whose CDF interval holds ``u * total``, per row; [R] long."""
-    cdf = probs.double().cumsum(dim=-1)  # [R, V], float64 so 150k-token sums stay exact enough
+    """The token whose CDF interval holds ``u * total``, per row; [R] long.
+
+    Two levels so that the work is one fp32 sum over the vocabulary plus a float64 cumsum of
+    one block per row (a float64 cumsum over 150k columns costs more than the whole rest)::
+
+        block sums ─▶ cumsum ─▶ block b holding the target ─▶ cumsum inside b ─▶ token
+    """
+    num_rows, vocab_size = probs.shape
+    block_size = min(_CDF_BLOCK, vocab_size)
+    num_full, tail = divmod(vocab_size, block_size)
+    sums = []
+    if num_full:
+        full = probs[:, : num_full * block_size].reshape(num_rows, num_full, block_size)
+        sums.append(full.sum(dim=-1))
+    if tail:
+        sums.append(probs[:, num_full * block_size :].sum(dim=-1, keepdim=True))
+    block_sums = torch.cat(sums, dim=1)  # [R, num_blocks]
+    block_cdf = block_sums.double().cumsum(dim=-1)
     u = torch.tensor(randoms, dtype=torch.float64, device=probs.device)[:, None]
-    token_ids = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-    # NOTE: u * total can round up to total; then the search runs off the end. Such rows
-    # (probability ~2^-53) take the mode rather than a zero-probability token.
-    overflow = token_ids >= probs.shape[1]
-    if bool(overflow.any()):
-        token_ids = torch.where(overflow, probs.argmax(dim=-1), token_ids)
-    return token_ids
+    target = u * block_cdf[:, -1:]  # [R, 1]
+    block = torch.searchsorted(block_cdf, target, right=True)
+    # NOTE: u * total can round up to total, and then the search runs off the end; and the
+    # fp32 block sum and the float64 cumsum inside the block differ by rounding, so a target
+    # in a block's last sliver can run past its last token. Both (probability ~1e-7 or less)
+    # land on the last token with mass rather than on a zero-probability one.
+    block_ids = torch.arange(block_sums.shape[1], device=probs.device)
+    last_block = torch.where(block_sums > 0, block_ids, -1).amax(dim=-1, keepdim=True)
+    block = torch.minimum(block, last_block)
+    below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    cols = block * block_size + torch.arange(block_size, device=probs.device)  # [R, block_size]
+    window = probs.gather(1, cols.clamp(max=vocab_size - 1)).double() * (cols < vocab_size)
+    within = torch.searchsorted(window.cumsum(dim=-1), target - below, right=True)  # [R, 1]
+    positions = torch.arange(block_size, device=probs.device)
+    last = torch.where(window > 0, positions, -1).amax(dim=-1, keepdim=True)
+    within = within
+    return (block * block_size + within).squeeze(1)
 
 
 def _logprobs(
     raw: torch.Tensor, token_ids: torch.Tensor, states: Sequence[SamplingState]
 ) -> SamplerOutput:
-    log_norm = raw.logsumexp(dim=-1)  # [B]
-    sampled = raw.gather(1, token_ids[:, None]).squeeze(1) - log_norm
+    logprobs = raw.log_softmax(dim=-1)  # [B, V]
+    sampled = logprobs.gather(1, token_ids[:, None]).squeeze(1)
     top: list[list[tuple[int, float]] | None] = [None] * len(states)
     asked = [i for i, s in enumerate(states) if s.params.logprobs is not None]
     num_max = max((states[i].params.logprobs or 0 for i in asked), default=0)
     for i in asked:
         top[i] = []
     if num_max:
-        values, ids = _rows(raw, asked).topk(num_max, dim=-1)  # [A, num_max], descending
-        values = values - log_norm[asked][:, None]
+        values, ids = _rows(logprobs, asked).topk(num_max, dim=-1)  # [A, num_max], descending
         for i, id_row, value_row in zip(asked, ids.tolist(), values.tolist(), strict=True):
             num = states[i].params.logprobs or 0
             top[i] = list(zip(id_row[:num], value_row[:num], strict=True))

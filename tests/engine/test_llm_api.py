@@ -1,0 +1,159 @@
+"""The offline API: bad input, abort, streaming, stop conditions, logprobs, seeds."""
+
+from __future__ import annotations
+
+import pytest
+
+from baton import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(text_model_dir):
+    return LLM(text_model_dir, dtype="float32", page_size=8, max_num_batched_tokens=64)
+
+
+def _all_free(llm) -> bool:
+    cache = llm.engine.cache
+    return cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
+
+
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ("", GREEDY, "empty"),
+        ({"prompt_token_ids": []}, GREEDY, "empty"),
+        ({"prompt_token_ids": [1, 99999]}, GREEDY, "99999"),
+        ({"prompt_token_ids": [-1]}, GREEDY, "-1"),
+        ({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=57), "exceeds the context"),
+        ({"prompt_token_ids": [5] * 256}, GREEDY, "context"),
+        (12, GREEDY, "prompt must be"),
+    ],
+)
+def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match):
+    running = llm.engine.add_request("import os\n", GREEDY)
+    llm.engine.step()
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, params)
+    with pytest.raises(ValueError, match=match):
+        llm.engine.add_request(prompt, params)
+    outputs = []
+    while llm.engine.has_unfinished_requests():
+        outputs += [o for o in llm.engine.step() if o.finished]
+    assert [o.request_id for o in outputs] == [running]
+    assert (
+        outputs[0].outputs[0].token_ids
+        == llm.generate("import os\n", GREEDY)[0].outputs[0].token_ids
+    )
+    assert _all_free(llm)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("max_tokens", 0), ("max_tokens", -3), ("top_p", 1.5), ("top_p", 0.0),
+     ("temperature", -1.0), ("top_k", -2)],
+)  # fmt: skip
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_unknown_engine_option_is_named(text_model_dir):
+    with pytest.raises(ValueError, match="page_sise"):
+        LLM(text_model_dir, page_sise=8)
+    with pytest.raises(ValueError, match="sliding_mode"):
+        LLM(text_model_dir, sliding_mode="circular")
+
+
+def test_abort_frees_units_and_spares_the_others(llm):
+    solo = llm.generate("class A:\n", GREEDY)[0].outputs[0].token_ids
+    keep = llm.engine.add_request("class A:\n", GREEDY)
+    drop = llm.engine.add_request("import sys\n" * 5, GREEDY)
+    for _ in range(3):
+        llm.engine.step()
+    aborted = llm.engine.abort_request(drop)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    done = []
+    while llm.engine.has_unfinished_requests():
+        done += [o for o in llm.engine.step() if o.finished]
+    assert [o.request_id for o in done] == [keep]
+    assert done[0].outputs[0].token_ids == solo
+    assert _all_free(llm)
+
+
+def test_abort_of_waiting_request(llm):
+    rid = llm.engine.add_request("x = 1\n", GREEDY)
+    assert llm.engine.abort_request(rid).outputs[0].finish_reason == "abort"
+    assert not llm.engine.has_unfinished_requests() and _all_free(llm)
+
+
+def test_streaming_deltas_add_up_to_the_final_output(llm):
+    final = llm.generate("def main():\n", GREEDY)[0].outputs[0]
+    text, ids, last = "", [], None
+    for out in llm.generate_stream("def main():\n", GREEDY):
+        text += out.delta.text
+        ids += out.delta.token_ids
+        last = out
+    assert last.finished and last.outputs[0].finish_reason == "length"
+    assert (text, ids) == (final.text, final.token_ids)
+    assert len(ids) == 24
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate("for i in range(10):\n", GREEDY)[0].outputs[0]
+    assert len(full.text) > 12
+    stop = full.text[5:9]
+    first = full.text.find(stop)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    out = llm.generate("for i in range(10):\n", params)[0].outputs[0]
+    assert out.text == full.text[:first]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    streamed = "".join(o.delta.text for o in llm.generate_stream("for i in range(10):\n", params))
+    assert streamed == out.text
+    incl = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True
+    )
+    assert (
+        llm.generate("for i in range(10):\n", incl)[0].outputs[0].text
+        == full.text[: first + len(stop)]
+    )
+
+
+def test_stop_token_ids_and_eos(llm):
+    full = llm.generate("while True:\n", GREEDY)[0].outputs[0].token_ids
+    stop_id = full[4]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    out = llm.generate("while True:\n", params)[0].outputs[0]
+    assert out.token_ids == full[: full.index(stop_id) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_logprobs_top_n(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, ignore_eos=True)
+    out = llm.generate("import re\n", params)[0].outputs[0]
+    assert len(out.logprobs) == 6
+    for token, entry in zip(out.token_ids, out.logprobs, strict=True):
+        assert token in entry and 3 <= len(entry) <= 4
+        assert max(entry.values()) == entry[token]  # greedy picks the most likely
+        assert all(lp <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(
+        sum(e[t] for t, e in zip(out.token_ids, out.logprobs, strict=True))
+    )
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=7, ignore_eos=True)
+    alone = llm.generate("def g(x):\n", params)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)] * 3
+    batch = llm.generate(["a = 1\n", "def g(x):\n", "b = [", "c"], [others[0], params, *others[1:]])
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=8, ignore_eos=True)
+    assert llm.generate("def g(x):\n", other_seed)[0].outputs[0].token_ids != alone
+
+
+def test_outputs_carry_timing(llm):
+    out = llm.generate("x", GREEDY)[0]
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+    assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generated_tokens == 24

@@ -1,0 +1,140 @@
+"""Property tests of the allocator and the pools, and the registry's schema."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from baton.memory import BlockPool, PagedPool, RingPool, StateRegistry
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=60))
+def test_block_pool_never_double_allocates(ops):
+    pool = BlockPool(16)
+    held: list[list[int]] = []
+    for is_alloc, n in ops:
+        if is_alloc and pool.can_allocate(n):
+            ids = pool.allocate(n)
+            assert all(pool.ref_count(i) == 1 for i in ids)
+            held.append(ids)
+        elif held:
+            pool.free(held.pop(0))
+        owned = [i for ids in held for i in ids]
+        assert len(owned) == len(set(owned)) == pool.num_used
+    for ids in held:
+        pool.free(ids)
+    assert pool.num_free == 16
+
+
+def test_block_pool_rejects_double_free_and_prefers_contiguous():
+    pool = BlockPool(8)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]
+    pool.free(a)
+    with pytest.raises(AssertionError, match="double free"):
+        pool.free([1])
+    assert pool.allocate(4) == [0, 1, 2, 3]
+
+
+def _pool(kind: str, registry: StateRegistry, window: int = 12, page: int = 4):
+    args = (2, 8, torch.float32, registry)  # kv heads, head dim, dtype
+    if kind == "full":
+        return PagedPool("t.full", (0, 2), 64, page, *args)
+    if kind == "sliding":
+        return PagedPool("t.swa", (1, 3), 64, page, *args, window=window)
+    return RingPool("t.swa", (1, 3), 8, window, *args)
+
+
+steps = st.lists(
+    st.tuples(st.integers(0, 3), st.integers(1, 20), st.booleans()), min_size=1, max_size=40
+)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "ring"])
+@settings(max_examples=60, deadline=None)
+@given(steps=steps)
+def test_pool_invariants(kind, steps):
+    """Random interleavings of 4 requests growing in chunks, finishing or aborting."""
+    registry = StateRegistry()
+    window, page = 12, 4
+    pool = _pool(kind, registry, window, page)
+    total = pool.component.num_units
+    progress = {f"r{i}": 0 for i in range(4)}
+    for rid_idx, n, finish in steps:
+        rid = f"r{rid_idx}"
+        start = progress[rid]
+        if pool.num_new_units(rid, start, start + n) > pool.num_free_units:
+            pool.free(rid)
+            progress[rid] = 0
+            continue
+        pool.grow(rid, start, start + n)
+        k = torch.randn(n, 2, 8)
+        for layer in range(2):
+            pool.write(layer, rid, start, k, -k)
+        progress[rid] = start + n
+        pool.trim(rid, start + n)
+        if kind == "sliding":
+            # The sliding footprint bound, between steps.
+            assert pool.units_held(rid) <= math.ceil(window / page) + 1
+        # The last window of keys reads back exactly (a sliding pool keeps window-1).
+        lo = max(0, start + n - (window - 1)) if kind != "full" else start
+        got, neg = pool.read(1, rid, max(lo, start), start + n)
+        assert torch.equal(got, k[max(lo, start) - start :]) and torch.equal(neg, -got)
+        if finish:
+            pool.free(rid)
+            progress[rid] = 0
+        held = sum(pool.units_held(r) for r in progress)
+        assert held == total - pool.num_free_units
+        ids = [u for r in progress for u in pool.index(r).unit_ids]
+        assert len(ids) == len(set(ids)) == held  # no unit owned twice
+    for rid in progress:
+        pool.free(rid)
+    assert pool.num_free_units == total
+
+
+def test_sliding_index_covers_page_floored_window():
+    registry = StateRegistry()
+    pool = _pool("sliding", registry, window=12, page=4)
+    pool.grow("r", 0, 30)
+    pool.write(0, "r", 0, torch.zeros(30, 2, 8), torch.zeros(30, 2, 8))
+    pool.trim("r", 30)
+    rng = pool.index("r")
+    # Future queries need keys >= 30 - 12 + 1 = 19: pages from floor(19 / 4) = 4.
+    assert rng.token_start == 16 and rng.token_end == 30
+    assert len(rng.unit_ids) == 4
+
+
+def test_registry_schema_lists_every_pool_and_hashes_it():
+    registry = StateRegistry()
+    pools = [_pool("full", registry), _pool("sliding", registry)]
+    schema = registry.schema()
+    assert [c["name"] for c in schema] == sorted(p.name for p in pools)
+    assert {c["kind"] for c in schema} == {"paged_full", "paged_sliding"}
+    swa = next(c for c in schema if c["name"] == "t.swa")
+    assert swa["window"] == 12 and swa["page_size"] == 4 and swa["layer_ids"] == [1, 3]
+    assert swa["unit_bytes"] == 2 * 2 * 4 * 2 * 8 * 4  # layers * kv * rows * heads * dim * fp32
+    other = StateRegistry()
+    _pool("full", other)
+    _pool("ring", other)
+    assert other.schema_hash() != registry.schema_hash()
+    with pytest.raises(ValueError, match="registered twice"):
+        _pool("full", registry)
+
+
+def test_engine_registry_declares_target_pools(hf_checkpoint):
+    from baton import LLM
+
+    directory, _ = hf_checkpoint("qwen3")
+    for mode, kind in (("paged", "paged_sliding"), ("ring", "ring")):
+        engine = LLM(directory, dtype="float32", sliding_mode=mode).engine
+        schema = {c["name"]: c for c in engine.registry.schema()}
+        assert set(schema) == {"target.full", "target.swa"}
+        assert schema["target.swa"]["kind"] == kind
+        assert schema["target.full"]["layer_ids"] == [1, 3]
+        assert schema["target.swa"]["layer_ids"] == [0, 2]
+        # Nothing else keeps a list of pools: the cache's pools are the registry's.
+        assert {p.component.name for p in engine.cache.pools} == set(schema)
