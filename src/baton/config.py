@@ -67,12 +67,22 @@ class EngineConfig:
     """torch intra-op threads; None leaves torch's default."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
+    speculative: bool | None = None
+    """Speculative decoding with the model's MTP draft; None = on when the model has one."""
+    num_speculative_tokens: int = 3
+    """Draft tokens proposed (and verified) per decode step."""
+    debug_empty_draft_prompt_state: bool = False
+    """Ablation: the draft sees none of its prompt state (as if it never arrived)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
         if self.dtype not in (None, "float32", "bfloat16"):
             raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

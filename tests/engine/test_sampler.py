@@ -100,9 +100,17 @@ def test_top_p_matches_transformers_beyond_the_candidate_window(scale: float):
 def test_processing_does_not_touch_the_input():
     logits = torch.randn(2, VOCAB)
     before = logits.clone()
+    sampler = Sampler(frozenset({EOS}))
     states = [_state(SamplingParams(repetition_penalty=1.5, top_p=0.5, min_tokens=3)) for _ in "ab"]
-    Sampler(frozenset({EOS})).sample(logits, states)
+    sampler.sample(logits, states)
     assert torch.equal(logits, before)
+    for mixed in (
+        [SamplingParams(top_p=0.5), SamplingParams()],
+        [SamplingParams(top_p=0.5), SamplingParams(temperature=0.0)],
+        [SamplingParams(top_k=3), SamplingParams(min_p=0.2)],
+    ):
+        sampler.probs(logits, [_state(p) for p in mixed])
+        assert torch.equal(logits, before)
 
 
 def test_greedy_is_argmax_and_probs_one_hot():
@@ -231,6 +239,14 @@ def test_extreme_draws_land_on_tokens_with_mass(u: float, monkeypatch: pytest.Mo
     state = _state(SamplingParams(), vocab=vocab)
     monkeypatch.setattr(state, "random", lambda position, stream=0: u)
     assert Sampler().sample(logits, [state]).token_ids == [5 if u == 0.0 else 1500]
+
+
+def test_rounding_past_a_block_stays_on_its_last_token_with_mass():
+    from baton.engine.sampler import _inverse_cdf
+
+    # fp32: 1 + 0.6 * 2**-23 rounds up to 1 + 2**-23, above the exact float64 sum.
+    probs = torch.tensor([[1.0, 0.6 * 2.0**-23, 0.0, 0.0]])
+    assert _inverse_cdf(probs, [1.0 - 2.0**-53]).tolist() == [1]
 
 
 @pytest.mark.parametrize(

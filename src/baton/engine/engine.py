@@ -19,19 +19,42 @@ import torch
 
 from baton.config import EngineConfig
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from baton.engine.runner import ModelRunner
+from baton.engine.runner import Committed, ModelRunner
 from baton.engine.sampler import Sampler, SamplingState
 from baton.engine.scheduler import Scheduler
 from baton.memory.cache import ModelCache
 from baton.memory.state import StateRegistry
-from baton.model.loader import load_model, resolve_dtype
+from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import IncrementalDetokenizer, Tokenizer
 
 FINISH = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
 }
+
+
+class _Memory:
+    """The scheduler's view of the target's and the draft's pools together. Trimming is the
+    target's only: the proposer trims the draft at its own committed end."""
+
+    def __init__(self, caches: list[ModelCache]) -> None:
+        self.caches = caches
+
+    def can_grow(self, request_id: str, start: int, end: int) -> bool:
+        return all(c.can_grow(request_id, start, end) for c in self.caches)
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        for c in self.caches:
+            c.grow(request_id, start, end)
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        self.caches[0].trim(request_id, num_computed)
+
+    def free(self, request_id: str) -> None:
+        for c in self.caches:
+            c.free(request_id)
 
 
 class _NoText:
@@ -77,14 +100,33 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or spec.max_position_embeddings
         self.registry = StateRegistry()
         dtype = resolve_dtype(config.dtype, spec.dtype)
+        draft = load_draft(model_dir, self.model) if config.speculative is not False else None
+        if config.speculative and draft is None:
+            raise ValueError(f"speculative=True but {model_dir} has no MTP draft (mtp_config.json)")
+        self.num_spec = config.num_speculative_tokens if draft is not None else 0
+        # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
+        slack = self.num_spec + 1 if draft is not None else 0
         self.cache = ModelCache(
-            spec, config.cache, config.scheduler, self.max_model_len, dtype, self.registry
-        )
+            spec, config.cache, config.scheduler, self.max_model_len, dtype, self.registry,
+            slack=slack,
+        )  # fmt: skip
+        self.caches = [self.cache]
+        proposer = None
+        if draft is not None:
+            draft_cache = ModelCache(
+                draft.spec, config.cache, config.scheduler, self.max_model_len, dtype,
+                self.registry, prefix="draft", slack=2 * slack,
+            )  # fmt: skip
+            self.caches.append(draft_cache)
+            proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
+        self.proposer = proposer
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
-        self.scheduler = Scheduler(config.scheduler, self.cache)
-        self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids))
+        self.scheduler = Scheduler(
+            config.scheduler, _Memory(self.caches), self._num_spec_tokens if proposer else None
+        )
+        self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._seeds = itertools.count(config.seed * 1_000_003)
@@ -122,8 +164,8 @@ class LLMEngine:
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                 f"context of {self.max_model_len} tokens"
             )
-        total = len(token_ids) + max_tokens
-        for pool in self.cache.pools:
+        total = len(token_ids) + max_tokens + self.num_spec
+        for pool in (p for c in self.caches for p in c.pools):
             need = pool.peak_units(total)
             if need > pool.component.num_units:
                 raise ValueError(
@@ -162,6 +204,8 @@ class LLMEngine:
             max_tokens=max_tokens,
             logprobs=[] if params.logprobs is not None else None,
         )
+        if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
+            self.proposer.context_floor[request_id] = len(token_ids) - 1
         self.scheduler.add(request)
         return request_id
 
@@ -170,6 +214,8 @@ class LLMEngine:
         if track is None:
             return None
         self.scheduler.abort(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
         track.metrics.finished_time = time.monotonic()
         return self._output(track, finish=FinishReason.ABORT)
 
@@ -179,6 +225,9 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        if self.proposer is not None:
+            for request in batch.preempted:  # its draft state is gone with its units
+                self.proposer.free(request.request_id)
         if batch.is_empty:
             return []
         now = time.monotonic()
@@ -189,32 +238,52 @@ class LLMEngine:
             c.request.request_id: self.tracks[c.request.request_id].sampling for c in batch.chunks
         }
         result = self.runner.execute(batch, states)
-        self.scheduler.commit(batch)
+        rejected = {rid: c.num_rejected for rid, c in result.committed.items()}
+        self.scheduler.commit(batch, rejected)
         outputs = []
-        if result.sampled is None:
-            return outputs
         now = time.monotonic()
-        for row, request_id in enumerate(result.request_ids):
+        spec = {c.request.request_id: c.num_spec for c in batch.chunks}
+        for request_id, committed in result.committed.items():
             track = self.tracks[request_id]
-            self._append(track, row, result.sampled, now)
+            if spec[request_id]:
+                self._record_acceptance(track.metrics, committed, spec[request_id])
+            for i in range(len(committed.token_ids)):
+                self._append(track, committed, i, now)
+                if track.finish_reason is not None:
+                    break
             outputs.append(self._output(track, finish=track.finish_reason))
             if track.finish_reason is not None:
                 self.scheduler.finish(track.request, FINISH[track.finish_reason])
+                if self.proposer is not None:
+                    self.proposer.free(request_id)
                 del self.tracks[request_id]
         return outputs
 
-    def _append(self, track: _Track, row: int, sampled, now: float) -> None:
-        token = sampled.token_ids[row]
+    def _num_spec_tokens(self, request: Request) -> int:
+        remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens
+        room = self.max_model_len - request.num_tokens
+        return max(0, min(self.num_spec, remaining - 1, room))
+
+    def _record_acceptance(self, metrics: RequestMetrics, committed: Committed, k: int) -> None:
+        num_accepted = len(committed.token_ids) - 1
+        metrics.accepted_lengths.append(num_accepted + 1)
+        metrics.num_draft_tokens += k
+        if len(metrics.accepted_per_position) < k:
+            metrics.accepted_per_position.extend([0] * (k - len(metrics.accepted_per_position)))
+        for i in range(num_accepted):
+            metrics.accepted_per_position[i] += 1
+
+    def _append(self, track: _Track, committed: Committed, i: int, now: float) -> None:
+        token = committed.token_ids[i]
         request, params = track.request, track.request.sampling_params
         request.output_token_ids.append(token)
-        track.sampling.append(token)
-        track.new_token_ids = [token]
+        track.new_token_ids.append(token)
         track.metrics.first_token_time = track.metrics.first_token_time or now
         track.metrics.num_generated_tokens += 1
-        track.cumulative_logprob += sampled.logprobs[row]
+        track.cumulative_logprob += committed.logprobs[i]
         if track.logprobs is not None:
-            entry = {token: sampled.logprobs[row]}
-            entry.update(dict(sampled.top_logprobs[row] or []))
+            entry = {token: committed.logprobs[i]}
+            entry.update(dict(committed.top_logprobs[i] or []))
             track.logprobs.append(entry)
         if token in params.stop_token_ids:
             track.finish_reason, request.stop_reason = FinishReason.STOP, token

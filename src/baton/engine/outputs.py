@@ -13,6 +13,19 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    accepted_lengths: list[int] = field(default_factory=list)
+    """Speculative decoding: tokens committed by each verify step (accepted + 1)."""
+    num_draft_tokens: int = 0
+    """Draft tokens proposed and verified."""
+    accepted_per_position: list[int] = field(default_factory=list)
+    """How often the draft token at chain position i was accepted."""
+
+    @property
+    def acceptance_length(self) -> float | None:
+        """Mean tokens per verify step (the speculative speed-up bound)."""
+        if not self.accepted_lengths:
+            return None
+        return sum(self.accepted_lengths) / len(self.accepted_lengths)
 
     @property
     def ttft(self) -> float | None:

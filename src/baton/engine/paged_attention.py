@@ -28,6 +28,8 @@ class Segment:
     start: int
     """Position of the segment's first token in its request."""
     num_tokens: int
+    floor: int = 0
+    """No position below this is read from the pool (the draft-state ablation switch)."""
 
 
 class PagedAttention:
@@ -45,6 +47,7 @@ class PagedAttention:
             rows = slice(seg.offset, seg.offset + seg.num_tokens)
             q_seg, k_seg, v_seg = q[0, rows], k[0, rows], v[0, rows]
             first = 0 if window is None else max(0, seg.start - window + 1)
+            first = min(max(first, seg.floor), seg.start)
             if first < seg.start:
                 old_k, old_v = pool.read(local, seg.request_id, first, seg.start)
                 keys, values = torch.cat((old_k, k_seg)), torch.cat((old_v, v_seg))

@@ -1,52 +1,71 @@
-"""ModelRunner: a scheduled batch -> model inputs -> forward -> sampled tokens.
+"""ModelRunner: a scheduled batch -> model inputs -> forward -> committed tokens.
 
 Flattens the step's chunks into one token row, builds the ``PagedAttention`` segments,
-runs the target model, computes logits only for the rows that sample (the last token of
-each chunk that reaches the end of its known tokens) and hands them to the sampler.
+runs the target model and commits tokens for every chunk that reaches the end of its known
+tokens: one sampled token, or -- for a speculative chunk -- the verified prefix of the
+draft's chain plus one. With a draft, it also runs the draft over the prompt pairs of every
+prefill chunk (the draft's prompt state) and hands the proposer its next pending pairs.
 Counts the tokens it computed, prompt tokens separately (a PD decode worker must compute
 none).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from baton.engine.paged_attention import PagedAttention, Segment
-from baton.engine.sampler import Sampler, SamplerOutput, SamplingState
+from baton.engine.sampler import Sampler, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
+from baton.speculative.proposer import DraftProposer, PendingPairs
+from baton.speculative.verify import verify_chain
+
+
+@dataclass
+class Committed:
+    """What one request got this step."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]] | None]
+    num_rejected: int = 0
+    """Draft tokens verified and rejected (their state is rolled back)."""
 
 
 @dataclass
 class StepResult:
-    request_ids: list[str]
-    """Requests that sampled a token this step, in ``sampled`` row order."""
-    sampled: SamplerOutput | None
-    hidden: torch.Tensor | None = None
-    """[num_sampled, hidden] final-normed states of the sampled rows (the draft's seed)."""
+    committed: dict[str, Committed] = field(default_factory=dict)
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: ModelCache, sampler: Sampler) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: ModelCache,
+        sampler: Sampler,
+        proposer: DraftProposer | None = None,
+    ) -> None:
         self.model = model
         self.cache = cache
         self.sampler = sampler
+        self.proposer = proposer
         self.num_computed_tokens = 0
         self.num_computed_prompt_tokens = 0
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, states: dict[str, SamplingState]) -> StepResult:
+        spec = [c.request.request_id for c in batch.chunks if c.num_spec]
+        chains = self.proposer.propose(spec) if spec else {}
         input_ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
-        sample_rows: list[int] = []
-        request_ids: list[str] = []
         for chunk in batch.chunks:
             request = chunk.request
-            tokens = request.all_token_ids[chunk.start : chunk.end]
+            tokens = request.all_token_ids[chunk.start : chunk.end - chunk.num_spec]
+            tokens += chains.get(request.request_id, [])[: chunk.num_spec]
             segments.append(
                 Segment(request.request_id, len(input_ids), chunk.start, chunk.num_tokens)
             )
@@ -55,18 +74,93 @@ class ModelRunner:
             self.num_computed_prompt_tokens += max(
                 0, min(chunk.end, request.num_prompt_tokens) - chunk.start
             )
-            if chunk.samples:
-                sample_rows.append(len(input_ids) - 1)
-                request_ids.append(request.request_id)
         self.num_computed_tokens += len(input_ids)
         hidden = self.model(
             torch.tensor([input_ids]),
             torch.tensor([positions]),
             PagedAttention(self.cache, segments),
-        )  # [1, N, H]
-        if not sample_rows:
-            return StepResult([], None)
-        rows = hidden[0, sample_rows]  # [num_sampled, H]
-        logits = self.model.compute_logits(rows)
-        sampled = self.sampler.sample(logits, [states[r] for r in request_ids])
-        return StepResult(request_ids, sampled, rows)
+        )[0]  # [N, H]
+        result = StepResult()
+        self._sample(batch.chunks, segments, hidden, states, result)
+        for chunk, seg in zip(batch.chunks, segments, strict=True):
+            if chunk.num_spec:
+                rows = slice(seg.offset, seg.offset + chunk.num_tokens)
+                logits = self.model.compute_logits(hidden[rows])  # [k+1, V]
+                proposals = chains[chunk.request.request_id][: chunk.num_spec]
+                state = states[chunk.request.request_id]
+                tokens = verify_chain(self.sampler, logits, proposals, state)
+                result.committed[chunk.request.request_id] = self._committed(
+                    logits[: len(tokens)], tokens, state, chunk.num_spec + 1 - len(tokens)
+                )
+        if self.proposer is not None:
+            self._feed_draft(batch.chunks, segments, hidden, result)
+        return result
+
+    def _sample(self, chunks, segments, hidden, states, result: StepResult) -> None:
+        """One token for every non-speculative chunk that samples, batched."""
+        picked = [(c, s) for c, s in zip(chunks, segments, strict=True) if c.samples]
+        picked = [(c, s) for c, s in picked if not c.num_spec]
+        if not picked:
+            return
+        rows = [s.offset + s.num_tokens - 1 for _, s in picked]
+        logits = self.model.compute_logits(hidden[rows])  # [B, V]
+        row_states = [states[c.request.request_id] for c, _ in picked]
+        out = self.sampler.sample(logits, row_states)
+        for i, (chunk, _) in enumerate(picked):
+            row_states[i].append(out.token_ids[i])
+            result.committed[chunk.request.request_id] = Committed(
+                [out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]]
+            )
+
+    def _committed(self, logits, tokens, state: SamplingState, num_rejected: int) -> Committed:
+        logprobs = logits.log_softmax(-1)  # raw distribution, as for plain sampling
+        picked = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+        n = state.params.logprobs
+        top: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+        if n is not None:
+            values, ids = logprobs.topk(max(n, 1), dim=-1)
+            top = [
+                list(zip(i[:n], v[:n], strict=True))
+                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+            ]
+        return Committed(tokens, picked, top, num_rejected)
+
+    def _feed_draft(self, chunks, segments, hidden, result: StepResult) -> None:
+        """Draft prompt pairs of prefill chunks now; the rest become pending pairs."""
+        prefill = []
+        for chunk, seg in zip(chunks, segments, strict=True):
+            rid = chunk.request.request_id
+            h = hidden[seg.offset : seg.offset + chunk.num_tokens]
+            committed = result.committed.get(rid)
+            if chunk.num_spec:
+                # Slots L .. L+n_ok: the accepted proposals and the bonus token.
+                n = len(committed.token_ids)
+                self.proposer.set_pending(
+                    rid, PendingPairs(chunk.start, h[:n], committed.token_ids)
+                )
+                continue
+            # Slot s pairs h_s with token s+1: known for every s of the chunk but the last,
+            # unless this step sampled that token.
+            tokens = chunk.request.all_token_ids + (committed.token_ids if committed else [])
+            num_pairs = min(chunk.num_tokens, len(tokens) - 1 - chunk.start)
+            pairs = PendingPairs(
+                chunk.start, h[:num_pairs], tokens[chunk.start + 1 : chunk.start + 1 + num_pairs]
+            )
+            old = self.proposer.pending.pop(rid, None)
+            if old is not None:  # a decode step that verified nothing: run its pairs too
+                assert old.start_slot + len(old.token_ids) == chunk.start
+                pairs = PendingPairs(
+                    old.start_slot,
+                    torch.cat((old.hidden, pairs.hidden)),
+                    old.token_ids + pairs.token_ids,
+                )
+            if committed:  # the last pair is the draft seed: kept for the first proposal
+                seed = PendingPairs(
+                    pairs.start_slot + len(pairs.token_ids) - 1,
+                    pairs.hidden[-1:],
+                    pairs.token_ids[-1:],
+                )
+                self.proposer.set_pending(rid, seed)
+                pairs = PendingPairs(pairs.start_slot, pairs.hidden[:-1], pairs.token_ids[:-1])
+            prefill.append((rid, pairs.start_slot, pairs.hidden, pairs.token_ids))
+        self.proposer.prefill(prefill)

@@ -46,9 +46,9 @@ def _mix64(*words: int) -> int:
     """splitmix64 folded over ``words``: a well-mixed 64-bit hash of a tuple of ints."""
     h = 0
     for word in words:
-        h = (h ^ (word & _MASK64)) + _GOLDEN & _MASK64
-        h = (h ^ (h >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & _MASK64
+        h = ((h ^ (word & _MASK64)) + _GOLDEN) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
         h ^= h >> 31
     return h
 
@@ -269,39 +269,37 @@ def _per_row(values: list[float], x: torch.Tensor) -> torch.Tensor:
 def _apply_penalties(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
     """Repetition (HF: prompt + output, once per token), then frequency and presence (OpenAI:
     output only), touching only the listed tokens. Returns a new tensor when anything changes."""
-    rep = [i for i, s in enumerate(states) if s.seen is not None]
-    out = [i for i, s in enumerate(states) if s.output_counts is not None]
-    if not rep and not out:
+    seen = [(i, s.seen) for i, s in enumerate(states) if s.seen is not None]
+    outputs = [(i, s.output_counts) for i, s in enumerate(states) if s.output_counts is not None]
+    if not seen and not outputs:
         return x
     x = x.clone()
-    if rep:
-        seen = [states[i].seen for i in rep]
-        rows, cols, _ = _flatten(rep, seen, x.device)  # type: ignore[arg-type]
-        penalty = _per_entry([states[i].params.repetition_penalty for i in rep], seen, x)
+    if seen:
+        rows, cols, _, lengths = _flatten(seen, x.device)
+        penalty = _per_entry([states[i].params.repetition_penalty for i, _ in seen], lengths, x)
         values = x[rows, cols]
         x[rows, cols] = torch.where(values < 0, values * penalty, values / penalty)
-    if out:
-        output_counts = [states[i].output_counts for i in out]
-        rows, cols, counts = _flatten(out, output_counts, x.device)  # type: ignore[arg-type]
-        frequency = _per_entry([states[i].params.frequency_penalty for i in out], output_counts, x)
-        presence = _per_entry([states[i].params.presence_penalty for i in out], output_counts, x)
+    if outputs:
+        rows, cols, counts, lengths = _flatten(outputs, x.device)
+        frequency = _per_entry([states[i].params.frequency_penalty for i, _ in outputs], lengths, x)
+        presence = _per_entry([states[i].params.presence_penalty for i, _ in outputs], lengths, x)
         x[rows, cols] -= frequency * counts + presence
     return x
 
 
 def _flatten(
-    rows: list[int], tables: list[TokenCounts], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row, token id, count) of every entry of the tables, as three flat tensors."""
-    lengths = torch.tensor([t.ids.numel() for t in tables])
-    row_ids = torch.tensor(rows).repeat_interleave(lengths)
-    token_ids = torch.cat([t.ids for t in tables])
-    counts = torch.cat([t.counts for t in tables])
-    return row_ids.to(device), token_ids.to(device), counts.to(device)
+    tables: list[tuple[int, TokenCounts]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row, token id, count) of every entry of the row's tables as flat tensors, and the
+    number of entries per table."""
+    lengths = torch.tensor([table.ids.numel() for _, table in tables])
+    rows = torch.tensor([row for row, _ in tables]).repeat_interleave(lengths)
+    token_ids = torch.cat([table.ids for _, table in tables])
+    counts = torch.cat([table.counts for _, table in tables])
+    return rows.to(device), token_ids.to(device), counts.to(device), lengths
 
 
-def _per_entry(values: list[float], tables: list[TokenCounts], x: torch.Tensor) -> torch.Tensor:
-    lengths = torch.tensor([t.ids.numel() for t in tables])
+def _per_entry(values: list[float], lengths: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=x.dtype).repeat_interleave(lengths).to(x.device)
 
 
@@ -325,10 +323,12 @@ def _warp(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if top_p_rows:
         top_ps = _per_row([params[i].top_p for i in top_p_rows], x)
         removed = _outside_nucleus(_rows(x, top_p_rows).softmax(dim=-1), top_ps)
-        if len(top_p_rows) == len(params):
-            x = x.masked_fill(removed, -torch.inf)
-        else:
-            x[top_p_rows] = _rows(x, top_p_rows).masked_fill(removed, -torch.inf)
+        if len(top_p_rows) < len(params):
+            # NOTE: x may still be the caller's logits; mask out of place.
+            removed = torch.zeros_like(x, dtype=torch.bool).index_copy_(
+                0, torch.tensor(top_p_rows, device=x.device), removed
+            )
+        x = x.masked_fill(removed, -torch.inf)
     min_ps = [p.min_p for p in params]
     if any(min_ps):
         # p < min_p * p_max  <=>  logit - max_logit < log(min_p): no softmax needed.
@@ -382,25 +382,22 @@ def _inverse_cdf(probs: torch.Tensor, randoms: list[float]) -> torch.Tensor:
         sums.append(full.sum(dim=-1))
     if tail:
         sums.append(probs[:, num_full * block_size :].sum(dim=-1, keepdim=True))
-    block_sums = torch.cat(sums, dim=1)  # [R, num_blocks]
-    block_cdf = block_sums.double().cumsum(dim=-1)
+    block_cdf = torch.cat(sums, dim=1).double().cumsum(dim=-1)  # [R, num_blocks]
     u = torch.tensor(randoms, dtype=torch.float64, device=probs.device)[:, None]
     target = u * block_cdf[:, -1:]  # [R, 1]
-    block = torch.searchsorted(block_cdf, target, right=True)
-    # NOTE: u * total can round up to total, and then the search runs off the end; and the
-    # fp32 block sum and the float64 cumsum inside the block differ by rounding, so a target
-    # in a block's last sliver can run past its last token. Both (probability ~1e-7 or less)
-    # land on the last token with mass rather than on a zero-probability one.
-    block_ids = torch.arange(block_sums.shape[1], device=probs.device)
-    last_block = torch.where(block_sums > 0, block_ids, -1).amax(dim=-1, keepdim=True)
-    block = torch.minimum(block, last_block)
+    # u < 1, so u * total < total and some block's cdf exceeds the target (IEEE rounding
+    # never lifts (1 - 2**-53) * t up to t).
+    block = torch.searchsorted(block_cdf, target, right=True)  # [R, 1]
     below = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
     cols = block * block_size + torch.arange(block_size, device=probs.device)  # [R, block_size]
     window = probs.gather(1, cols.clamp(max=vocab_size - 1)).double() * (cols < vocab_size)
     within = torch.searchsorted(window.cumsum(dim=-1), target - below, right=True)  # [R, 1]
+    # NOTE: the fp32 block sum can exceed the float64 sum of the block's values, so a target
+    # in the block's last sliver (probability ~1e-7) runs past its last token with mass;
+    # it belongs to that token, never to a zero-probability one or past the vocabulary.
     positions = torch.arange(block_size, device=probs.device)
     last = torch.where(window > 0, positions, -1).amax(dim=-1, keepdim=True)
-    within = within
+    within = torch.minimum(within, last)
     return (block * block_size + within).squeeze(1)
 
 

@@ -17,6 +17,7 @@ unit of a request at once.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +38,9 @@ class ScheduledChunk:
     start: int
     """Position of the first token computed this step (= num_computed_tokens before)."""
     num_tokens: int
+    """Tokens computed this step, speculative ones included."""
+    num_spec: int = 0
+    """Draft tokens verified after the last known token (speculative decoding)."""
 
     @property
     def end(self) -> int:
@@ -45,7 +49,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this step computes the last known token, so a new one is sampled."""
-        return self.end == self.request.num_tokens
+        return self.end - self.num_spec == self.request.num_tokens
 
 
 @dataclass
@@ -63,9 +67,16 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, memory: Memory) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        memory: Memory,
+        num_spec_tokens: Callable[[Request], int] | None = None,
+    ) -> None:
         self.config = config
         self.memory = memory
+        self.num_spec_tokens = num_spec_tokens
+        """Draft tokens to verify for a decoding request (None: no speculation)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -85,8 +96,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
             start = request.num_computed_tokens
+            n = min(request.num_tokens - start, budget)
+            spec = 0
+            if n == request.num_tokens - start == 1 and self.num_spec_tokens is not None:
+                spec = min(self.num_spec_tokens(request), budget - 1)
+                n += spec
             while not self.memory.can_grow(request.request_id, start, start + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -96,7 +111,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 break  # it preempted itself: nothing after it can run either
             self.memory.grow(request.request_id, start, start + n)
-            out.chunks.append(ScheduledChunk(request, start, n))
+            out.chunks.append(ScheduledChunk(request, start, n, spec))
             scheduled.add(request.request_id)
             budget -= n
             i += 1
@@ -124,11 +139,14 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def commit(self, out: SchedulerOutput) -> None:
-        """Record that the step ran: advance progress and drop state behind the windows."""
+    def commit(self, out: SchedulerOutput, num_rejected: dict[str, int] | None = None) -> None:
+        """Record that the step ran: advance progress (minus rejected draft tokens, whose
+        state is rolled back) and drop state behind the windows."""
+        num_rejected = num_rejected or {}
         for chunk in out.chunks:
-            chunk.request.num_computed_tokens = chunk.end
-            self.memory.trim(chunk.request.request_id, chunk.end)
+            end = chunk.end - num_rejected.get(chunk.request.request_id, 0)
+            chunk.request.num_computed_tokens = end
+            self.memory.trim(chunk.request.request_id, end)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a running or waiting request and free all its units at once."""

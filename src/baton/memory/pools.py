@@ -89,7 +89,8 @@ class StatePool(ABC):
 
     @abstractmethod
     def trim(self, request_id: str, num_computed: int) -> None:
-        """Free units no query at a position >= ``num_computed`` can need."""
+        """Mark positions >= ``num_computed`` as not committed (speculative rollback) and
+        free units no query at a position >= ``num_computed`` can need."""
 
     @abstractmethod
     def free(self, request_id: str) -> None:
@@ -194,6 +195,8 @@ class PagedPool(StatePool):
             table[logical] = page
 
     def trim(self, request_id: str, num_computed: int) -> None:
+        if request_id in self.num_tokens:
+            self.num_tokens[request_id] = num_computed
         if self.keep is None or request_id not in self.tables:
             return
         table = self.tables[request_id]
@@ -267,7 +270,9 @@ class RingPool(StatePool):
             self.num_tokens[request_id] = start
 
     def trim(self, request_id: str, num_computed: int) -> None:
-        pass  # a ring overwrites in place
+        # A ring overwrites in place: nothing to free.
+        if request_id in self.num_tokens:
+            self.num_tokens[request_id] = num_computed
 
     def free(self, request_id: str) -> None:
         if request_id in self.rings:

@@ -1,0 +1,1 @@
+"""Speculative decoding with the MTP draft: proposal chains and exact verification."""

@@ -1,0 +1,116 @@
+"""DraftProposer: runs the MTP draft over its own pools and proposes top-1 chains.
+
+Draft slot s holds the pair (target hidden h_s, token x_{s+1}) at rotary position s+1, so
+after a target step that committed tokens up to x_L the draft's *committed* state is the
+slots it has computed from target hiddens. Per request the proposer keeps the *pending*
+pairs: committed pairs not yet run through the draft (after a verify step: the accepted
+proposals and the bonus token, with the target's hiddens). A proposal chain then runs::
+
+    step 1: pending pairs (slots p .. L-1)         -> guess d1   (committed state)
+    step i: (draft hidden, d_{i-1}) at slot L+i-2  -> guess d_i  (scratch, beyond committed)
+
+Scratch slots lie beyond the committed end; the next step's pending pairs overwrite them
+with values derived from the target, so only committed state is ever indexed, cached or
+transferred. Prompt pairs are run eagerly after every prefill chunk (the draft's prompt
+state), except the last one, whose token is the first sampled token: that pair is the
+*draft seed*.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.paged_attention import PagedAttention, Segment
+from baton.memory.cache import ModelCache
+from baton.model.decoder import CausalLM
+from baton.model.draft import MTPDraft
+
+
+@dataclass
+class PendingPairs:
+    start_slot: int
+    hidden: torch.Tensor  # [m, H] target hiddens of slots start_slot .. start_slot+m-1
+    token_ids: list[int]  # [m] the token after each
+
+
+class DraftProposer:
+    def __init__(
+        self, target: CausalLM, draft: MTPDraft, cache: ModelCache, num_tokens: int
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.cache = cache
+        self.num_tokens = num_tokens
+        self.pending: dict[str, PendingPairs] = {}
+        self.num_draft_forwards = 0
+        self.context_floor: dict[str, int] = {}
+        """Ablation switch: per request, draft slots below this are treated as absent (set
+        to the prompt length, it empties the draft's prompt state)."""
+
+    def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+        """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens)."""
+        segments, hidden, ids, positions = [], [], [], []
+        offset = 0
+        for request_id, slot, h, tokens in entries:
+            floor = self.context_floor.get(request_id, 0)
+            segments.append(Segment(request_id, offset, slot, len(tokens), floor))
+            hidden.append(h)
+            ids.extend(tokens)
+            positions.extend(range(slot + 1, slot + 1 + len(tokens)))
+            offset += len(tokens)
+        out = self.draft(
+            self.target,
+            torch.cat(hidden)[None],
+            torch.tensor([ids]),
+            torch.tensor([positions]),
+            PagedAttention(self.cache, segments),
+        )[0]  # [N, H]
+        self.num_draft_forwards += 1
+        splits, start = [], 0
+        for _, _, _, tokens in entries:
+            splits.append(out[start : start + len(tokens)])
+            start += len(tokens)
+        return splits
+
+    def prefill(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> None:
+        """Run known prompt pairs now (the draft's prompt state)."""
+        entries = [e for e in entries if e[3]]
+        if entries:
+            self._run(entries)
+            for request_id, slot, _, tokens in entries:
+                self.cache.trim(request_id, slot + len(tokens))
+
+    def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
+        self.pending[request_id] = pairs
+
+    def propose(self, request_ids: list[str]) -> dict[str, list[int]]:
+        """A top-1 chain of ``num_tokens`` guesses per request, batched across requests."""
+        entries = []
+        for rid in request_ids:
+            p = self.pending[rid]
+            entries.append((rid, p.start_slot, p.hidden, p.token_ids))
+        outs = self._run(entries)
+        chains = {rid: [] for rid in request_ids}
+        hiddens = [o[-1:] for o in outs]
+        slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
+        for step in range(self.num_tokens):
+            guesses = self.target.compute_logits(torch.cat(hiddens)).argmax(-1).tolist()
+            for rid, g in zip(request_ids, guesses, strict=True):
+                chains[rid].append(g)
+            if step == self.num_tokens - 1:
+                break
+            step_entries = [
+                (rid, slots[rid] + step, h, [chains[rid][-1]])
+                for rid, h in zip(request_ids, hiddens, strict=True)
+            ]
+            hiddens = self._run(step_entries)
+        # Committed draft state ends where the pending pairs ended; trim behind it.
+        for rid in request_ids:
+            self.cache.trim(rid, slots[rid])
+        return chains
+
+    def free(self, request_id: str) -> None:
+        self.pending.pop(request_id, None)
+        self.context_floor.pop(request_id, None)
