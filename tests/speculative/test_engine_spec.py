@@ -1,0 +1,135 @@
+"""Speculative decoding in the engine: exactness, rollback, acceptance bookkeeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.model import DenseAttention, DraftSpec, MTPDraft, load_model
+from baton.model.loader import save_draft
+from baton.model.reference import greedy_generate, speculative_greedy
+
+VOCAB = 256
+LENGTHS = [3, 8, 16, 83, 1, 17]
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+def _train_draft(target, draft: MTPDraft, steps: int = 150) -> None:
+    """Distil the draft on the target's own greedy text, so that it agrees often."""
+    g = torch.Generator().manual_seed(0)
+    # The target's own greedy continuations of random prompts: what decode will see.
+    rows = []
+    for n in range(1, 17):
+        prompt = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+        rows.append((prompt + greedy_generate(target, prompt, 64))[-64:])
+    ids = torch.tensor(rows)
+    with torch.no_grad():
+        pos = torch.arange(64).expand(16, 64)
+        hidden = target(ids, pos, DenseAttention())
+        teacher = target.compute_logits(hidden).argmax(-1)  # target's guess of x[t+1]
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    for _ in range(steps):
+        out = draft(target, hidden[:, :-1], ids[:, 1:], pos[:, 1:], DenseAttention())
+        logits = target.compute_logits(out)
+        loss = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, VOCAB), teacher[:, 1:].reshape(-1)
+        )
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+@pytest.fixture(scope="module")
+def spec_dir(hf_checkpoint, tmp_path_factory):
+    """The tiny Qwen3 (sliding window 16, full layers) with a distilled MTP draft."""
+    _, hf = hf_checkpoint("qwen3")
+    directory = tmp_path_factory.mktemp("qwen3-mtp")
+    hf.save_pretrained(directory)
+    target = load_model(directory, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    draft = MTPDraft(target.spec, DraftSpec(sliding_window=8))
+    _train_draft(target, draft)
+    save_draft(directory, draft, torch.float32)
+    return directory
+
+
+def _prompts() -> list[dict]:
+    g = torch.Generator().manual_seed(4)
+    return [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()}
+            for n in LENGTHS]  # fmt: skip
+
+
+def _llm(directory, **options) -> LLM:
+    return LLM(directory, dtype="float32", page_size=8, max_num_batched_tokens=40, **options)
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_greedy_with_speculation_equals_without(spec_dir, mode):
+    plain = _llm(spec_dir, speculative=False, sliding_mode=mode).generate(_prompts(), GREEDY)
+    llm = _llm(spec_dir, sliding_mode=mode)
+    spec = llm.generate(_prompts(), GREEDY)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    lengths = [o.metrics.acceptance_length for o in spec]
+    assert all(1.0 <= a <= 4.0 for a in lengths)
+    # A random tiny target is hard to guess even for a distilled draft; the bundled model's
+    # test checks real acceptance. Here: some proposals were accepted, so both paths ran.
+    assert sum(sum(o.metrics.accepted_per_position) for o in spec) > 0
+    for cache in llm.engine.caches:  # target and draft pools all returned
+        assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
+
+
+def test_acceptance_matches_the_reference_loop(spec_dir):
+    # The contiguous-cache reference recomputes the draft from scratch its own way; the
+    # engine's per-step acceptance lengths must be the same, step for step.
+    llm = _llm(spec_dir)
+    target = llm.engine.model
+    draft = llm.engine.proposer.draft
+    for prompt in _prompts():
+        ids = prompt["prompt_token_ids"]
+        out = llm.generate(prompt, GREEDY)[0]
+        ref_tokens, ref_accepted = speculative_greedy(target, draft, ids, 40)
+        assert out.outputs[0].token_ids == ref_tokens
+        n = len(out.metrics.accepted_lengths)
+        assert out.metrics.accepted_lengths == ref_accepted[:n]
+        assert sum(out.metrics.accepted_per_position) == sum(a - 1 for a in ref_accepted[:n])
+
+
+def test_registry_declares_draft_state(spec_dir):
+    for mode, kind in (("paged", "paged_sliding"), ("ring", "ring")):
+        engine = _llm(spec_dir, sliding_mode=mode).engine
+        schema = {c["name"]: c for c in engine.registry.schema()}
+        assert set(schema) == {"target.full", "target.swa", "draft.swa"}
+        assert schema["draft.swa"]["kind"] == kind and schema["draft.swa"]["window"] == 8
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_rollback_leaves_the_state_of_a_run_that_never_saw_rejected_tokens(spec_dir, mode):
+    prompt = _prompts()[3]
+    spec = _llm(spec_dir, sliding_mode=mode)
+    plain = _llm(spec_dir, sliding_mode=mode, speculative=False)
+    rid_s = spec.engine.add_request(prompt, GREEDY)
+    rid_p = plain.engine.add_request(prompt, GREEDY)
+    rejected = 0
+    for _ in range(8):
+        spec.engine.step()
+        req = spec.engine.tracks[rid_s].request
+        rejected += sum(spec.engine.tracks[rid_s].metrics.accepted_lengths[-1:]) < 4
+    assert rejected, "the test needs at least one rejection"
+    n = req.num_computed_tokens
+    while plain.engine.tracks[rid_p].request.num_computed_tokens < n:
+        plain.engine.step()
+    assert plain.engine.tracks[rid_p].request.num_computed_tokens == n
+    for pool_s, pool_p in zip(spec.engine.cache.pools, plain.engine.cache.pools, strict=True):
+        rng = pool_s.index(rid_s)
+        assert rng.token_end == n == pool_p.index(rid_p).token_end
+        first = max(rng.token_start, n - (pool_s.rows if mode == "ring" else n))
+        if pool_s.name == "target.swa":
+            first = max(first, n - 15)  # what future queries can see: window - 1
+        for layer in range(len(pool_s.layer_ids)):
+            k_s, v_s = pool_s.read(layer, rid_s, first, n)
+            k_p, v_p = pool_p.read(layer, rid_p, first, n)
+            torch.testing.assert_close(k_s, k_p, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(v_s, v_p, atol=1e-5, rtol=1e-4)
