@@ -12,11 +12,9 @@ tokenizer files) that transformers' ``AutoModelForCausalLM`` loads too, plus
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from baton.corpus import is_held_out, read_sources, stdlib_files
 from baton.model.attention import DenseAttention
 from baton.model.decoder import CausalLM
 from baton.model.draft import DraftSpec, MTPDraft
@@ -38,34 +37,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-MAX_FILE_BYTES = 256 * 1024  # a few generated tables dwarf everything else; skip them
-
-
-def stdlib_files() -> list[tuple[str, Path]]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if rel.startswith(("site-packages/", "dist-packages/")) or "__pycache__" in rel:
-            continue
-        if path.stat().st_size > MAX_FILE_BYTES:
-            continue
-        files.append((rel, path))
-    return files
-
-
-def is_held_out(rel: str) -> bool:
-    return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 50 == 0
-
-
-def read_sources(files: list[tuple[str, Path]]) -> list[str]:
-    texts = []
-    for _, path in files:
-        try:
-            texts.append(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, OSError):
-            continue
-    return texts
 
 
 def train_tokenizer(texts: list[str], vocab_size: int, out: Path):
