@@ -116,7 +116,8 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
     }
     print(f"acceptance length (k={result['k']}), {acc['verify_steps']} verify steps:")
-    print(f"  mean {acc['mean']:.2f}   first {FIRST_STEPS} steps {acc[f'first_{FIRST_STEPS}_steps']:.2f}"
+    first = acc[f"first_{FIRST_STEPS}_steps"]
+    print(f"  mean {acc['mean']:.2f}   first {FIRST_STEPS} steps {first:.2f}"
           f"   later {acc['later_steps']:.2f}   (target >= 2.0)")  # fmt: skip
     print(f"  per position: {', '.join(f'{a:.2f}' for a in acc['acceptance_per_position'])}")
     a = acc_ablated
