@@ -1,13 +1,19 @@
 """The attention backend of the engine: variable-length requests over the state pools.
 
 A step's tokens are flattened into one row (``[1, num_tokens]``); each request owns a
-contiguous segment of it. For every layer and segment the backend reads the cached context
-the segment's queries may see from the layer's pool, appends the segment's fresh keys and
-values, attends, and only then writes the fresh keys/values back -- read before write, so a
-ring row can be overwritten by the same step that last needed it::
+contiguous segment of it. A query at position p of a layer with window W sees keys
+[p-W+1, p] (W = None: [0, p])::
 
-    segment: positions [start, start+n)       window W (None = full)
+    segment: positions [start, start+n)
     context: [max(0, start-W+1), start) from the pool   +   [start, start+n) fresh
+
+Short segments (decode steps, speculative verification) take the batched path: their
+fresh keys/values are written to the pool first, then every segment's whole context is
+gathered into one padded batch and attended with one call -- safe because writing
+positions [start, start+n) overwrites nothing a query of the step can see (a ring keeps
+``window + slack`` rows). Long segments (prefill chunks) take the per-segment path, which
+reads the cached context *before* writing, so a chunk longer than a ring still works. The
+slot indices of a pool are computed once per forward and shared by all of its layers.
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from baton.memory.cache import ModelCache
+from baton.memory.pools import RingPool, StatePool
 from baton.model.attention import masked_attention, visibility_mask
+
+BATCHED_MAX_TOKENS = 8
+"""Segments up to this many tokens are attended together (padded)."""
 
 
 @dataclass(frozen=True)
@@ -32,42 +42,136 @@ class Segment:
     """No position below this is read from the pool (the draft-state ablation switch)."""
 
 
+@dataclass
+class _BatchPlan:
+    """Index tensors of the batched path for one pool and one forward."""
+
+    segments: list[Segment]
+    token_index: torch.Tensor  # [T] the segments' tokens in the flattened step
+    write_units: torch.Tensor  # [T]
+    write_rows: torch.Tensor  # [T]
+    read_units: torch.Tensor  # [B, L] (padded)
+    read_rows: torch.Tensor  # [B, L]
+    q_index: torch.Tensor  # [B, Q] flattened token of each query (padded with 0)
+    q_valid: torch.Tensor  # [B, Q] bool
+    mask: torch.Tensor  # [B, 1, Q, L] bool, True = visible
+
+
+def _first_visible(seg: Segment, window: int | None) -> int:
+    first = 0 if window is None else max(0, seg.start - window + 1)
+    return min(max(first, seg.floor), seg.start)
+
+
 class PagedAttention:
     """``AttentionBackend`` over a ``ModelCache``; one instance per forward."""
 
     def __init__(self, cache: ModelCache, segments: list[Segment]) -> None:
         self.cache = cache
         self.segments = segments
+        self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
+
+    def _is_batched(self, pool: StatePool, seg: Segment, window: int | None) -> bool:
+        if seg.num_tokens > BATCHED_MAX_TOKENS:
+            return False
+        if isinstance(pool, RingPool):  # writing first must not overwrite a visible row
+            return window is not None and seg.num_tokens <= pool.rows - window + 1
+        return True
+
+    def _plan(self, pool: StatePool, window: int | None):
+        if pool.name in self._plans:
+            return self._plans[pool.name]
+        batched = [s for s in self.segments if self._is_batched(pool, s, window)]
+        others = [s for s in self.segments if not self._is_batched(pool, s, window)]
+        plan = self._build(pool, batched, window) if batched else None
+        self._plans[pool.name] = (plan, others)
+        return plan, others
+
+    def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
+        firsts = [_first_visible(s, window) for s in segs]
+        num_keys = max(s.start + s.num_tokens - f for s, f in zip(segs, firsts, strict=True))
+        num_queries = max(s.num_tokens for s in segs)
+        read_units = torch.zeros(len(segs), num_keys, dtype=torch.long)
+        read_rows = torch.zeros(len(segs), num_keys, dtype=torch.long)
+        q_index = torch.zeros(len(segs), num_queries, dtype=torch.long)
+        q_valid = torch.zeros(len(segs), num_queries, dtype=torch.bool)
+        mask = torch.zeros(len(segs), 1, num_queries, num_keys, dtype=torch.bool)
+        token_index, write_units, write_rows = [], [], []
+        for b, (seg, first) in enumerate(zip(segs, firsts, strict=True)):
+            end = seg.start + seg.num_tokens
+            units, rows = pool._slots(seg.request_id, range(first, end))
+            read_units[b, : end - first], read_rows[b, : end - first] = units, rows
+            new = seg.start - first
+            write_units.append(units[new:])
+            write_rows.append(rows[new:])
+            tokens = torch.arange(seg.offset, seg.offset + seg.num_tokens)
+            token_index.append(tokens)
+            q_index[b, : seg.num_tokens], q_valid[b, : seg.num_tokens] = tokens, True
+            q_pos = torch.arange(seg.start, end)
+            mask[b, 0, : seg.num_tokens, : end - first] = visibility_mask(
+                q_pos, torch.arange(first, end), window
+            )
+            mask[b, 0, seg.num_tokens :, 0] = True  # padded queries: anything but NaN
+        return _BatchPlan(
+            segs,
+            torch.cat(token_index),
+            torch.cat(write_units),
+            torch.cat(write_rows),
+            read_units,
+            read_rows,
+            q_index,
+            q_valid,
+            mask,
+        )
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
         pool, local = self.cache.layer_map[layer_id]
         out = torch.empty_like(q)
-        for seg in self.segments:
-            rows = slice(seg.offset, seg.offset + seg.num_tokens)
-            q_seg, k_seg, v_seg = q[0, rows], k[0, rows], v[0, rows]
-            first = 0 if window is None else max(0, seg.start - window + 1)
-            first = min(max(first, seg.floor), seg.start)
-            if first < seg.start:
-                old_k, old_v = pool.read(local, seg.request_id, first, seg.start)
-                keys, values = torch.cat((old_k, k_seg)), torch.cat((old_v, v_seg))
-            else:
-                keys, values = k_seg, v_seg
-            end = seg.start + seg.num_tokens
-            if seg.num_tokens == 1:
-                mask = None  # one query sees its whole context: no mask needed
-            else:
-                q_pos = torch.arange(seg.start, end)
-                mask = visibility_mask(q_pos, torch.arange(first, end), window)
-            attn = masked_attention(
-                q_seg.transpose(0, 1)[None],
-                keys.transpose(0, 1)[None],
-                values.transpose(0, 1)[None],
-                mask,
-                scale,
-                softcap,
-                causal=False,
-            )
-            out[0, rows] = attn[0].transpose(0, 1)
-            pool.write(local, seg.request_id, seg.start, k_seg, v_seg)
+        plan, others = self._plan(pool, window)
+        if plan is not None:
+            self._attend_batched(pool, local, plan, q, k, v, out, scale, softcap)
+        for seg in others:
+            self._attend_one(pool, local, seg, q, k, v, out, window, scale, softcap)
         return out
+
+    def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap):
+        storage = pool.storage
+        storage[plan.write_units, local, 0, plan.write_rows] = k[0, plan.token_index]
+        storage[plan.write_units, local, 1, plan.write_rows] = v[0, plan.token_index]
+        for seg in plan.segments:
+            end = seg.start + seg.num_tokens
+            pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
+        keys = storage[plan.read_units, local, 0, plan.read_rows]  # [B, L, kv, D]
+        values = storage[plan.read_units, local, 1, plan.read_rows]
+        queries = q[0, plan.q_index]  # [B, Q, heads, D]
+        attn = masked_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            plan.mask,
+            scale,
+            softcap,
+        )  # [B, heads, Q, D]
+        out[0, plan.q_index[plan.q_valid]] = attn.transpose(1, 2)[plan.q_valid]
+
+    def _attend_one(self, pool, local, seg, q, k, v, out, window, scale, softcap):
+        rows = slice(seg.offset, seg.offset + seg.num_tokens)
+        q_seg, k_seg, v_seg = q[0, rows], k[0, rows], v[0, rows]
+        first = _first_visible(seg, window)
+        if first < seg.start:
+            old_k, old_v = pool.read(local, seg.request_id, first, seg.start)
+            keys, values = torch.cat((old_k, k_seg)), torch.cat((old_v, v_seg))
+        else:
+            keys, values = k_seg, v_seg
+        end = seg.start + seg.num_tokens
+        mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
+        attn = masked_attention(
+            q_seg.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            mask,
+            scale,
+            softcap,
+        )
+        out[0, rows] = attn[0].transpose(0, 1)
+        pool.write(local, seg.request_id, seg.start, k_seg, v_seg)
