@@ -69,6 +69,7 @@ class PagedAttention:
         self.cache = cache
         self.segments = segments
         self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
+        self._one: dict[tuple[str, Segment], tuple] = {}
 
     def _is_batched(self, pool: StatePool, seg: Segment, window: int | None) -> bool:
         if seg.num_tokens > BATCHED_MAX_TOKENS:
@@ -158,13 +159,24 @@ class PagedAttention:
         rows = slice(seg.offset, seg.offset + seg.num_tokens)
         q_seg, k_seg, v_seg = q[0, rows], k[0, rows], v[0, rows]
         first = _first_visible(seg, window)
-        if first < seg.start:
-            old_k, old_v = pool.read(local, seg.request_id, first, seg.start)
+        end = seg.start + seg.num_tokens
+        key = (pool.name, seg)
+        if key not in self._one:  # slots and mask are the same for every layer of the pool
+            read = (
+                pool._slots(seg.request_id, range(first, seg.start)) if first < seg.start else None
+            )
+            store = pool._store_from(seg.start, end)
+            write = pool._slots(seg.request_id, range(store, end))
+            mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
+            self._one[key] = (read, store - seg.start, write, mask)
+        read, skip, write, mask = self._one[key]
+        if read is not None:
+            read_units, read_rows = read
+            old_k = pool.storage[read_units, local, 0, read_rows]
+            old_v = pool.storage[read_units, local, 1, read_rows]
             keys, values = torch.cat((old_k, k_seg)), torch.cat((old_v, v_seg))
         else:
             keys, values = k_seg, v_seg
-        end = seg.start + seg.num_tokens
-        mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
         attn = masked_attention(
             q_seg.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
@@ -174,4 +186,7 @@ class PagedAttention:
             softcap,
         )
         out[0, rows] = attn[0].transpose(0, 1)
-        pool.write(local, seg.request_id, seg.start, k_seg, v_seg)
+        write_units, write_rows = write
+        pool.storage[write_units, local, 0, write_rows] = k_seg[skip:]
+        pool.storage[write_units, local, 1, write_rows] = v_seg[skip:]
+        pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)

@@ -1,0 +1,118 @@
+"""The bundled model: loadable by transformers and baton alike, parity, and its draft.
+
+These tests use the committed weights in ``models/baton-stdlib-qwen3``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.corpus import held_out_texts
+from baton.model import load_draft, load_model
+from tests.conftest import BUNDLED
+
+pytestmark = pytest.mark.skipif(
+    not (BUNDLED / "model.safetensors").is_file(), reason="bundled weights not trained yet"
+)
+
+
+@pytest.fixture(scope="module")
+def held_out_prompts():
+    from baton.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(BUNDLED)
+    prompts = []
+    for text in held_out_texts()[:8]:
+        ids = tok.encode(text)
+        prompts.append(ids[:200])
+    return prompts
+
+
+def test_transformers_loads_it_and_agrees(held_out_prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(BUNDLED)
+    assert tok("import os").input_ids == LLM_tokenizer().encode("import os")
+    ours = load_model(BUNDLED, "float32")
+    ids = torch.tensor([held_out_prompts[0][:160]])
+    with torch.no_grad():
+        expected = hf(ids).logits
+        got = ours.compute_logits(ours(ids, torch.arange(160)[None], _dense()))
+    assert (got - expected).abs().max().item() < 1e-4
+    with torch.no_grad():
+        hf_ids = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None)
+    from baton.model.reference import greedy_generate
+
+    assert greedy_generate(ours, ids[0].tolist(), 32) == hf_ids[0, 160:].tolist()
+
+
+def LLM_tokenizer():  # noqa: N802
+    from baton.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(BUNDLED)
+
+
+def _dense():
+    from baton.model import DenseAttention
+
+    return DenseAttention()
+
+
+def test_engine_greedy_matches_transformers_on_mixed_lengths(held_out_prompts):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(BUNDLED, dtype=torch.float32).eval()
+    lengths = [5, 16, 64, 128, 129, 200]  # page 16, window 128, draft window 64
+    prompts = [p[:n] for p, n in zip(held_out_prompts, lengths, strict=False)]
+    llm = LLM(BUNDLED, dtype="float32", speculative=False, max_num_batched_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = hf.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_speculation_is_exact_and_accepts_at_least_two(held_out_prompts, mode):
+    params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+    prompts = [
+        {"prompt_token_ids": p[:n]}
+        for p, n in zip(held_out_prompts, [7, 64, 130, 200], strict=False)
+    ]  # noqa: E501
+    plain = LLM(BUNDLED, dtype="float32", speculative=False, sliding_mode=mode)
+    spec = LLM(BUNDLED, dtype="float32", sliding_mode=mode)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    outs = spec.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    steps = [a for o in outs for a in o.metrics.accepted_lengths]
+    assert sum(steps) / len(steps) >= 2.0
+
+
+def test_missing_draft_prompt_state_shows_in_early_acceptance(held_out_prompts):
+    """The signature of a draft state that never arrived: lower acceptance over the first
+    draft window of decode, recovery after it. The metric must see it."""
+    params = SamplingParams(temperature=0, max_tokens=192, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in held_out_prompts]
+    window = load_draft(BUNDLED, load_model(BUNDLED)).draft_spec.sliding_window
+
+    def split(llm) -> tuple[float, float]:
+        early, late = [], []
+        for out in llm.generate(prompts, params):
+            generated = 0
+            for a in out.metrics.accepted_lengths:
+                (early if generated < window else late).append(a)
+                generated += a
+        return sum(early) / len(early), sum(late) / len(late)
+
+    full_early, full_late = split(LLM(BUNDLED, dtype="float32"))
+    empty_early, empty_late = split(
+        LLM(BUNDLED, dtype="float32", debug_empty_draft_prompt_state=True)
+    )
+    assert empty_early < full_early - 0.1
+    assert abs(empty_late - full_late) < 0.15
