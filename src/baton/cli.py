@@ -19,41 +19,42 @@ DEFAULT_PROMPTS = [
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import torch
+    from baton import LLM, SamplingParams
 
-    from baton.model import load_draft, load_model
-    from baton.model.reference import greedy_generate, speculative_greedy
-    from baton.tokenizer import Tokenizer
-
-    torch.set_num_threads(args.threads)
-    model = load_model(args.model, args.dtype)
-    draft = load_draft(args.model, model) if args.speculative else None
-    tokenizer = Tokenizer.from_dir(args.model)
-    eos = tuple(sorted(tokenizer.eos_token_ids))
-    for prompt in args.prompt or DEFAULT_PROMPTS:
-        ids = tokenizer.encode(prompt)
-        start = time.perf_counter()
-        if draft is not None:
-            out, accepted = speculative_greedy(model, draft, ids, args.max_tokens)
-            stats = f", {sum(accepted) / len(accepted):.2f} tokens per verify step"
-        else:
-            out, stats = greedy_generate(model, ids, args.max_tokens, eos), ""
-        elapsed = time.perf_counter() - start
-        if any(t in eos for t in out):
-            out = out[: next(i for i, t in enumerate(out) if t in eos)]
-        print(f"--- prompt ({len(ids)} tokens)\n{prompt}", end="")
-        print(f"\033[1m{tokenizer.decode(out)}\033[0m")
-        print(f"--- {len(out)} tokens in {elapsed:.2f} s{stats}\n")
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        speculative=None if args.speculative else False,
+    )
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for out in outputs:
+        completion, m = out.outputs[0], out.metrics
+        print(f"--- prompt ({len(out.prompt_token_ids)} tokens)\n{out.prompt}", end="")
+        print(f"\033[1m{completion.text}\033[0m")
+        stats = f"{len(completion.token_ids)} tokens, finish: {completion.finish_reason}"
+        if m.acceptance_length is not None:
+            stats += f", {m.acceptance_length:.2f} tokens per verify step (k={llm.engine.num_spec})"
+        print(f"--- {stats}\n")
+    total = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(
+        f"{len(outputs)} requests, {total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="greedy generation on a local model directory")
+    gen = sub.add_parser("generate", help="offline generation on a local model directory")
     gen.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
     gen.add_argument("--threads", type=int, default=2)
     gen.add_argument(
