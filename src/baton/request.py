@@ -190,7 +190,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal" by value
 class Request:
     """One request as the scheduler tracks it; plain data, mutated in place by the engine."""
 

@@ -132,9 +132,10 @@ def test_engine_registry_declares_target_pools(hf_checkpoint):
     for mode, kind in (("paged", "paged_sliding"), ("ring", "ring")):
         engine = LLM(directory, dtype="float32", sliding_mode=mode).engine
         schema = {c["name"]: c for c in engine.registry.schema()}
-        assert set(schema) == {"target.full", "target.swa"}
+        assert set(schema) == {"target.full", "target.swa", "aux"}
         assert schema["target.swa"]["kind"] == kind
         assert schema["target.full"]["layer_ids"] == [1, 3]
         assert schema["target.swa"]["layer_ids"] == [0, 2]
         # Nothing else keeps a list of pools: the cache's pools are the registry's.
-        assert {p.component.name for p in engine.cache.pools} == set(schema)
+        pools = {p.component.name for p in engine.cache.pools} | {engine.aux.name}
+        assert pools == set(schema)

@@ -101,7 +101,7 @@ def test_registry_declares_draft_state(spec_dir):
     for mode, kind in (("paged", "paged_sliding"), ("ring", "ring")):
         engine = _llm(spec_dir, sliding_mode=mode).engine
         schema = {c["name"]: c for c in engine.registry.schema()}
-        assert set(schema) == {"target.full", "target.swa", "draft.swa"}
+        assert set(schema) == {"target.full", "target.swa", "draft.swa", "aux"}
         assert schema["draft.swa"]["kind"] == kind and schema["draft.swa"]["window"] == 8
 
 

@@ -22,6 +22,8 @@ from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.sampler import Sampler, SamplingState
 from baton.engine.scheduler import Scheduler
+from baton.memory.allocator import StorageAllocator
+from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
@@ -85,10 +87,29 @@ class _Track:
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
     new_token_ids: list[int] = field(default_factory=list)
+    hold: bool = False
+    """PD prefill: keep every unit after finishing, until ``release``."""
+
+
+@dataclass
+class HeldRequest:
+    """A finished prefill-only request whose state waits to be transferred."""
+
+    request: Request
+    first_token: Committed
+    seed_hidden: torch.Tensor | None
+    """[hidden] the target's last prompt hidden state (the draft seed); None without draft."""
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | os.PathLike, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        config: EngineConfig | None = None,
+        allocator: StorageAllocator | None = None,
+    ) -> None:
+        """``allocator`` places the pools' storage (shared memory for a PD decode worker)."""
+        self.model_dir = Path(model_dir)
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -108,18 +129,23 @@ class LLMEngine:
         slack = self.num_spec + 1 if draft is not None else 0
         self.cache = ModelCache(
             spec, config.cache, config.scheduler, self.max_model_len, dtype, self.registry,
-            slack=slack,
+            slack=slack, allocator=allocator,
         )  # fmt: skip
         self.caches = [self.cache]
         proposer = None
         if draft is not None:
             draft_cache = ModelCache(
                 draft.spec, config.cache, config.scheduler, self.max_model_len, dtype,
-                self.registry, prefix="draft", slack=2 * slack,
+                self.registry, prefix="draft", slack=2 * slack, allocator=allocator,
             )  # fmt: skip
             self.caches.append(draft_cache)
             proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
         self.proposer = proposer
+        # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
+        self.aux = AuxPool(
+            2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
+        )
+        self.held: dict[str, HeldRequest] = {}
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
@@ -180,6 +206,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        track = self._new_track(prompt, params, request_id)
+        self.scheduler.add(track.request)
+        return track.request.request_id
+
+    def _new_track(
+        self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
+    ) -> _Track:
+        """Validate a request and create its bookkeeping; touches no memory."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
@@ -206,8 +240,7 @@ class LLMEngine:
         )
         if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
             self.proposer.context_floor[request_id] = len(token_ids) - 1
-        self.scheduler.add(request)
-        return request_id
+        return self.tracks[request_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         track = self.tracks.pop(request_id, None)
@@ -253,11 +286,23 @@ class LLMEngine:
                     break
             outputs.append(self._output(track, finish=track.finish_reason))
             if track.finish_reason is not None:
-                self.scheduler.finish(track.request, FINISH[track.finish_reason])
-                if self.proposer is not None:
-                    self.proposer.free(request_id)
-                del self.tracks[request_id]
+                self._finish(track, committed)
         return outputs
+
+    def _finish(self, track: _Track, committed: Committed | None) -> None:
+        request_id = track.request.request_id
+        status = FINISH[track.finish_reason]
+        if track.hold:
+            self.scheduler.finish(track.request, status, free=False)
+            seed = self.proposer.pending.pop(request_id, None) if self.proposer else None
+            hidden = seed.hidden[-1] if seed is not None else None
+            self.held[request_id] = HeldRequest(track.request, committed, hidden)
+        else:
+            self.scheduler.finish(track.request, status)
+            self.aux.free(request_id)
+        if self.proposer is not None:
+            self.proposer.free(request_id)
+        del self.tracks[request_id]
 
     def _num_spec_tokens(self, request: Request) -> int:
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens

@@ -148,13 +148,15 @@ class Scheduler:
             chunk.request.num_computed_tokens = end
             self.memory.trim(chunk.request.request_id, end)
 
-    def finish(self, request: Request, status: RequestStatus) -> None:
-        """End a running or waiting request and free all its units at once."""
-        if request in self.running:
+    def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
+        """End a running or waiting request and free all its units at once (``free=False``:
+        a PD prefill keeps them until the transfer is done)."""
+        if any(r is request for r in self.running):
             self.running.remove(request)
-        elif request in self.waiting:
+        elif any(r is request for r in self.waiting):
             self.waiting.remove(request)
-        self.memory.free(request.request_id)
+        if free:
+            self.memory.free(request.request_id)
         request.status = status
 
     def abort(self, request_id: str) -> Request | None:

@@ -13,6 +13,7 @@ import math
 import torch
 
 from baton.config import CacheConfig, SchedulerConfig
+from baton.memory.allocator import StorageAllocator
 from baton.memory.pools import PagedPool, RingPool, StatePool
 from baton.memory.state import StateRegistry
 from baton.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
@@ -29,6 +30,7 @@ class ModelCache:
         registry: StateRegistry,
         prefix: str = "target",
         slack: int = 0,
+        allocator: StorageAllocator | None = None,
     ) -> None:
         self.pools: list[StatePool] = []
         self.layer_map: dict[int, tuple[StatePool, int]] = {}
@@ -42,19 +44,24 @@ class ModelCache:
                 page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * spec.head_dim
                 page_bytes *= torch.empty((), dtype=dtype).element_size()
                 num_pages = max(1, cache_config.kv_cache_memory_mb * 2**20 // page_bytes)
-            self._add(PagedPool(f"{prefix}.full", full, num_pages, page_size, *kv))
+            self._add(
+                PagedPool(f"{prefix}.full", full, num_pages, page_size, *kv, allocator=allocator)
+            )
         if sliding:
             window = spec.sliding_window
             assert window is not None
             seqs = scheduler_config.max_num_seqs
             if cache_config.sliding_mode == "ring":
-                pool: StatePool = RingPool(f"{prefix}.swa", sliding, seqs, window, *kv, slack=slack)
+                pool: StatePool = RingPool(
+                    f"{prefix}.swa", sliding, seqs, window, *kv, slack=slack, allocator=allocator
+                )
             else:
                 # Enough for every running request at its mid-chunk peak: never the bottleneck.
                 per_request = 2 * (math.ceil((window - 1 + slack) / page_size) + 1)  # peak_units
                 pool = PagedPool(
-                    f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack
-                )
+                    f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack,
+                    allocator=allocator,
+                )  # fmt: skip
             self._add(pool)
 
     def _add(self, pool: StatePool) -> None:

@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
 from baton.memory.state import StateComponent, StateRegistry, UnitRange
 
@@ -52,12 +53,15 @@ class StatePool(ABC):
         page_size: int | None = None,
         window: int | None = None,
         ring_rows: int | None = None,
+        allocator: StorageAllocator | None = None,
     ) -> None:
         self.name = name
         self.layer_ids = layer_ids
         self.rows = rows
         unit_shape = (len(layer_ids), 2, rows, num_kv_heads, head_dim)
-        self.storage = torch.zeros((num_units, *unit_shape), dtype=dtype)
+        # The allocator decides where storage lives: heap, or shared memory for a PD peer.
+        allocator = allocator if allocator is not None else HeapAllocator()
+        self.storage = allocator.zeros(name, (num_units, *unit_shape), dtype)
         self.blocks = BlockPool(num_units)
         self.num_tokens: dict[str, int] = {}
         """Per request: one past the last position written (what the units cover)."""
@@ -154,11 +158,13 @@ class PagedPool(StatePool):
         registry: StateRegistry,
         window: int | None = None,
         slack: int = 0,
+        *,
+        allocator: StorageAllocator | None = None,
     ) -> None:
         kind = "paged_full" if window is None else "paged_sliding"
         super().__init__(
             name, kind, "page", layer_ids, num_pages, page_size, num_kv_heads, head_dim, dtype,
-            registry, page_size=page_size, window=window,
+            registry, page_size=page_size, window=window, allocator=allocator,
         )  # fmt: skip
         self.page_size = page_size
         self.window = window
@@ -214,12 +220,12 @@ class PagedPool(StatePool):
         return len(self.tables.get(request_id, {}))
 
     def index(self, request_id: str) -> UnitRange:
+        # Pages holding committed positions only: not one grown for a step still to come.
         table = self.tables.get(request_id, {})
-        logical = sorted(table)
+        end = self.num_tokens.get(request_id, 0)
+        logical = sorted(p for p in table if p * self.page_size < end)
         start = logical[0] * self.page_size if logical else 0
-        return UnitRange(
-            tuple(table[p] for p in logical), start, self.num_tokens.get(request_id, 0)
-        )
+        return UnitRange(tuple(table[p] for p in logical), start, end)
 
     def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.tables[request_id]
@@ -249,11 +255,13 @@ class RingPool(StatePool):
         dtype: torch.dtype,
         registry: StateRegistry,
         slack: int = 0,
+        *,
+        allocator: StorageAllocator | None = None,
     ) -> None:
         rows = window + slack
         super().__init__(
             name, "ring", "ring", layer_ids, num_rings, rows, num_kv_heads, head_dim, dtype,
-            registry, window=window, ring_rows=rows,
+            registry, window=window, ring_rows=rows, allocator=allocator,
         )  # fmt: skip
         self.window = window
         self.rings: dict[str, int] = {}

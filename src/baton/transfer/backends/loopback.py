@@ -1,0 +1,82 @@
+"""Loopback backend: sender and receiver in one process, bytes really copied (tests only).
+
+A registered region is published in a process-wide table under a fresh id (its
+descriptor's ``address``); ``connect`` looks peers up there. ``deferred=True`` holds every
+batch until the test calls ``complete_pending`` or ``fail_pending``, so lifecycle tests can
+observe ``PENDING``, deadlines and failures without a second process.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from baton.transfer.backends.base import (
+    DONE,
+    RegionDescriptor,
+    TransferBackend,
+    TransferOp,
+    failed,
+)
+
+_REGIONS: dict[str, torch.Tensor] = {}
+"""address -> flat uint8 view: this process's loopback 'address space'."""
+_ids = itertools.count()
+
+
+class LoopbackBackend(TransferBackend):
+    kind = "loopback"
+
+    def __init__(self, *, deferred: bool = False) -> None:
+        super().__init__()
+        self.is_deferred = deferred
+        self._pending: dict[int, Sequence[TransferOp]] = {}
+        self._addresses: list[str] = []
+
+    def _describe(self, name: str, tensor: torch.Tensor, flat: torch.Tensor) -> RegionDescriptor:
+        address = f"loopback-{next(_ids)}"
+        _REGIONS[address] = flat
+        self._addresses.append(address)
+        return RegionDescriptor(self.kind, name, flat.numel(), address)
+
+    def _reach(self, descriptor: RegionDescriptor) -> torch.Tensor:
+        if descriptor.address not in _REGIONS:
+            raise ValueError(f"loopback: peer region {descriptor.region!r} is not registered")
+        flat = _REGIONS[descriptor.address]
+        return flat[descriptor.offset : descriptor.offset + descriptor.nbytes]
+
+    def _start(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
+        if self.is_deferred:
+            self._pending[transfer_id] = list(batch)
+        else:
+            self._run(transfer_id, batch)
+
+    def _run(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
+        try:
+            self._copy(batch)
+        except Exception as e:  # a failed copy is a state, not an exception (base contract)
+            self._finish(transfer_id, failed(f"loopback copy failed: {e}"))
+        else:
+            self._finish(transfer_id, DONE)
+
+    def complete_pending(self) -> None:
+        """Deferred mode: carry out every held batch now."""
+        for transfer_id, batch in self._take_pending():
+            self._run(transfer_id, batch)
+
+    def fail_pending(self, reason: str) -> None:
+        """Deferred mode: fail every held batch without writing a byte."""
+        for transfer_id, _ in self._take_pending():
+            self._finish(transfer_id, failed(reason))
+
+    def _take_pending(self) -> list[tuple[int, Sequence[TransferOp]]]:
+        pending, self._pending = list(self._pending.items()), {}
+        return pending
+
+    def _shutdown(self) -> None:
+        self.fail_pending("loopback backend closed")
+        for address in self._addresses:
+            _REGIONS.pop(address, None)
+        self._addresses.clear()

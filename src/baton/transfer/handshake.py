@@ -1,0 +1,245 @@
+"""The pairing rules: who may hand state to whom (DESIGN.md principle 3).
+
+This module owns (a) building a worker's own ``Hello`` from its engine and model directory
+and (b) ``check_pairing``, the one place that decides whether a prefill and a decode worker
+are compatible. Both sides call ``check_pairing(local, remote)`` on the peer's ``Hello`` /
+``HelloAck`` before any ``ReserveState``; a refusal is a ``PairingError`` that lists *every*
+difference, each naming the component and the field with both sides' values, so a forgotten
+pool (``draft.swa`` declared on one side only) is an error at bootstrap, not a silent drop in
+acceptance length later. It sends nothing (``channel.py``) and never touches pools.
+
+Model identity is cheap by design: config files are hashed, weight files only by name and
+size (hashing gigabytes of weights at every bootstrap is not worth it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from baton.config import EngineConfig
+from baton.transfer.protocol import PROTOCOL_VERSION, Hello, PeerInfo, Role, SpeculativeConfig
+
+CONFIG_FILE = "config.json"
+DRAFT_CONFIG_FILE = "mtp_config.json"  # NOTE: same name as baton.model.draft (no torch here)
+DEFAULT_DRAFT_WEIGHTS = "mtp.safetensors"
+MAX_VALUE_CHARS = 120
+"""Values longer than this are shortened in error messages."""
+
+
+class PairingError(ValueError):
+    """Two workers cannot pair; ``problems`` lists each difference in words."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+class RegistryLike(Protocol):
+    def schema(self) -> list[dict[str, Any]]: ...
+
+
+class EngineLike(Protocol):
+    """What ``build_hello`` reads from an engine (``LLMEngine`` satisfies it)."""
+
+    registry: RegistryLike
+    config: EngineConfig
+
+
+# -- identities ------------------------------------------------------------------------------
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _weight_sizes(model_dir: Path, names: list[str]) -> dict[str, int]:
+    sizes = {}
+    for name in names:
+        path = model_dir / name
+        if not path.is_file():
+            raise ValueError(f"{model_dir}: weight file {name} not found")
+        sizes[name] = path.stat().st_size
+    return sizes
+
+
+def model_identity(model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The target model's identity: architecture, sha256 of ``config.json``, weight file
+    names and sizes (``model.safetensors`` or the shards of its index)."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / CONFIG_FILE
+    if not config_path.is_file():
+        raise ValueError(f"{model_dir}: {CONFIG_FILE} not found")
+    config = json.loads(config_path.read_text())
+    if (model_dir / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    elif (model_dir / "model.safetensors.index.json").is_file():
+        index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+        names = sorted(set(index["weight_map"].values()))
+    else:
+        raise ValueError(f"{model_dir}: neither model.safetensors nor its index")
+    return {
+        "architecture": ",".join(config.get("architectures") or []),
+        "config_sha256": _sha256_file(config_path),
+        "weight_files": _weight_sizes(model_dir, names),
+    }
+
+
+def draft_identity(model_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """The MTP draft's identity (sha256 of ``mtp_config.json``, its weight file name and
+    size), or None when the directory has no draft."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / DRAFT_CONFIG_FILE
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    weights = config.get("weights_file", DEFAULT_DRAFT_WEIGHTS)
+    return {
+        "architecture": config.get("architecture", ""),
+        "config_sha256": _sha256_file(config_path),
+        "weight_files": _weight_sizes(model_dir, [weights]),
+    }
+
+
+def schema_hash(schema: list[dict[str, Any]]) -> str:
+    """sha256 of a schema, computed exactly as ``StateRegistry.schema_hash``."""
+    canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def build_hello(
+    engine: EngineLike,
+    model_dir: str | os.PathLike,
+    *,
+    worker_id: str,
+    role: Role,
+    backend: str,
+    regions: dict[str, dict[str, Any]] | None = None,
+) -> Hello:
+    """This worker's declaration. Speculation is on exactly when the engine loads a draft:
+    ``config.speculative`` is not False and the directory has ``mtp_config.json``."""
+    config = engine.config
+    draft = draft_identity(model_dir) if config.speculative is not False else None
+    schema = engine.registry.schema()
+    return Hello(
+        protocol_version=PROTOCOL_VERSION,
+        worker_id=worker_id,
+        role=role,
+        model=model_identity(model_dir),
+        draft=draft,
+        speculative=SpeculativeConfig(
+            enabled=draft is not None,
+            num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
+        ),
+        schema=schema,
+        schema_hash=schema_hash(schema),
+        backend=backend,
+        regions=regions or {},
+    )
+
+
+# -- pairing ---------------------------------------------------------------------------------
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= MAX_VALUE_CHARS else text[: MAX_VALUE_CHARS - 3] + "..."
+
+
+class _Sides:
+    """Names the two sides in messages: by role, or local/remote if the roles clash."""
+
+    def __init__(self, local: PeerInfo, remote: PeerInfo) -> None:
+        distinct = local.role != remote.role
+        self.local = local.role if distinct else "local"
+        self.remote = remote.role if distinct else "remote"
+
+    def differs(self, what: str, field: str, local: Any, remote: Any) -> str:
+        return f"{what}{field} differs ({self.local} {_show(local)}, {self.remote} {_show(remote)})"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+def _compare_dicts(sides: _Sides, what: str, local: dict, remote: dict) -> list[str]:
+    keys = [*local, *(k for k in remote if k not in local)]
+    return [
+        sides.differs(what, k, local.get(k, _MISSING), remote.get(k, _MISSING))
+        for k in keys
+        if local.get(k, _MISSING) != remote.get(k, _MISSING)
+    ]
+
+
+def _by_name(sides: str, schema: list[dict[str, Any]], problems: list[str]) -> dict[str, dict]:
+    components: dict[str, dict] = {}
+    for component in schema:
+        name = component.get("name")
+        if not isinstance(name, str):
+            problems.append(f"{sides} declares a component without a name: {_show(component)}")
+        elif name in components:
+            problems.append(f"{sides} declares component `{name}` twice")
+        else:
+            components[name] = component
+    return components
+
+
+def schema_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
+    """Every difference between the two state schemas, component by component."""
+    sides = _Sides(local, remote)
+    problems = []
+    for side, info in ((sides.local, local), (sides.remote, remote)):
+        if info.schema_hash != schema_hash(info.schema):
+            problems.append(f"{side}'s schema_hash does not match its own schema")
+    if schema_hash(local.schema) == schema_hash(remote.schema):
+        return problems  # the cheap check: equal canonical schemas
+    mine = _by_name(sides.local, local.schema, problems)
+    theirs = _by_name(sides.remote, remote.schema, problems)
+    for name in sorted(mine.keys() - theirs.keys()):
+        problems.append(f"{sides.local} expects `{name}`, {sides.remote} does not declare it")
+    for name in sorted(theirs.keys() - mine.keys()):
+        problems.append(f"{sides.remote} expects `{name}`, {sides.local} does not declare it")
+    for name in sorted(mine.keys() & theirs.keys()):
+        problems += _compare_dicts(sides, f"component `{name}`: ", mine[name], theirs[name])
+    if not problems:  # same content, different order or encoding: still not the same schema
+        problems.append("schemas differ in component order though no field differs")
+    return problems
+
+
+def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
+    """Every reason ``local`` and ``remote`` cannot pair; empty when they can."""
+    sides = _Sides(local, remote)
+    problems = []
+    if local.protocol_version != remote.protocol_version:
+        problems.append(
+            sides.differs("", "protocol version", local.protocol_version, remote.protocol_version)
+        )
+    if {local.role, remote.role} != {"prefill", "decode"}:
+        problems.append(f"a pair is one prefill and one decode, got {local.role} and {remote.role}")
+    problems += _compare_dicts(sides, "model identity: ", local.model, remote.model)
+    if (local.draft is None) != (remote.draft is None):
+        has, lacks = (sides.local, sides.remote) if local.draft else (sides.remote, sides.local)
+        problems.append(f"{has} uses a draft model, {lacks} has none")
+    elif local.draft is not None and remote.draft is not None:
+        problems += _compare_dicts(sides, "draft identity: ", local.draft, remote.draft)
+    for field in ("enabled", "num_speculative_tokens"):
+        mine, theirs = getattr(local.speculative, field), getattr(remote.speculative, field)
+        if mine != theirs:
+            problems.append(sides.differs("speculative config: ", field, mine, theirs))
+    if local.backend != remote.backend:
+        problems.append(sides.differs("", "transfer backend", local.backend, remote.backend))
+    return problems + schema_problems(local, remote)
+
+
+def check_pairing(local: PeerInfo, remote: PeerInfo) -> None:
+    """Raise ``PairingError`` naming every difference that forbids this pairing."""
+    problems = pairing_problems(local, remote)
+    if problems:
+        raise PairingError(
+            f"cannot pair {local.role} worker {local.worker_id!r} with {remote.role} worker "
+            f"{remote.worker_id!r}: " + "; ".join(problems),
+            problems,
+        )

@@ -1,0 +1,254 @@
+"""The PD control protocol: typed, versioned messages and their wire encoding.
+
+This module owns the *shape* of every control message a prefill and a decode worker
+exchange (DESIGN.md §3, §5) and the one encoder/decoder pair for them. It is pure data:
+no sockets (``channel.py`` moves the bytes and authenticates them), no pairing rules
+(``handshake.py``), no scheduling. Sender, receiver, router and tests import it.
+
+Wire format: a msgpack array ``[PROTOCOL_VERSION, message]`` where ``message`` is a msgpack
+map tagged by its ``type`` field (the class name). No pickle anywhere: a peer can only ever
+make us build one of the structs below, with fields of the declared types. ``decode``
+turns every problem (garbage bytes, another protocol version, an unknown ``type``, a wrong
+field type, an out-of-range id) into a ``ProtocolError`` that names it.
+
+Message flow of one PD request (``room`` is the router's random 63-bit id)::
+
+    decode                                   prefill
+      Hello ──────────────────────────────▶      (once per peer, at bootstrap)
+            ◀────────────────────────────── HelloAck
+      ReserveState(room, dst units) ──────▶      (per request)
+            ◀────────────────────────────── StateDone(room) | StateFailed(room)
+      Abort / StateFailed ◀───────────────▶      (either way, any time)
+      Ping ◀──────────────────────────────▶ Pong (health)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from baton.request import SamplingParams
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change to a message; peers of different versions never pair."""
+
+MAX_ID = 2**63 - 1
+Id63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
+"""A room or nonce: a non-negative 63-bit int (fits every signed 64-bit field downstream)."""
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Role = Literal["prefill", "decode"]
+
+
+class ProtocolError(ValueError):
+    """A control frame that is not a valid message of this protocol version."""
+
+
+def new_room() -> int:
+    """A random 63-bit request room id (the router assigns one per PD request)."""
+    return secrets.randbits(63)
+
+
+def new_nonce() -> int:
+    """A random 63-bit nonce; decode admits a request only when the aux record echoes it."""
+    return secrets.randbits(63)
+
+
+class _Struct(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Common options: keyword construction, immutable, strict about unknown fields."""
+
+
+class SpeculativeConfig(_Struct):
+    """The speculative decoding a worker runs; both sides of a pair must agree."""
+
+    enabled: bool
+    num_speculative_tokens: NonNegInt
+    """Draft tokens per verify step; 0 when disabled."""
+
+
+class ComponentStats(_Struct):
+    """What moving one state component of one request cost."""
+
+    num_bytes: NonNegInt
+    seconds: Annotated[float, msgspec.Meta(ge=0.0)]
+
+
+class PeerInfo(_Struct):
+    """What a worker declares about itself at bootstrap (shared by ``Hello``/``HelloAck``)."""
+
+    protocol_version: int
+    worker_id: Annotated[str, msgspec.Meta(min_length=1)]
+    role: Role
+    model: dict[str, Any]
+    """Target model identity, see ``handshake.model_identity``."""
+    draft: dict[str, Any] | None
+    """Draft model identity (``handshake.draft_identity``); None without a draft in use."""
+    speculative: SpeculativeConfig
+    schema: list[dict[str, Any]]
+    """``StateRegistry.schema()``: one canonical dict per component, sorted by name."""
+    schema_hash: str
+    backend: str
+    """Transfer backend name: ``shm``, ``mooncake``, ``nixl``, ``loopback``."""
+    regions: dict[str, dict[str, Any]] = {}
+    """Backend region descriptors by component name; opaque here (may hold bytes)."""
+
+
+class Hello(PeerInfo, tag=True):
+    """decode -> prefill, once per peer at bootstrap."""
+
+
+class HelloAck(PeerInfo, tag=True, kw_only=True):
+    """prefill -> decode: the answer to ``Hello``, with prefill's own declaration."""
+
+    accepted: bool
+    error: str | None = None
+    """Why the pairing was refused (``PairingError`` text); None when accepted."""
+
+    @classmethod
+    def answer(cls, local: PeerInfo, *, accepted: bool, error: str | None = None) -> HelloAck:
+        """The ack a worker sends back, declaring ``local`` (its own ``Hello``)."""
+        fields = msgspec.structs.asdict(local)
+        return cls(**fields, accepted=accepted, error=error)
+
+
+class ReserveState(_Struct, tag=True):
+    """decode -> prefill, per request: where to write every component of its state."""
+
+    room: Id63
+    request_id: str
+    nonce: Id63
+    """The aux record must echo it before decode admits the request."""
+    prompt_token_ids: list[NonNegInt]
+    sampling_params: dict[str, Any]
+    """``sampling_params_to_wire(params)``; rebuilt with ``sampling_params_from_wire``."""
+    dst_unit_ids: dict[str, list[NonNegInt]]
+    """Component name -> decode's unit ids, in the order of the component's units."""
+    aux_slot_id: NonNegInt
+    token_ranges: dict[str, tuple[NonNegInt, NonNegInt]]
+    """Component name -> [token_start, token_end) decode expects that component to hold."""
+
+    def __post_init__(self) -> None:
+        # NOTE: msgspec runs this on decode too, turning the ValueError into a ProtocolError.
+        if not self.prompt_token_ids:
+            raise ValueError(f"room {self.room}: empty prompt_token_ids")
+        if set(self.dst_unit_ids) != set(self.token_ranges):
+            raise ValueError(
+                f"room {self.room}: dst_unit_ids names {sorted(self.dst_unit_ids)} but "
+                f"token_ranges names {sorted(self.token_ranges)}"
+            )
+        for name, (start, end) in self.token_ranges.items():
+            if start > end:
+                raise ValueError(f"room {self.room}: token range of `{name}` is ({start}, {end})")
+
+
+class StateDone(_Struct, tag=True):
+    """prefill -> decode: every component and then the aux record were written."""
+
+    room: Id63
+    nonce: Id63
+    first_token: NonNegInt
+    """Token N+1, sampled by prefill."""
+    first_token_logprob: float
+    first_token_top_logprobs: list[tuple[NonNegInt, float]] = []
+    """(token id, logprob) pairs for requests that asked for logprobs; else empty."""
+    component_stats: dict[str, ComponentStats] = {}
+
+
+class StateFailed(_Struct, tag=True):
+    """Either way: the transfer of ``room`` failed."""
+
+    room: Id63
+    reason: str
+    stopped_writing: bool
+    """The sender confirms it no longer writes into the peer's units (they may be freed)."""
+
+
+class Abort(_Struct, tag=True):
+    """Either way: drop ``room`` (client gone, router cancelled the other leg, ...)."""
+
+    room: Id63
+    reason: str
+
+
+class Ping(_Struct, tag=True):
+    seq: NonNegInt
+
+
+class Pong(_Struct, tag=True):
+    seq: NonNegInt
+    """The ``seq`` of the ``Ping`` it answers."""
+
+
+Message = Hello | HelloAck | ReserveState | StateDone | StateFailed | Abort | Ping | Pong
+MESSAGE_TYPES: tuple[type[_Struct], ...] = (
+    Hello, HelloAck, ReserveState, StateDone, StateFailed, Abort, Ping, Pong,
+)  # fmt: skip
+
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+
+
+class _Header(msgspec.Struct):
+    type: str
+
+
+_HEADER = msgspec.msgpack.Decoder(_Header)
+_DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in MESSAGE_TYPES}
+
+
+def encode(msg: Message) -> bytes:
+    """The wire bytes of ``msg``; a value msgpack cannot carry is a ``ProtocolError``."""
+    if not isinstance(msg, MESSAGE_TYPES):
+        raise TypeError(f"not a control message: {type(msg).__name__}")
+    try:
+        return _ENCODER.encode((PROTOCOL_VERSION, msg))
+    except (msgspec.EncodeError, OverflowError, TypeError) as e:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {e}") from e
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``; anything else raises ``ProtocolError`` naming the problem."""
+    try:
+        version, raw = _ENVELOPE.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"not a control message envelope: {e}") from e
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {version}, this worker speaks version {PROTOCOL_VERSION}"
+        )
+    try:
+        type_name = _HEADER.decode(raw).type
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"message without a valid `type` tag: {e}") from e
+    decoder = _DECODERS.get(type_name)
+    if decoder is None:
+        known = ", ".join(sorted(_DECODERS))
+        raise ProtocolError(f"unknown message type {type_name!r} (known: {known})")
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise ProtocolError(f"malformed {type_name}: {e}") from e
+
+
+# -- sampling params on the wire ------------------------------------------------------------
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+def sampling_params_to_wire(params: SamplingParams) -> dict[str, Any]:
+    """Every field of ``params`` as msgpack-able plain data (tuples become lists)."""
+    return {
+        k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(params).items()
+    }
+
+
+def sampling_params_from_wire(data: dict[str, Any]) -> SamplingParams:
+    """Rebuild (and so re-validate) the params; any problem is a ``ProtocolError``."""
+    unknown = sorted(set(data) - _SAMPLING_FIELDS)
+    if unknown:
+        raise ProtocolError(f"sampling_params has unknown fields {unknown}")
+    try:
+        return SamplingParams(**data)
+    except (ValueError, TypeError) as e:
+        raise ProtocolError(f"invalid sampling_params: {e}") from e

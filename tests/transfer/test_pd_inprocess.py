@@ -1,0 +1,124 @@
+"""PD in one process over the loopback backend: the handoff is complete and exact.
+
+Prefill and decode are two engines on the same model; decode reserves units for every
+component of its registry, prefill pushes them, the aux record lands last. Outputs and
+acceptance lengths must equal a colocated engine's; every component must move bytes and
+arrive byte-identical; decode must compute no prompt token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.model import DraftSpec, MTPDraft, load_model
+from baton.model.loader import save_draft
+from baton.request import SamplingParams
+from baton.transfer.backends.loopback import LoopbackBackend
+from baton.transfer.handshake import PairingError, build_hello, check_pairing
+from baton.transfer.pd import DecodeWorker, PrefillWorker, component_checksums
+
+VOCAB = 256
+LENGTHS = [3, 8, 16, 83, 1, 17]  # shorter than a page, a page, the window, many windows
+
+
+@pytest.fixture(scope="module")
+def pd_dir(hf_checkpoint, tmp_path_factory):
+    _, hf = hf_checkpoint("qwen3")
+    directory = tmp_path_factory.mktemp("pd-qwen3")
+    hf.save_pretrained(directory)
+    torch.manual_seed(2)
+    draft = MTPDraft(load_model(directory, "float32").spec, DraftSpec(sliding_window=8))
+    save_draft(directory, draft, torch.float32)
+    return directory
+
+
+def _config(mode: str) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        dtype="float32", page_size=8, sliding_mode=mode, max_num_batched_tokens=40
+    )
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+def _colocated(directory, mode, params):
+    engine = LLMEngine(directory, _config(mode))
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in _prompts()]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def _pd(directory, mode, params, skip=()):
+    prefill_engine = LLMEngine(directory, _config(mode))
+    decode_engine = LLMEngine(directory, _config(mode))
+    receiver = LoopbackBackend()
+    regions = {
+        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    prefill = PrefillWorker(prefill_engine, LoopbackBackend())
+    prefill.keep_checksums = True
+    prefill.connect(regions)
+    decode = DecodeWorker(decode_engine)
+    rooms = {}
+    for room, prompt in enumerate(_prompts(), start=100):
+        msg = decode.reserve(room, prompt, params)
+        rooms[room] = msg.request_id
+        assert prefill.on_reserve(msg) is None
+    arrived = {}
+    done = {}
+    while prefill.outgoing or decode_engine.has_unfinished_requests():
+        for reply in prefill.step():
+            assert not hasattr(reply, "reason"), reply
+            arrived[reply.room] = component_checksums(decode_engine, rooms[reply.room])
+            decode.on_done(reply)
+        done.update({o.request_id: o for o in decode_engine.step() if o.finished})
+    outs = [done[rooms[r]] for r in sorted(rooms)]
+    return outs, prefill, decode, arrived, prefill_engine, decode_engine
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_pd_equals_colocated(pd_dir, mode, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=24, seed=11, ignore_eos=True)
+    expected = _colocated(pd_dir, mode, params)
+    outs, prefill, decode, arrived, p_engine, d_engine = _pd(pd_dir, mode, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.metrics.accepted_lengths for o in outs] == [
+        o.metrics.accepted_lengths for o in expected
+    ]
+    # Decode computed no prompt token; prefill computed every one.
+    assert d_engine.runner.num_computed_prompt_tokens == 0
+    assert p_engine.runner.num_computed_prompt_tokens == sum(LENGTHS)
+    # Every declared component moved bytes and arrived byte-identical.
+    assert set(decode.bytes_received) == set(d_engine.registry.names())
+    assert all(n > 0 for n in decode.bytes_received.values())
+    for room, sums in arrived.items():
+        assert sums == prefill.checksums[room], room
+    # Nothing leaked on either side.
+    for engine in (p_engine, d_engine):
+        for cache in engine.caches:
+            assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
+        assert engine.aux.num_free_units == engine.aux.component.num_units
+
+
+def test_handshake_refuses_a_missing_component(pd_dir):
+    prefill_engine = LLMEngine(pd_dir, _config("paged"))
+    decode_engine = LLMEngine(pd_dir, _config("paged"))
+    hello_p = build_hello(prefill_engine, pd_dir, worker_id="p", role="prefill", backend="loopback")
+    hello_d = build_hello(decode_engine, pd_dir, worker_id="d", role="decode", backend="loopback")
+    check_pairing(hello_d, hello_p)  # identical workers pair
+    prefill_engine.registry.unregister("draft.swa")  # the classic bug, as a debug switch
+    hello_p = build_hello(prefill_engine, pd_dir, worker_id="p", role="prefill", backend="loopback")
+    with pytest.raises(PairingError, match="draft.swa"):
+        check_pairing(hello_d, hello_p)
+    ring = LLMEngine(pd_dir, _config("ring"))
+    hello_r = build_hello(ring, pd_dir, worker_id="r", role="prefill", backend="loopback")
+    with pytest.raises(PairingError, match="target.swa"):
+        check_pairing(hello_d, hello_r)
