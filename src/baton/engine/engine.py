@@ -113,7 +113,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model = load_model(model_dir, config.dtype)
+        self.model = load_model(model_dir, config.dtype).fuse_projections()
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -122,6 +122,10 @@ class LLMEngine:
         self.registry = StateRegistry()
         dtype = resolve_dtype(config.dtype, spec.dtype)
         draft = load_draft(model_dir, self.model) if config.speculative is not False else None
+        if draft is not None:
+            for module in draft.modules():
+                if module is not draft and hasattr(module, "fuse_projections"):
+                    module.fuse_projections()
         if config.speculative and draft is None:
             raise ValueError(f"speculative=True but {model_dir} has no MTP draft (mtp_config.json)")
         self.num_spec = config.num_speculative_tokens if draft is not None else 0

@@ -183,6 +183,16 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> None:
+        """Inference: one q|k|v matmul instead of three (a decode step is per-op overhead).
+        The separate modules stay the parameters' owners (checkpoint names, training)."""
+        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        bias = None
+        if self.q_proj.bias is not None:
+            bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
+        self._qkv = (weight.detach(), None if bias is None else bias.detach())
 
     def forward(
         self,
@@ -193,9 +203,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [B, T, hidden]
         lead = x.shape[:-1]
-        q = self.q_proj(x).view(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(*lead, self.num_kv_heads, self.head_dim)
+        if self._qkv is not None:
+            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = F.linear(x, *self._qkv).split((q_dim, kv_dim, kv_dim), dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(*lead, self.num_heads, self.head_dim)
+        k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary

@@ -98,6 +98,13 @@ class CausalLM(nn.Module):
             x = layer(x, rotary, attn)
         return self.model.norm(x)
 
+    def fuse_projections(self) -> CausalLM:
+        """Fuse q|k|v and gate|up matmuls for inference (weights are copied once)."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+        return self
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""
         logits = self.lm_head(hidden).float()

@@ -97,6 +97,18 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACT_FNS[act]
+        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse_projections(self) -> None:
+        """Inference: one gate|up matmul instead of two."""
+        weight = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        bias = None
+        if self.gate_proj.bias is not None:
+            bias = torch.cat((self.gate_proj.bias, self.up_proj.bias)).detach()
+        self._gate_up = (weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gate_up is not None:
+            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
+            return self.down_proj(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
