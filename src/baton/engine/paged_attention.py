@@ -50,8 +50,7 @@ class _BatchPlan:
     token_index: torch.Tensor  # [T] the segments' tokens in the flattened step
     write_units: torch.Tensor  # [T]
     write_rows: torch.Tensor  # [T]
-    read_units: torch.Tensor  # [B, L] (padded)
-    read_rows: torch.Tensor  # [B, L]
+    read_units: torch.Tensor  # [B, U] whole units (pages or a ring), padded with unit 0
     q_index: torch.Tensor  # [B, Q] flattened token of each query (padded with 0)
     q_valid: torch.Tensor  # [B, Q] bool
     mask: torch.Tensor  # [B, 1, Q, L] bool, True = visible
@@ -88,29 +87,40 @@ class PagedAttention:
         return plan, others
 
     def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
+        # Reads gather whole units (contiguous rows), not rows: each unit's rows carry a
+        # position (or -1), and the mask keeps exactly the visible ones.
         firsts = [_first_visible(s, window) for s in segs]
-        num_keys = max(s.start + s.num_tokens - f for s, f in zip(segs, firsts, strict=True))
+        unit_lists, position_lists = [], []
+        for seg, first in zip(segs, firsts, strict=True):
+            units, positions = pool.unit_positions(
+                seg.request_id, first, seg.start + seg.num_tokens
+            )
+            unit_lists.append(units)
+            position_lists.append(positions)
+        num_units = max(len(u) for u in unit_lists)
+        num_keys = num_units * pool.rows
         num_queries = max(s.num_tokens for s in segs)
-        read_units = torch.zeros(len(segs), num_keys, dtype=torch.long)
-        read_rows = torch.zeros(len(segs), num_keys, dtype=torch.long)
+        read_units = torch.zeros(len(segs), num_units, dtype=torch.long)
+        key_pos = torch.full((len(segs), num_keys), -1, dtype=torch.long)
         q_index = torch.zeros(len(segs), num_queries, dtype=torch.long)
         q_valid = torch.zeros(len(segs), num_queries, dtype=torch.bool)
         mask = torch.zeros(len(segs), 1, num_queries, num_keys, dtype=torch.bool)
         token_index, write_units, write_rows = [], [], []
         for b, (seg, first) in enumerate(zip(segs, firsts, strict=True)):
             end = seg.start + seg.num_tokens
-            units, rows = pool._slots(seg.request_id, range(first, end))
-            read_units[b, : end - first], read_rows[b, : end - first] = units, rows
-            new = seg.start - first
-            write_units.append(units[new:])
-            write_rows.append(rows[new:])
+            units, positions = unit_lists[b], position_lists[b]
+            read_units[b, : len(units)] = torch.tensor(units)
+            key_pos[b, : len(positions)] = positions
+            new_units, new_rows = pool._slots(seg.request_id, range(seg.start, end))
+            write_units.append(new_units)
+            write_rows.append(new_rows)
             tokens = torch.arange(seg.offset, seg.offset + seg.num_tokens)
             token_index.append(tokens)
             q_index[b, : seg.num_tokens], q_valid[b, : seg.num_tokens] = tokens, True
             q_pos = torch.arange(seg.start, end)
-            mask[b, 0, : seg.num_tokens, : end - first] = visibility_mask(
-                q_pos, torch.arange(first, end), window
-            )
+            k = key_pos[b]
+            visible = visibility_mask(q_pos, k, window) & (k >= first)[None, :]
+            mask[b, 0, : seg.num_tokens] = visible
             mask[b, 0, seg.num_tokens :, 0] = True  # padded queries: anything but NaN
         return _BatchPlan(
             segs,
@@ -118,7 +128,6 @@ class PagedAttention:
             torch.cat(write_units),
             torch.cat(write_rows),
             read_units,
-            read_rows,
             q_index,
             q_valid,
             mask,
@@ -142,8 +151,11 @@ class PagedAttention:
         for seg in plan.segments:
             end = seg.start + seg.num_tokens
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
-        keys = storage[plan.read_units, local, 0, plan.read_rows]  # [B, L, kv, D]
-        values = storage[plan.read_units, local, 1, plan.read_rows]
+        batch, num_units = plan.read_units.shape
+        # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.
+        shape = (batch, num_units * pool.rows, *storage.shape[-2:])
+        keys = storage[:, local, 0][plan.read_units].view(shape)  # [B, L, kv, D]
+        values = storage[:, local, 1][plan.read_units].view(shape)
         queries = q[0, plan.q_index]  # [B, Q, heads, D]
         attn = masked_attention(
             queries.transpose(1, 2),

@@ -121,6 +121,13 @@ class StatePool(ABC):
         """(unit ids, rows) of stored positions, each [len(positions)]."""
 
     @abstractmethod
+    def unit_positions(
+        self, request_id: str, first: int, end: int
+    ) -> tuple[list[int], torch.Tensor]:
+        """The units holding positions [first, end) and, for every row of those units in
+        order, the position it holds (-1: none); rows outside [first, end) may show up."""
+
+    @abstractmethod
     def _store_from(self, start: int, end: int) -> int:
         """First position of [start, end) worth storing."""
 
@@ -227,6 +234,15 @@ class PagedPool(StatePool):
         start = logical[0] * self.page_size if logical else 0
         return UnitRange(tuple(table[p] for p in logical), start, end)
 
+    def unit_positions(
+        self, request_id: str, first: int, end: int
+    ) -> tuple[list[int], torch.Tensor]:
+        table = self.tables[request_id]
+        logical = range(first // self.page_size, (end - 1) // self.page_size + 1)
+        units = [table[p] for p in logical]
+        start = logical.start * self.page_size
+        return units, torch.arange(start, start + len(units) * self.page_size)
+
     def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.tables[request_id]
         pos = torch.arange(positions.start, positions.stop)
@@ -298,6 +314,14 @@ class RingPool(StatePool):
             return UnitRange((), 0, 0)
         end = self.num_tokens.get(request_id, 0)
         return UnitRange((self.rings[request_id],), max(0, end - self.rows), end)
+
+    def unit_positions(
+        self, request_id: str, first: int, end: int
+    ) -> tuple[list[int], torch.Tensor]:
+        # Row r holds the latest position p < end with p % rows == r (negative: none yet).
+        rows = torch.arange(self.rows)
+        positions = (end - 1) - ((end - 1 - rows) % self.rows)
+        return [self.rings[request_id]], torch.where(positions >= 0, positions, -1)
 
     def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         assert len(positions) <= self.rows, f"{self.name}: {len(positions)} positions > ring"

@@ -52,6 +52,31 @@ def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
     return keep
 
 
+SMALL_QUERY = 8
+"""Up to this many queries per sequence (decode, verification) attention is two matmuls:
+the CPU SDPA kernels cost ~10x more than the arithmetic there, in bf16 with a mask."""
+
+
+def _small_query_attention(q, k, v, mask, scale, softcap, causal):
+    # q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; grouped so k/v are never repeated.
+    b, h, tq, d = q.shape
+    hkv, tk = k.shape[1], k.shape[2]
+    rep = h // hkv
+    scores = torch.matmul(q.reshape(b, hkv, rep * tq, d), k.transpose(-1, -2)) * scale
+    scores = scores.float().view(b, hkv, rep, tq, tk)  # [B, Hkv, rep, Tq, Tk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and causal:
+        positions = torch.arange(tk, device=q.device)
+        mask = visibility_mask(positions[tk - tq :], positions, window=None)
+    if mask is not None:
+        # [Tq, Tk] or [B, 1, Tq, Tk] -> broadcast over the kv-head and group dims
+        mask = mask if mask.dim() == 2 else mask[:, :, None]
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, rep * tq, tk)
+    return torch.matmul(probs, v).view(b, h, tq, d)
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -63,6 +88,8 @@ def masked_attention(
 ) -> torch.Tensor:
     """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; mask: [Tq, Tk] bool (True = visible), or
     None for plain causal (square) attention -- or, with ``causal=False``, no mask at all."""
+    if q.shape[2] <= SMALL_QUERY:
+        return _small_query_attention(q, k, v, mask, scale, softcap, causal)
     if softcap is None:
         gqa = q.shape[1] != k.shape[1]
         if mask is None:
