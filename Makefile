@@ -14,6 +14,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# Optional cross-host transfer engines (DESIGN.md §4, the `transfer` extra of pyproject.toml);
+# .ci/run calls this after Debian's libibverbs1 (which mooncake loads) is on the machine.
+# NOTE: nixl-cu12 goes in with --no-deps: its declared dependencies pull a multi-GB CUDA torch.
+.PHONY: extras
+extras: $(STAMP)
+	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
+	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+
 demo: $(STAMP)
 	$(VENV)/bin/baton generate
 

@@ -2,8 +2,8 @@
 
 ``shm`` (same host) and ``loopback`` (tests) are built in. ``backend_class`` maps a kind
 to its class and imports it only then, so the optional cross-host engines (``nixl``,
-``mooncake``, to be added to ``BACKENDS``) can be missing without breaking an import: asking
-for one gives an error that names it.
+``mooncake``) can be missing without breaking an import: building one gives an
+``ImportError`` that names the package to install.
 """
 
 import importlib
@@ -21,6 +21,8 @@ from baton.transfer.backends.shm import ShmBackend
 BACKENDS: dict[str, str] = {
     "shm": "baton.transfer.backends.shm:ShmBackend",
     "loopback": "baton.transfer.backends.loopback:LoopbackBackend",
+    "nixl": "baton.transfer.backends.nixl:NixlBackend",
+    "mooncake": "baton.transfer.backends.mooncake:MooncakeBackend",
 }
 """Backend kind -> ``module:class``."""
 

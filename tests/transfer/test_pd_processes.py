@@ -1,0 +1,351 @@
+"""PD across processes: prefill in a child process, decode here, over the control channel.
+
+The prefill runs as ``python -m baton.transfer.worker --role prefill`` (its own interpreter
+and resource tracker); the decode is a ``DecodeClient`` in the test process whose pools live
+in shared memory. Checked: outputs and acceptance equal a colocated engine's and decode
+computes no prompt token; a wrong token or a mismatched schema fails the handshake with a
+clear error; a prefill killed (-9) or stalled while requests wait for their state turns
+every request into FAILED within the deadline, and decode's units all come back -- after
+prefill confirms it stopped writing, or after the grace when it cannot; no shared-memory
+segment outlives a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.memory.allocator import SHM_DIR
+from baton.model import DraftSpec, MTPDraft, load_model
+from baton.model.loader import save_draft
+from baton.request import SamplingParams
+from baton.transfer.handshake import PairingError
+from baton.transfer.worker import Deadlines, DecodeClient, request_id_of
+from tests.transfer.conftest import TEST_PREFIX, our_segments
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN_ENV = "BATON_TEST_PD_TOKEN"
+TOKEN = "test-token-" + secrets.token_hex(8)
+VOCAB = 256
+LENGTHS = [3, 8, 16, 83, 1, 17]
+ENGINE = {
+    "dtype": "float32",
+    "page_size": 8,
+    "sliding_mode": "paged",
+    "max_num_batched_tokens": 40,
+    "num_threads": 1,
+}
+DEADLINES = Deadlines(bootstrap_s=30.0, waiting_for_state_s=20.0, abort_grace_s=5.0)
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm"),
+]
+
+
+@pytest.fixture(scope="module")
+def pd_dir(hf_checkpoint, tmp_path_factory):
+    _, hf = hf_checkpoint("qwen3")
+    directory = tmp_path_factory.mktemp("pd-proc-qwen3")
+    hf.save_pretrained(directory)
+    torch.manual_seed(2)
+    draft = MTPDraft(load_model(directory, "float32").spec, DraftSpec(sliding_window=8))
+    save_draft(directory, draft, torch.float32)
+    return directory
+
+
+@dataclass
+class Prefill:
+    proc: subprocess.Popen
+    endpoint: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_for_log(self, text: str, timeout_s: float = 5.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log():
+            assert time.monotonic() < deadline, f"prefill never logged {text!r}:\n{self.log()}"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+
+
+def _worker_env(token: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, TOKEN_ENV: token}
+
+
+def _worker_args(role: str, model_dir: Path, *extra: str) -> list[str]:
+    engine = [f"--engine={k}={v}" for k, v in ENGINE.items()]
+    return [
+        sys.executable, "-m", "baton.transfer.worker", "--role", role, "--model", str(model_dir),
+        "--token-env", TOKEN_ENV, *engine, *extra,
+    ]  # fmt: skip
+
+
+def start_prefill(model_dir: Path, log_path: Path, *extra: str) -> Prefill:
+    """A prefill worker process on a free port; returns once it printed its ready line."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            _worker_args("prefill", model_dir, "--port", "0", *extra),
+            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=_worker_env(TOKEN),
+        )  # fmt: skip
+    prefill = Prefill(proc, "", log_path)
+    readable, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline() if readable else ""
+    if not line:
+        prefill.stop()
+        raise AssertionError(f"prefill did not start:\n{prefill.log()}")
+    prefill.endpoint = json.loads(line)["endpoint"]
+    return prefill
+
+
+@pytest.fixture(scope="module")
+def prefill_server(pd_dir, tmp_path_factory):
+    prefill = start_prefill(pd_dir, tmp_path_factory.mktemp("prefill") / "prefill.log")
+    yield prefill
+    prefill.stop()
+
+
+@pytest.fixture
+def spawn_prefill(pd_dir, tmp_path):
+    started: list[Prefill] = []
+
+    def spawn(*extra: str) -> Prefill:
+        started.append(start_prefill(pd_dir, tmp_path / f"prefill-{len(started)}.log", *extra))
+        return started[-1]
+
+    yield spawn
+    for prefill in started:
+        prefill.stop()
+
+
+def _config(**overrides) -> EngineConfig:
+    return EngineConfig.from_kwargs(**{**ENGINE, **overrides})
+
+
+def _client(
+    pd_dir,
+    endpoint: str,
+    deadlines: Deadlines = DEADLINES,
+    *,
+    token: str = TOKEN,
+    config: EngineConfig | None = None,
+) -> DecodeClient:
+    """A decode in this process; its segments carry the session's leak-checked prefix."""
+    prefix = f"{TEST_PREFIX}-{secrets.token_hex(3)}"
+    return DecodeClient(
+        pd_dir, config or _config(), endpoint, token, "shm", deadlines, shm_prefix=prefix
+    )
+
+
+def _requests() -> list[tuple[list[int], SamplingParams]]:
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, max_tokens=20, seed=11, ignore_eos=True)
+    first_only = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    params = [greedy, sampled, greedy, greedy, first_only, sampled]
+    return list(zip(prompts, params, strict=True))
+
+
+def _free_units(engine: LLMEngine) -> dict[str, int]:
+    free = {name: n for cache in engine.caches for name, n in cache.num_free_units().items()}
+    return {**free, engine.aux.name: engine.aux.num_free_units}
+
+
+def _run(client: DecodeClient, timeout_s: float = 20.0) -> dict[str, object]:
+    """Step until no request is left; request id -> its final output."""
+    done = {}
+    deadline = time.monotonic() + timeout_s
+    while client.has_unfinished_requests():
+        assert time.monotonic() < deadline, "decode did not finish its requests"
+        done.update({o.request_id: o for o in client.step() if o.finished})
+    return done
+
+
+def _drain_releases(client: DecodeClient, timeout_s: float) -> float:
+    """Step until every failed request's units are freed; returns when that happened."""
+    deadline = time.monotonic() + timeout_s
+    while client.releasing:
+        assert time.monotonic() < deadline, f"units never released: {client.releasing}"
+        assert client.step() == []
+        time.sleep(0.01)
+    return time.monotonic()
+
+
+# -- bootstrap ---------------------------------------------------------------------------------
+def test_wrong_token_fails_the_handshake(pd_dir, prefill_server):
+    before = our_segments()
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"no HelloAck .* within the 2.0 s bootstrap deadline"):
+        _client(pd_dir, prefill_server.endpoint, Deadlines(bootstrap_s=2.0), token="wrong")
+    assert 2.0 <= time.monotonic() - start < 2.0 + 5.0  # + building the decode engine
+    prefill_server.wait_for_log("bad MAC (wrong token?)")
+    assert our_segments() == before
+
+
+def test_mismatched_schema_is_refused_by_name(pd_dir, prefill_server):
+    before = our_segments()
+    with pytest.raises(PairingError, match="refused to pair: .*target.swa"):
+        _client(pd_dir, prefill_server.endpoint, config=_config(sliding_mode="ring"))
+    prefill_server.wait_for_log("refused pairing with decode")
+    assert our_segments() == before
+
+
+# -- the handoff ---------------------------------------------------------------------------
+def _colocated(pd_dir) -> list:
+    engine = LLMEngine(pd_dir, _config())
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p, params in _requests()]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def test_pd_processes_equal_colocated(pd_dir, prefill_server):
+    expected = _colocated(pd_dir)
+    before = our_segments()
+    with _client(pd_dir, prefill_server.endpoint) as client:
+        start_free = _free_units(client.engine)
+        rooms = [client.add_request(p, params) for p, params in _requests()]
+        done = _run(client)
+        outs = [done[request_id_of(room)] for room in rooms]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(LENGTHS)
+        assert [o.metrics.accepted_lengths for o in outs] == [
+            o.metrics.accepted_lengths for o in expected
+        ]
+        assert client.engine.runner.num_computed_prompt_tokens == 0
+        names = set(client.engine.registry.names())
+        assert set(client.decode.bytes_received) == names
+        assert all(n > 0 for n in client.decode.bytes_received.values())
+        assert _free_units(client.engine) == start_free
+        assert not client.failure_reasons
+    assert our_segments() == before
+
+    # A restarted decode (new segments, new identity) pairs with the same prefill again.
+    with _client(pd_dir, prefill_server.endpoint) as client:
+        prompt, params = _requests()[3]
+        room = client.add_request(prompt, params)
+        out = _run(client)[request_id_of(room)]
+        assert out.outputs[0].token_ids == expected[3].outputs[0].token_ids
+    assert our_segments() == before
+
+
+def test_decode_worker_process(pd_dir, prefill_server):
+    """Both roles as their own processes, as launched by hand (``main``)."""
+    expected = _colocated(pd_dir)
+    greedy = [0, 2, 3]
+    jobs = [
+        json.dumps(
+            {"prompt_token_ids": p, "temperature": 0.0, "max_tokens": 20, "ignore_eos": True}
+        )
+        for p, _ in (_requests()[i] for i in greedy)
+    ]
+    shm_before = set(os.listdir(SHM_DIR))
+    done = subprocess.run(
+        _worker_args("decode", pd_dir, "--connect", prefill_server.endpoint),
+        input="\n".join(jobs), capture_output=True, text=True, cwd=REPO,
+        env=_worker_env(TOKEN), timeout=25,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert all(r["finish_reason"] == "length" and r["error"] is None for r in results), results
+    got = {r["index"]: r["token_ids"] for r in results}
+    assert got == {n: expected[i].outputs[0].token_ids for n, i in enumerate(greedy)}
+    assert "paired with prefill" in done.stderr
+    assert set(os.listdir(SHM_DIR)) <= shm_before  # the decode process unlinked its pools
+
+
+# -- failures ----------------------------------------------------------------------------------
+def test_prefill_killed_while_requests_wait(pd_dir, spawn_prefill):
+    prefill = spawn_prefill("--debug-stall-s", "60")
+    deadlines = Deadlines(bootstrap_s=30.0, waiting_for_state_s=1.5, abort_grace_s=1.0)
+    before = our_segments()
+    with _client(pd_dir, prefill.endpoint, deadlines) as client:
+        start_free = _free_units(client.engine)
+        start = time.monotonic()
+        rooms = [client.add_request(p, params) for p, params in _requests()[:4]]
+        added = time.monotonic()
+        while time.monotonic() < added + 0.3:  # the ReserveStates reach the prefill
+            assert client.step() == []
+        prefill.proc.kill()
+        prefill.proc.wait()
+        assert _free_units(client.engine) != start_free  # reserved while waiting
+        done = _run(client, timeout_s=10.0)
+        failed_at = time.monotonic()
+        assert sorted(done) == sorted(request_id_of(r) for r in rooms)
+        assert all(o.outputs[0].finish_reason == "error" for o in done.values())
+        assert all(o.outputs[0].token_ids == [] for o in done.values())
+        assert failed_at - added < deadlines.waiting_for_state_s + 1.0
+        for room in rooms:
+            assert "no state from prefill" in client.failure_reasons[request_id_of(room)]
+        # Nobody confirms it stopped writing: the units wait for the grace, then come back.
+        assert len(client.releasing) == len(rooms)
+        released_at = _drain_releases(client, timeout_s=5.0)
+        assert released_at >= start + deadlines.waiting_for_state_s + deadlines.abort_grace_s
+        assert _free_units(client.engine) == start_free
+    assert our_segments() == before
+
+
+def test_stalled_prefill_confirms_the_abort(pd_dir, spawn_prefill):
+    prefill = spawn_prefill("--debug-stall-s", "60")
+    deadlines = Deadlines(bootstrap_s=30.0, waiting_for_state_s=1.0, abort_grace_s=30.0)
+    before = our_segments()
+    with _client(pd_dir, prefill.endpoint, deadlines) as client:
+        start_free = _free_units(client.engine)
+        rooms = [client.add_request(p, params) for p, params in _requests()[:3]]
+        done = _run(client, timeout_s=10.0)
+        assert [done[request_id_of(r)].outputs[0].finish_reason for r in rooms] == ["error"] * 3
+        # The stalled prefill drops the rooms and confirms: no need to wait for the grace.
+        _drain_releases(client, timeout_s=5.0)
+        assert _free_units(client.engine) == start_free
+    prefill.wait_for_log("dropped: aborted by decode")
+    assert prefill.proc.poll() is None  # still serving
+    assert our_segments() == before
+
+
+def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
+    """Prefill's context is shorter than decode's: the 83-token prompt is refused there
+    (StateFailed, stopped_writing) and fails at once; the others still run."""
+    prefill = spawn_prefill("--engine=max_model_len=64")
+    before = our_segments()
+    with _client(pd_dir, prefill.endpoint) as client:
+        start_free = _free_units(client.engine)
+        requests = _requests()[2:4]  # 16 and 83 prompt tokens
+        rooms = [client.add_request(p, params) for p, params in requests]
+        start = time.monotonic()
+        done = _run(client)
+        assert time.monotonic() - start < DEADLINES.waiting_for_state_s
+        short, long = (done[request_id_of(r)].outputs[0] for r in rooms)
+        assert short.finish_reason == "length" and len(short.token_ids) == 20
+        assert long.finish_reason == "error" and long.token_ids == []
+        reason = client.failure_reasons[request_id_of(rooms[1])]
+        assert "prefill failed the request" in reason and "the context is 64" in reason
+        assert not client.releasing  # prefill confirmed: freed at once
+        assert _free_units(client.engine) == start_free
+    prefill.wait_for_log("refused")
+    assert our_segments() == before
