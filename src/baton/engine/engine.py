@@ -250,7 +250,11 @@ class LLMEngine:
         track = self.tracks.pop(request_id, None)
         if track is None:
             return None
-        self.scheduler.abort(request_id)
+        if self.scheduler.abort(request_id) is None:
+            # Not queued: a PD decode request waiting for its state holds reserved units.
+            for cache in self.caches:
+                cache.free(request_id)
+        self.aux.free(request_id)
         if self.proposer is not None:
             self.proposer.free(request_id)
         track.metrics.finished_time = time.monotonic()
