@@ -247,6 +247,9 @@ class LLMEngine:
         return self.tracks[request_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now and free all its units. NOTE: for a PD request waiting for its
+        state, only once the sender confirmed it stopped writing (the decode client's job).
+        """
         track = self.tracks.pop(request_id, None)
         if track is None:
             return None
