@@ -1,0 +1,257 @@
+"""Per-request state transfer: the PD handoff's bytes per second, against the limits.
+
+For prompts of 1k, 4k and 16k tokens, the state of one request -- every component the
+registry declares (target full-attention pages, target sliding-window pages, the draft's
+sliding-window pages) -- is planned into coalesced runs and pushed through a backend into
+a second engine's pools, exactly as ``PrefillWorker`` does (no model compute: the pools
+are filled with random bytes). In the same run, for the same number of bytes:
+
+- (a) the same backend moving one contiguous buffer in 1 MiB runs ("raw"),
+- (b) memcpy (``torch`` copy of a contiguous buffer) and a loopback TCP socket.
+
+Reported: GB/s, the ratios state/raw and state/memcpy, run count and mean run size.
+Targets (issue 5): >= 80% of raw backend; shm >= 50% of memcpy.
+
+    python benchmarks/transfer.py [--backends shm,loopback] [--lengths 1024,4096,16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.memory.allocator import SharedMemoryAllocator
+from baton.model import DraftSpec, MTPDraft, load_model
+from baton.model.loader import save_draft
+from baton.transfer.backends.loopback import LoopbackBackend
+from baton.transfer.backends.shm import ShmBackend
+from baton.transfer.plan import plan_ops, plan_request, total_stats
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+
+
+def make_model(directory: Path) -> None:
+    """A random Qwen3 with a realistic amount of K/V per token (bf16: 16 KiB/token)."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=128, use_sliding_window=True,
+        sliding_window=1024, layer_types=["sliding_attention", "full_attention"] * 4,
+        max_position_embeddings=32768, tie_word_embeddings=True, dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(directory)
+    target = load_model(directory)
+    save_draft(directory, MTPDraft(target.spec, DraftSpec(sliding_window=128)), torch.bfloat16)
+
+
+def engines(directory: Path, max_len: int, allocator):
+    config = EngineConfig.from_kwargs(
+        page_size=16, max_model_len=max_len + 64, max_num_seqs=2,
+        kv_cache_memory_mb=max(64, 2 * max_len * 16 * 1024 // MiB),
+    )  # fmt: skip
+    return LLMEngine(directory, config), LLMEngine(directory, config, allocator=allocator)
+
+
+def hold(engine: LLMEngine, request_id: str, num_tokens: int) -> None:
+    """Give a request units for ``num_tokens`` positions in every pool, as after prefill."""
+    for cache, end in zip(engine.caches, (num_tokens, num_tokens - 1), strict=False):
+        cache.grow(request_id, 0, end)
+        cache.trim(request_id, end)
+
+
+def state_plan(prefill: LLMEngine, decode: LLMEngine, request_id: str):
+    components = {}
+    for c in prefill.registry:
+        if c.name == prefill.aux.name:
+            continue
+        src = list(c.index(request_id).unit_ids)
+        dst = list(decode.registry.get(c.name).index(request_id).unit_ids)
+        components[c.name] = (src, dst, c.unit_bytes)
+    return plan_request(components)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def push(backend, ops) -> None:
+    transfer_id = backend.submit(ops)
+    status = backend.poll(transfer_id)
+    while status.is_pending:
+        status = backend.poll(transfer_id)
+    assert status.is_done, status
+    backend.release(transfer_id)
+
+
+def socket_gbps(nbytes: int, repeats: int) -> float:
+    payload = memoryview(bytearray(nbytes))
+    sink = bytearray(MiB)
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        with conn:
+            for _ in range(repeats + 1):
+                left = nbytes
+                while left:
+                    left -= conn.recv_into(sink, min(left, MiB))
+                conn.sendall(b"k")
+
+    thread = threading.Thread(target=receive, daemon=True)
+    thread.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        client.sendall(payload)
+        client.recv(1)
+        if i:
+            times.append(time.perf_counter() - start)
+    client.close()
+    server.close()
+    return nbytes / statistics.median(times) / 1e9
+
+
+def run(args) -> dict:
+    results: dict = {"lengths": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        make_model(directory)
+        for length in args.lengths:
+            allocator = SharedMemoryAllocator()
+            try:
+                results["lengths"][length] = measure(directory, length, allocator, args)
+            finally:
+                allocator.unlink()
+    return results
+
+
+def measure(directory: Path, length: int, allocator, args) -> dict:
+    prefill, decode = engines(directory, length, allocator)
+    rid = "bench"
+    hold(prefill, rid, length)
+    hold(decode, rid, length)
+    for c in prefill.registry:
+        c.storage.view(torch.uint8).random_(0, 255)
+    plan = state_plan(prefill, decode, rid)
+    stats = total_stats(plan)
+    row = {
+        "bytes": stats.total_bytes,
+        "runs": stats.num_runs,
+        "mean_run_bytes": stats.mean_run_bytes,
+        "components": {k: sum(r.nbytes for r in v) for k, v in plan.items()},
+    }
+    src = torch.empty(stats.total_bytes, dtype=torch.uint8).random_(0, 255)
+    dst = torch.empty_like(src)
+    memcpy = stats.total_bytes / timed(lambda: dst.copy_(src), args.repeats) / 1e9
+    row["memcpy_gbps"] = memcpy
+    row["socket_gbps"] = socket_gbps(stats.total_bytes, max(2, args.repeats // 2))
+    for kind in args.backends:
+        sender = ShmBackend() if kind == "shm" else LoopbackBackend()
+        receiver = ShmBackend(allocator) if kind == "shm" else LoopbackBackend()
+        for c in prefill.registry:
+            sender.register(c.name, c.storage)
+        regions = [receiver.register(c.name, c.storage) for c in decode.registry]
+        sender.register("raw_src", src)
+        regions.append(receiver.register("raw_dst", dst) if kind != "shm" else None)
+        sender.connect([r for r in regions if r is not None])
+        ops = plan_ops(plan)
+        state = stats.total_bytes / timed(lambda b=sender, o=ops: push(b, o), args.repeats) / 1e9
+        for c in decode.registry:  # the bytes really landed
+            if c.name != decode.aux.name:
+                ids = list(c.index(rid).unit_ids)
+                other = prefill.registry.get(c.name)
+                src_ids = list(other.index(rid).unit_ids)
+                landed = c.storage[ids].view(torch.uint8)  # bytes: random bf16 holds NaNs
+                assert torch.equal(landed, other.storage[src_ids].view(torch.uint8)), c.name
+        raw = None
+        if kind != "shm":  # raw: the same bytes, contiguous, 1 MiB runs
+            from baton.transfer.backends.base import TransferOp
+
+            raw_ops = [
+                TransferOp("raw_src", o, "raw_dst", o, min(MiB, stats.total_bytes - o))
+                for o in range(0, stats.total_bytes, MiB)
+            ]
+            seconds = timed(lambda b=sender, o=raw_ops: push(b, o), args.repeats)
+            raw = stats.total_bytes / seconds / 1e9
+        else:  # raw for shm: one contiguous shared region of the same size
+            raw = shm_raw_gbps(src, args.repeats)
+        row[kind] = {"state_gbps": state, "raw_gbps": raw, "state_over_raw": state / raw,
+                     "state_over_memcpy": state / memcpy}  # fmt: skip
+        sender.close()
+        receiver.close()
+    return row
+
+
+def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
+    allocator = SharedMemoryAllocator()
+    try:
+        dst = allocator.zeros("raw", tuple(src.shape), torch.uint8)
+        receiver, sender = ShmBackend(allocator), ShmBackend()
+        descriptor = receiver.register("raw_dst", dst)
+        sender.register("raw_src", src)
+        sender.connect([descriptor])
+        from baton.transfer.backends.base import TransferOp
+
+        ops = [
+            TransferOp("raw_src", o, "raw_dst", o, min(MiB, src.numel() - o))
+            for o in range(0, src.numel(), MiB)
+        ]
+        seconds = timed(lambda: push(sender, ops), repeats)
+        sender.close()
+        receiver.close()
+        del dst
+        return src.numel() / seconds / 1e9
+    finally:
+        allocator.unlink()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backends", default="shm,loopback")
+    parser.add_argument("--lengths", default="1024,4096,16384")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/transfer.json"))
+    args = parser.parse_args()
+    args.backends = args.backends.split(",")
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    torch.set_num_threads(args.threads)
+    results = run(args)
+    print(f"{'tokens':>7} {'MB':>8} {'runs':>6} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
+          + "  ".join(f"{b + ' state/raw/%mc':>24}" for b in args.backends))  # fmt: skip
+    for length, r in results["lengths"].items():
+        cells = "  ".join(
+            f"{r[b]['state_gbps']:6.2f} /{r[b]['raw_gbps']:6.2f} GB/s {r[b]['state_over_raw']:4.0%}"
+            f" {r[b]['state_over_memcpy']:4.0%}"
+            for b in args.backends
+        )
+        mean_kib = r["mean_run_bytes"] / 1024
+        print(f"{length:>7} {r['bytes'] / 1e6:8.1f} {r['runs']:>6} {mean_kib:7.0f}K"
+              f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}  {cells}")  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
