@@ -54,11 +54,20 @@ def _start_peer(request: pytest.FixtureRequest, job: dict) -> subprocess.Popen:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True, cwd=REPO, env=env,
     )  # fmt: skip
-    request.addfinalizer(child.kill)
+    request.addfinalizer(lambda: _end(child))
     assert child.stdin is not None
     child.stdin.write(json.dumps(job) + "\n")
     child.stdin.flush()
     return child
+
+
+def _end(child: subprocess.Popen) -> None:
+    """Finalizer: kill the peer if it still runs, reap it, close our ends of its pipes."""
+    child.kill()
+    child.wait(timeout=CHILD_TIMEOUT_S)
+    for pipe in (child.stdin, child.stdout, child.stderr):
+        if pipe is not None:
+            pipe.close()
 
 
 def _result(out: str, tag: str) -> Any:
@@ -89,7 +98,7 @@ def _await_descriptors(child: subprocess.Popen) -> list[dict]:
 def _units() -> dict[str, tuple[list[int], list[int]]]:
     """Source and destination unit ids of each component, in logical order."""
     kv_src = list(range(12)) + [13, 14, 15]
-    kv_dst = list(range(20, 32)) + [2, 5, 6]  # one 12-page run, then 3 runs
+    kv_dst = list(range(20, 32)) + [2, 5, 6]  # one 12-page run, then 13 -> 2 and 14..15 -> 5..6
     draft_src = list(range(1200))
     draft_dst = [(7 * u) % 1600 for u in draft_src]  # never adjacent: 1,200 runs
     return {"target.full": (kv_src, kv_dst), "draft.mtp": (draft_src, draft_dst)}

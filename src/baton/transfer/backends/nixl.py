@@ -12,7 +12,9 @@ The metadata in a descriptor covers every region registered up to and including 
 count orders them, so ``connect`` (re)loads a peer's metadata whenever a descriptor carries
 a newer one. ``submit`` builds one NIXL WRITE per peer agent from the batch's runs and
 posts it; ``poll`` asks NIXL for progress. A batch is ``DONE`` when every request is, and
-``FAILED`` only once none is still in flight (quiescence).
+``FAILED`` only once none is still in flight (quiescence). On one host UCX writes by CMA
+(``process_vm_writev``) inside the post, so ``submit`` returns with the bytes landed; across
+hosts the post returns at once and the copy runs on UCX's progress thread.
 
 The ``nixl-cu12`` wheel is an optional extra, imported when a backend is built. Install it
 with ``pip install --no-deps nixl-cu12``: its declared dependencies pull a CUDA torch.
