@@ -300,7 +300,7 @@ def test_prefill_killed_while_requests_wait(pd_dir, spawn_prefill):
         assert sorted(done) == sorted(request_id_of(r) for r in rooms)
         assert all(o.outputs[0].finish_reason == "error" for o in done.values())
         assert all(o.outputs[0].token_ids == [] for o in done.values())
-        assert failed_at - added < deadlines.waiting_for_state_s + 1.0
+        assert failed_at - added < deadlines.waiting_for_state_s + 3.0  # + a loaded CI step
         for room in rooms:
             assert "no state from prefill" in client.failure_reasons[request_id_of(room)]
         # Nobody confirms it stopped writing: the units wait for the grace, then come back.
