@@ -13,8 +13,9 @@ from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "baton-stdlib-qwen3"
 DEFAULT_PROMPTS = [
-    "import os\n\n\ndef list_python_files(root):\n",
-    "class Stack:\n    def __init__(self):\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "    def __repr__(self):\n        return ",
 ]
 
 
