@@ -133,3 +133,14 @@ def test_rollback_leaves_the_state_of_a_run_that_never_saw_rejected_tokens(spec_
             k_p, v_p = pool_p.read(layer, rid_p, first, n)
             torch.testing.assert_close(k_s, k_p, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(v_s, v_p, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("length", [39, 47, 120])
+def test_draft_grows_the_slots_it_writes(spec_dir, length):
+    # Regression: the draft's slots trail the target's positions by one, so with
+    # (prompt - kept positions) on a page boundary the draft wrote a page nobody had grown.
+    prompt = {"prompt_token_ids": list(range(1, length + 1))}
+    spec = _llm(spec_dir).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    assert (
+        spec == _llm(spec_dir, speculative=False).generate(prompt, GREEDY)[0].outputs[0].token_ids
+    )

@@ -57,7 +57,8 @@ class ModelCache:
                 )
             else:
                 # Enough for every running request at its mid-chunk peak: never the bottleneck.
-                per_request = 2 * (math.ceil((window - 1 + slack) / page_size) + 1)  # peak_units
+                # peak_units, plus one page: a draft's slots trail its target's positions by one
+                per_request = 2 * (math.ceil((window - 1 + slack) / page_size) + 1) + 1
                 pool = PagedPool(
                     f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack,
                     allocator=allocator,

@@ -54,6 +54,10 @@ class DraftProposer:
         segments, hidden, ids, positions = [], [], [], []
         offset = 0
         for request_id, slot, h, tokens in entries:
+            # NOTE: the draft's slots trail the target's positions by one (the last pair of a
+            # chunk waits for its token), so the draft grows exactly the slots it writes.
+            assert self.cache.can_grow(request_id, slot, slot + len(tokens)), "draft pool full"
+            self.cache.grow(request_id, slot, slot + len(tokens))
             floor = self.context_floor.get(request_id, 0)
             segments.append(Segment(request_id, offset, slot, len(tokens), floor))
             hidden.append(h)
