@@ -116,3 +116,50 @@ def test_missing_draft_prompt_state_shows_in_early_acceptance(held_out_prompts):
     )
     assert empty_early < full_early - 0.1
     assert abs(empty_late - full_late) < 0.15
+
+
+def test_pd_without_draft_state_shows_the_early_acceptance_drop(held_out_prompts):
+    """PD on the bundled model: with every component pushed, acceptance equals colocated; a
+    prefill that skips `draft.swa` (registry intact, so the handshake passes) leaves the
+    decode's draft with an empty window: same text, lower acceptance early on."""
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.transfer.backends.loopback import LoopbackBackend
+    from baton.transfer.pd import DecodeWorker, PrefillWorker
+
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    config = EngineConfig.from_kwargs(dtype="float32")
+    prompts = held_out_prompts[:6]
+
+    def run(skip: frozenset[str]) -> tuple[list[list[int]], float]:
+        decode_engine = LLMEngine(BUNDLED, config)
+        receiver = LoopbackBackend()
+        regions = {
+            c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+        }
+        prefill = PrefillWorker(LLMEngine(BUNDLED, config), LoopbackBackend())
+        prefill.debug_skip_components = skip
+        prefill.connect(regions)
+        decode = DecodeWorker(decode_engine)
+        for room, prompt in enumerate(prompts):
+            assert prefill.on_reserve(decode.reserve(room, prompt, params)) is None
+        done = {}
+        while prefill.outgoing or decode_engine.has_unfinished_requests():
+            for reply in prefill.step():
+                decode.on_done(reply)
+            done.update({o.request_id: o for o in decode_engine.step() if o.finished})
+        outs = [done[f"room-{r}"] for r in range(len(prompts))]
+        early = [a for o in outs for a in o.metrics.accepted_lengths[:8]]
+        return [o.outputs[0].token_ids for o in outs], sum(early) / len(early)
+
+    colocated = LLM(BUNDLED, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], params
+    )
+    expected = [o.outputs[0].token_ids for o in colocated]
+    expected_early = [a for o in colocated for a in o.metrics.accepted_lengths[:8]]
+    tokens, early = run(frozenset())
+    assert tokens == expected
+    assert early == pytest.approx(sum(expected_early) / len(expected_early))
+    tokens_skip, early_skip = run(frozenset({"draft.swa"}))
+    assert tokens_skip == expected  # verification keeps the text right...
+    assert early_skip < early - 0.2  # ...but the missing draft state costs acceptance

@@ -63,6 +63,9 @@ class PrefillWorker:
         self.checksums: dict[int, dict[str, str]] = {}
         """room -> per-component checksums taken before the push (debug parity)."""
         self.keep_checksums = False
+        self.debug_skip_components: frozenset[str] = frozenset()
+        """Debug switch: components not pushed although declared (the classic missing-piece
+        bug, registry intact): decode's units for them keep whatever they held."""
 
     def connect(self, peer_regions: dict[str, dict]) -> None:
         from baton.transfer.backends.base import RegionDescriptor
@@ -107,7 +110,8 @@ class PrefillWorker:
                     f"decode reserved {None if dst is None else len(dst)}",
                     stopped_writing=True,
                 )
-            components[component.name] = (src, list(dst), component.unit_bytes)
+            if component.name not in self.debug_skip_components:
+                components[component.name] = (src, list(dst), component.unit_bytes)
         plan = plan_request(components)
         start = time.perf_counter()
         status = self._transfer(plan_ops(plan))
