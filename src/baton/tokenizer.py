@@ -419,9 +419,25 @@ class IncrementalDetokenizer:
         # old context, so the next token is still decoded with its left neighbour.
         if force or (held == 0 and tail):
             self._slide_window()
+        elif held and emit_end:
+            self._slide_to_clean_end(tail[:emit_end])
         if delta:
             self._chunks.append(delta)
         return delta
+
+    def _slide_to_clean_end(self, emitted_tail: str) -> None:
+        """The window ends mid-character: slide it to the last clean boundary among the
+        final few tokens, so that a long run of split characters (byte-fallback tokens fed
+        in steps that never end on a character) cannot grow it past _MAX_PENDING_TOKENS."""
+        for k in range(1, _MAX_CONTEXT_EXTENSION + 1):
+            end = len(self._ids) - k
+            if end <= self._read:
+                return
+            if self._decode(self._ids[self._prefix : end]) == self._prefix_text + emitted_tail:
+                self._prefix, self._read = self._read, end
+                self._prefix_text = self._decode(self._ids[self._prefix : self._read])
+                self._emitted_past_prefix = 0  # all text of ids[:end] is out
+                return
 
     def _slide_window(self) -> None:
         self._prefix, self._read = self._read, len(self._ids)
