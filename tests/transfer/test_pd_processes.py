@@ -153,11 +153,12 @@ def _client(
     *,
     token: str = TOKEN,
     config: EngineConfig | None = None,
+    backend: str = "shm",
 ) -> DecodeClient:
     """A decode in this process; its segments carry the session's leak-checked prefix."""
     prefix = f"{TEST_PREFIX}-{secrets.token_hex(3)}"
     return DecodeClient(
-        pd_dir, config or _config(), endpoint, token, "shm", deadlines, shm_prefix=prefix
+        pd_dir, config or _config(), endpoint, token, backend, deadlines, shm_prefix=prefix
     )
 
 
@@ -253,6 +254,31 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
         out = _run(client)[request_id_of(room)]
         assert out.outputs[0].token_ids == expected[3].outputs[0].token_ids
     assert our_segments() == before
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_pd_processes_over_real_transfer_engines(pd_dir, spawn_prefill, backend):
+    """The same handoff pushed by NIXL (UCX) or Mooncake (TCP) instead of shared memory."""
+    from baton.transfer.backends import backend_class
+
+    try:
+        backend_class(backend)
+    except ImportError as e:
+        pytest.skip(f"{backend} is not installed: {e}")
+    expected = _colocated(pd_dir)
+    prefill = spawn_prefill("--backend", backend)
+    with _client(pd_dir, prefill.endpoint, backend=backend) as client:
+        start_free = _free_units(client.engine)
+        rooms = [client.add_request(p, params) for p, params in _requests()]
+        done = _run(client, timeout_s=60.0)
+        outs = [done[request_id_of(room)] for room in rooms]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert [o.metrics.accepted_lengths for o in outs] == [
+            o.metrics.accepted_lengths for o in expected
+        ]
+        assert client.engine.runner.num_computed_prompt_tokens == 0
+        assert all(n > 0 for n in client.decode.bytes_received.values())
+        assert _free_units(client.engine) == start_free
 
 
 def test_decode_worker_process(pd_dir, prefill_server):

@@ -48,7 +48,8 @@ from baton.engine.engine import LLMEngine
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.memory.allocator import SharedMemoryAllocator
 from baton.request import FinishReason, RequestStatus, SamplingParams
-from baton.transfer.backends.base import RegionDescriptor
+from baton.transfer.backends import backend_class
+from baton.transfer.backends.base import RegionDescriptor, TransferBackend
 from baton.transfer.backends.shm import ShmBackend
 from baton.transfer.channel import DEFAULT_HOST, ControlClient, ControlServer
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
@@ -71,7 +72,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("baton.transfer")
 
-WORKER_BACKENDS = ("shm",)
+WORKER_BACKENDS = ("shm", "nixl", "mooncake")
 """Backends that cross a process boundary today (``loopback`` is in-process only)."""
 IDLE_WAIT_MS = 20
 """How long a loop with nothing to compute waits on the channel per turn."""
@@ -106,6 +107,15 @@ class Deadlines:
 def request_id_of(room: int) -> str:
     """The engine request id of a PD room (``pd.py`` names requests this way)."""
     return f"room-{room}"
+
+
+def _new_backend(kind: str, allocator: SharedMemoryAllocator | None = None) -> TransferBackend:
+    """The transfer backend of a worker. Decode's pools always live in shared memory (an
+    ``shm`` prefill on the same host maps them); nixl and mooncake register the same memory
+    with their own engines and push over UCX / TCP, as across hosts."""
+    if kind == "shm":
+        return ShmBackend(allocator)
+    return backend_class(kind)()
 
 
 def _check_backend(kind: str) -> None:
@@ -150,7 +160,8 @@ class PrefillServer:
         self.deadlines = deadlines or Deadlines()
         self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
-        self.prefill = PrefillWorker(self.engine, ShmBackend())
+        self.backend_kind = backend_kind
+        self.prefill = PrefillWorker(self.engine, _new_backend(backend_kind))
         self.hello = build_hello(
             self.engine, model_dir,
             worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
@@ -263,7 +274,7 @@ class PrefillServer:
                     f"{component.unit_bytes}-byte units of `{component.name}`"
                 )
             num_units[component.name] = d.nbytes // component.unit_bytes
-        prefill = PrefillWorker(self.engine, ShmBackend())
+        prefill = PrefillWorker(self.engine, _new_backend(self.backend_kind))
         try:
             prefill.connect(hello.regions)
         except BaseException:
@@ -390,11 +401,11 @@ class DecodeClient:
         self.deadlines = deadlines or Deadlines()
         self.endpoint = prefill_endpoint
         self.allocator = SharedMemoryAllocator(shm_prefix)
-        self.backend: ShmBackend | None = None
+        self.backend: TransferBackend | None = None
         self.client: ControlClient | None = None
         try:
             self.engine = LLMEngine(model_dir, engine_config, allocator=self.allocator)
-            self.backend = ShmBackend(self.allocator)
+            self.backend = _new_backend(backend_kind, self.allocator)
             regions = {
                 c.name: self.backend.register(c.name, c.storage).to_dict()
                 for c in self.engine.registry
