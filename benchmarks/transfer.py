@@ -226,18 +226,62 @@ def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
         allocator.unlink()
 
 
+def ttft(directory: Path, length: int) -> dict:
+    """Time to first token of one request, colocated vs PD in one process over shm (PD:
+    reserve -> prefill computes -> push -> decode admits; the two sides take turns)."""
+    from baton.engine import handoff  # noqa: F401  (the PD roles below use it)
+    from baton.request import SamplingParams
+    from baton.transfer.pd import DecodeWorker, PrefillWorker
+
+    prompt = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    allocator = SharedMemoryAllocator()
+    try:
+        colocated, decode_engine = engines(directory, length, allocator)
+        for _ in range(2):  # the first run warms the engine up; the second is timed
+            start = time.perf_counter()
+            colocated.add_request({"prompt_token_ids": prompt.tolist()}, params)
+            while not any(o.finished for o in colocated.step()):
+                pass
+            colocated_s = time.perf_counter() - start
+        receiver = ShmBackend(allocator)
+        regions = {
+            c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+        }
+        prefill = PrefillWorker(colocated, ShmBackend())
+        prefill.connect(regions)
+        decode = DecodeWorker(decode_engine)
+        start = time.perf_counter()
+        prefill.on_reserve(decode.reserve(1, prompt.tolist(), params))
+        replies = []
+        while not replies:
+            replies = prefill.step()
+        decode.on_done(replies[0])
+        pd_s = time.perf_counter() - start
+        receiver.close()
+        prefill.backend.close()
+    finally:
+        allocator.unlink()
+    return {"colocated_s": colocated_s, "pd_s": pd_s, "pd_over_colocated": pd_s / colocated_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default="shm,loopback")
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--ttft-lengths", default="1024,4096")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/transfer.json"))
     args = parser.parse_args()
     args.backends = args.backends.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.ttft_lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
     torch.set_num_threads(args.threads)
     results = run(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        make_model(Path(tmp))
+        results["ttft"] = {n: ttft(Path(tmp), n) for n in args.ttft_lengths}
     print(f"{'tokens':>7} {'MB':>8} {'runs':>6} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
           + "  ".join(f"{b + ' state/raw/%mc':>24}" for b in args.backends))  # fmt: skip
     for length, r in results["lengths"].items():
@@ -249,6 +293,9 @@ def main() -> None:
         mean_kib = r["mean_run_bytes"] / 1024
         print(f"{length:>7} {r['bytes'] / 1e6:8.1f} {r['runs']:>6} {mean_kib:7.0f}K"
               f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}  {cells}")  # fmt: skip
+    for length, t in results["ttft"].items():
+        print(f"TTFT {length} tokens: colocated {t['colocated_s'] * 1e3:.0f} ms, PD (shm, one "
+              f"process) {t['pd_s'] * 1e3:.0f} ms = {t['pd_over_colocated']:.2f}x")  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 
