@@ -1,0 +1,301 @@
+"""The decode side of a PD deployment: ``DecodeClient`` (see ``worker.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.outputs import CompletionOutput, RequestOutput
+from baton.memory.allocator import SharedMemoryAllocator
+from baton.request import FinishReason, RequestStatus, SamplingParams
+from baton.transfer.backends.base import TransferBackend
+from baton.transfer.channel import ControlClient
+from baton.transfer.handshake import PairingError, build_hello, check_pairing
+from baton.transfer.pd import DecodeWorker
+from baton.transfer.protocol import (
+    Abort,
+    HelloAck,
+    Message,
+    StateDone,
+    StateFailed,
+    new_room,
+)
+
+if TYPE_CHECKING:
+    from baton.engine.engine import _Track  # the engine's per-request record
+
+from baton.transfer.worker_base import (
+    IDLE_WAIT_MS,
+    MAX_FAILURE_REASONS,
+    MAX_MESSAGES_PER_TURN,
+    Deadlines,
+    _check_backend,
+    _new_backend,
+    request_id_of,
+)
+
+logger = logging.getLogger("baton.transfer")
+
+
+# -- decode ----------------------------------------------------------------------------------
+@dataclass
+class _Pending:
+    request_id: str
+    deadline: float
+    """Waiting: when the request fails. Releasing: when its units are freed unconfirmed."""
+
+
+def _final_output(track: _Track, finish: FinishReason) -> RequestOutput:
+    """The one output of a request that ends before generating anything."""
+    done = CompletionOutput(index=0, text="", token_ids=[], finish_reason=finish.value)
+    return RequestOutput(
+        request_id=track.request.request_id,
+        prompt=track.prompt,
+        prompt_token_ids=list(track.request.prompt_token_ids),
+        outputs=[done],
+        finished=True,
+        metrics=track.metrics,
+        delta=dataclasses.replace(done),
+    )
+
+
+class DecodeClient:
+    """A decode worker paired with one prefill: pools in shared memory, engine-like API.
+
+    Outputs carry request id ``request_id_of(room)``. A request that fails (prefill refused
+    it, reported a failure, or missed the deadline) appears once in ``step``'s outputs with
+    finish reason ``error``; ``failure_reasons`` says why.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        engine_config: EngineConfig | None = None,
+        prefill_endpoint: str = "",
+        token: str | bytes = "",
+        backend_kind: str = "shm",
+        deadlines: Deadlines | None = None,
+        *,
+        shm_prefix: str | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        """Builds the engine, pairs with the prefill at ``prefill_endpoint``. Raises
+        ``TimeoutError`` when no answer comes within ``bootstrap_s`` and ``PairingError``
+        when either side refuses the pairing; nothing is left behind then."""
+        _check_backend(backend_kind)
+        self.deadlines = deadlines or Deadlines()
+        self.endpoint = prefill_endpoint
+        self.allocator = SharedMemoryAllocator(shm_prefix)
+        self.backend: TransferBackend | None = None
+        self.client: ControlClient | None = None
+        try:
+            self.engine = LLMEngine(model_dir, engine_config, allocator=self.allocator)
+            self.backend = _new_backend(backend_kind, self.allocator)
+            regions = {
+                c.name: self.backend.register(c.name, c.storage).to_dict()
+                for c in self.engine.registry
+            }
+            self.hello = build_hello(
+                self.engine, model_dir,
+                worker_id=worker_id or f"decode-{socket.gethostname()}-{os.getpid()}-"
+                f"{secrets.token_hex(2)}",
+                role="decode", backend=backend_kind, regions=regions,
+            )  # fmt: skip
+            self.client = ControlClient(prefill_endpoint, token)
+            self.peer = self._bootstrap(self.client)
+        except BaseException:
+            self.close()
+            raise
+        self.decode = DecodeWorker(self.engine)
+        self.waiting: dict[int, _Pending] = {}
+        """Rooms whose state has not landed yet."""
+        self.releasing: dict[int, _Pending] = {}
+        """Failed rooms whose units wait for prefill's stopped_writing (or the grace)."""
+        self.failure_reasons: dict[str, str] = {}
+        """Request id -> why it failed (finish reason ``error``), newest kept."""
+        self._outputs: list[RequestOutput] = []
+
+    def _bootstrap(self, client: ControlClient) -> HelloAck:
+        client.send(self.hello)
+        bootstrap_s = self.deadlines.bootstrap_s
+        deadline = time.monotonic() + bootstrap_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            msg = client.recv(math.ceil(remaining * 1000))
+            if isinstance(msg, HelloAck):
+                break
+            if msg is not None:
+                logger.warning("decode: %s before HelloAck ignored", type(msg).__name__)
+        else:
+            raise TimeoutError(
+                f"decode: no HelloAck from the prefill at {self.endpoint} within the "
+                f"{bootstrap_s} s bootstrap deadline (is it running? same token? a prefill "
+                "logs every frame it drops for a bad MAC)"
+            )
+        if not msg.accepted:
+            error = msg.error or "no reason given"
+            raise PairingError(
+                f"prefill {msg.worker_id!r} at {self.endpoint} refused to pair: {error}", [error]
+            )
+        check_pairing(self.hello, msg)
+        logger.info("decode: paired with prefill %r at %s", msg.worker_id, self.endpoint)
+        return msg
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        room: int | None = None,
+    ) -> int:
+        """Reserve units for every component and ask prefill for the state; returns the room.
+        Raises ``ValueError`` for a bad request, ``MemoryError`` when decode cannot hold it
+        now (retry after some requests finish)."""
+        room = new_room() if room is None else room
+        if room in self.waiting or room in self.releasing:
+            raise ValueError(f"room {room} is in use")
+        msg = self.decode.reserve(room, list(prompt_token_ids), params or SamplingParams())
+        deadline = time.monotonic() + self.deadlines.waiting_for_state_s
+        self.waiting[room] = _Pending(msg.request_id, deadline)
+        assert self.client is not None
+        if not self.client.send(msg):  # never queued: prefill cannot be writing for it
+            self._outputs.append(self._fail(room, "could not send the request to prefill", True))
+        return room
+
+    def abort(self, room: int) -> RequestOutput | None:
+        """End a request now; a waiting one keeps its units until prefill confirms."""
+        if room in self.waiting:
+            assert self.client is not None
+            self.client.send(Abort(room=room, reason="aborted by decode's client"))
+            return self._fail(room, "aborted", False, finish=FinishReason.ABORT)
+        return self.engine.abort_request(request_id_of(room))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or self.engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what landed, fail what failed or timed out, then one engine step."""
+        outputs, self._outputs = self._outputs, []
+        is_busy = bool(outputs) or self.engine.has_unfinished_requests()
+        self._drain(0 if is_busy else self._idle_wait_ms(), outputs)
+        self._check_deadlines(outputs)
+        outputs += self.engine.step()
+        return outputs
+
+    def close(self) -> None:
+        """Close the channel and the backend, unlink the shared pools. Idempotent."""
+        if self.client is not None:
+            self.client.close()
+        if self.backend is not None:
+            self.backend.close()
+        self.allocator.unlink()
+        # NOTE: the engine's tensors keep the mappings alive until they die (allocator NOTE);
+        # the names are gone already, which is what a leak is.
+        with contextlib.suppress(BufferError):
+            self.allocator.close()
+
+    def __enter__(self) -> DecodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _idle_wait_ms(self) -> int:
+        deadlines = [p.deadline for p in (*self.waiting.values(), *self.releasing.values())]
+        if not deadlines:
+            return 0
+        return max(0, min(IDLE_WAIT_MS, math.ceil((min(deadlines) - time.monotonic()) * 1000)))
+
+    def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
+        assert self.client is not None
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            msg = self.client.recv(timeout_ms)
+            if msg is None:
+                return
+            timeout_ms = 0
+            self._on_message(msg, outputs)
+
+    def _on_message(self, msg: Message, outputs: list[RequestOutput]) -> None:
+        if isinstance(msg, StateDone | StateFailed) and msg.room in self.releasing:
+            if isinstance(msg, StateDone) or msg.stopped_writing:
+                self._release(msg.room)  # prefill confirms it no longer writes there
+        elif isinstance(msg, StateDone) and msg.room in self.waiting:
+            self._on_done(msg, outputs)
+        elif isinstance(msg, StateFailed) and msg.room in self.waiting:
+            reason = f"prefill failed the request: {msg.reason}"
+            outputs.append(self._fail(msg.room, reason, msg.stopped_writing))
+        else:
+            logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
+
+    def _on_done(self, msg: StateDone, outputs: list[RequestOutput]) -> None:
+        request_id = self.waiting[msg.room].request_id
+        track = self.engine.tracks[request_id]
+        try:
+            self.decode.on_done(msg)
+        except ValueError as e:  # a stale or corrupt aux record; prefill is done writing
+            outputs.append(self._fail(msg.room, str(e), True))
+            return
+        del self.waiting[msg.room]
+        if request_id not in self.engine.tracks:  # it finished on its first token
+            # NOTE: handoff.admit finishes such a request without an output; build it here.
+            outputs.append(self.engine._output(track, track.finish_reason))
+
+    def _check_deadlines(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        assert self.client is not None
+        for room in [r for r, p in self.waiting.items() if p.deadline <= now]:
+            reason = f"no state from prefill within {self.deadlines.waiting_for_state_s} s"
+            self.client.send(Abort(room=room, reason=reason))
+            outputs.append(self._fail(room, reason, False))
+        for room in [r for r, p in self.releasing.items() if p.deadline <= now]:
+            logger.warning(
+                "decode: room %d: prefill never confirmed it stopped writing; units freed after "
+                "the %s s grace", room, self.deadlines.abort_grace_s,
+            )  # fmt: skip
+            self._release(room)
+
+    def _fail(
+        self,
+        room: int,
+        reason: str,
+        stopped_writing: bool,
+        finish: FinishReason = FinishReason.ERROR,
+    ) -> RequestOutput:
+        """End a waiting request now; free its units now if prefill stopped writing, else
+        once it confirms or the grace passes (DESIGN.md principle 6)."""
+        pending = self.waiting.pop(room)
+        self.decode.incoming.pop(room, None)
+        track = self.engine.tracks.pop(pending.request_id)
+        track.request.status = (
+            RequestStatus.FAILED if finish is FinishReason.ERROR else RequestStatus.FINISHED_ABORTED
+        )
+        track.request.finish_reason = finish
+        track.metrics.finished_time = time.monotonic()
+        if self.engine.proposer is not None:
+            self.engine.proposer.free(pending.request_id)
+        if finish is FinishReason.ERROR:
+            self.failure_reasons[pending.request_id] = reason
+            if len(self.failure_reasons) > MAX_FAILURE_REASONS:
+                del self.failure_reasons[next(iter(self.failure_reasons))]
+            logger.warning("decode: room %d failed: %s", room, reason)
+        grace = track.metrics.finished_time + self.deadlines.abort_grace_s
+        self.releasing[room] = _Pending(pending.request_id, grace)
+        if stopped_writing:
+            self._release(room)
+        return _final_output(track, finish)
+
+    def _release(self, room: int) -> None:
+        request_id = self.releasing.pop(room).request_id
+        for cache in self.engine.caches:
+            cache.free(request_id)
+        self.engine.aux.free(request_id)

@@ -1,0 +1,270 @@
+"""The prefill side of a PD deployment as a process: ``PrefillServer`` (see ``worker.py``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from baton.config import EngineConfig
+from baton.engine import handoff
+from baton.engine.engine import LLMEngine
+from baton.transfer.backends.base import RegionDescriptor
+from baton.transfer.channel import DEFAULT_HOST, ControlServer
+from baton.transfer.handshake import PairingError, build_hello, check_pairing
+from baton.transfer.pd import PrefillWorker
+from baton.transfer.protocol import (
+    Abort,
+    Hello,
+    HelloAck,
+    Ping,
+    Pong,
+    ReserveState,
+    StateDone,
+    StateFailed,
+)
+
+if TYPE_CHECKING:
+    pass  # the engine's per-request record
+
+from baton.transfer.worker_base import (
+    IDLE_WAIT_MS,
+    MAX_MESSAGES_PER_TURN,
+    Deadlines,
+    _check_backend,
+    _new_backend,
+    request_id_of,
+)
+
+logger = logging.getLogger("baton.transfer")
+
+
+# -- prefill ---------------------------------------------------------------------------------
+@dataclass
+class _Room:
+    peer: bytes
+    """The decode that reserved it: where StateDone / StateFailed go."""
+    arrival: float
+
+
+class PrefillServer:
+    """A prefill worker behind a ``ControlServer``, paired with one decode at a time.
+
+    NOTE: a backend maps one decode's regions under the component names, so a second decode
+    may pair only once the first has no request in flight (a restarted decode re-pairs).
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        engine_config: EngineConfig | None = None,
+        host: str = DEFAULT_HOST,
+        port: int = 0,
+        token: str | bytes = "",
+        backend_kind: str = "shm",
+        deadlines: Deadlines | None = None,
+        *,
+        debug_stall_s: float = 0.0,
+        worker_id: str | None = None,
+    ) -> None:
+        """``debug_stall_s`` (tests): hold every push that long after a request arrives."""
+        _check_backend(backend_kind)
+        if not debug_stall_s >= 0:
+            raise ValueError(f"debug_stall_s must be >= 0, got {debug_stall_s!r}")
+        self.deadlines = deadlines or Deadlines()
+        self.debug_stall_s = debug_stall_s
+        self.engine = LLMEngine(model_dir, engine_config)
+        self.backend_kind = backend_kind
+        self.prefill = PrefillWorker(self.engine, _new_backend(backend_kind))
+        self.hello = build_hello(
+            self.engine, model_dir,
+            worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
+            role="prefill", backend=backend_kind,
+            regions={name: d.to_dict() for name, d in self.prefill.descriptors.items()},
+        )  # fmt: skip
+        try:
+            self.server = ControlServer(host, port, token)
+        except BaseException:
+            self.prefill.backend.close()
+            raise
+        self.endpoint = self.server.endpoint
+        self.peer: bytes | None = None
+        self.peer_num_units: dict[str, int] = {}
+        """Component name -> units of the paired decode's pool (bounds its unit ids)."""
+        self.rooms: dict[int, _Room] = {}
+        self._stall_until = 0.0
+
+    def serve_forever(self, stop_event: threading.Event) -> None:
+        try:
+            while not stop_event.is_set():
+                self.serve_once()
+        finally:
+            self.close()
+            logger.info("prefill: stopped")
+
+    def serve_once(self) -> None:
+        """Drain the channel, drop rooms past their deadline, run one step if there is work."""
+        can_step = bool(self.prefill.outgoing) and time.monotonic() >= self._stall_until
+        self._drain(0 if can_step else IDLE_WAIT_MS)
+        self._expire()
+        if self.prefill.outgoing and time.monotonic() >= self._stall_until:
+            for reply in self.prefill.step():
+                self._reply(reply)
+
+    def close(self) -> None:
+        self.server.close()
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Unmap the current decode's regions; a mapping still in use stays (logged)."""
+        try:
+            self.prefill.backend.close()
+        except BufferError as e:
+            logger.warning("prefill: %s", e)
+
+    def _drain(self, timeout_ms: int) -> None:
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            got = self.server.recv(timeout_ms)
+            if got is None:
+                return
+            timeout_ms = 0
+            identity, msg = got
+            if isinstance(msg, Hello):
+                self._on_hello(identity, msg)
+            elif isinstance(msg, ReserveState):
+                self._on_reserve(identity, msg)
+            elif isinstance(msg, Abort):
+                self._on_abort(identity, msg)
+            elif isinstance(msg, Ping):
+                self.server.send(identity, Pong(seq=msg.seq))
+            else:
+                logger.warning(
+                    "prefill: %s from peer %s ignored", type(msg).__name__, identity.hex()
+                )
+
+    def _reply(self, msg: StateDone | StateFailed) -> None:
+        room = self.rooms.pop(msg.room, None)
+        if room is None:
+            logger.warning("prefill: no decode peer for room %d", msg.room)
+        elif not self.server.send(room.peer, msg):
+            logger.warning("prefill: room %d: %s not delivered", msg.room, type(msg).__name__)
+
+    # -- pairing ---------------------------------------------------------------------------
+    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+        try:
+            check_pairing(self.hello, hello)
+            if self.prefill.outgoing:
+                raise PairingError(
+                    f"prefill {self.hello.worker_id!r} still pushes {len(self.prefill.outgoing)} "
+                    "requests of its current decode peer; pair again later",
+                    [],
+                )
+            prefill, num_units = self._connect(hello)
+        except (ValueError, OSError) as e:  # PairingError is a ValueError
+            logger.warning(
+                "prefill: refused pairing with decode %r (peer %s): %s",
+                hello.worker_id, identity.hex(), e,
+            )  # fmt: skip
+            self.server.send(identity, HelloAck.answer(self.hello, accepted=False, error=str(e)))
+            return
+        self._close_backend()  # the previous decode's regions
+        self.prefill, self.peer, self.peer_num_units = prefill, identity, num_units
+        logger.info("prefill: paired with decode %r (peer %s)", hello.worker_id, identity.hex())
+        self.server.send(identity, HelloAck.answer(self.hello, accepted=True))
+
+    def _connect(self, hello: Hello) -> tuple[PrefillWorker, dict[str, int]]:
+        """A sender mapping ``hello``'s regions, and the unit count of each."""
+        names = set(self.engine.registry.names())
+        if set(hello.regions) != names:
+            raise ValueError(
+                f"decode declares regions {sorted(hello.regions)}, prefill needs {sorted(names)}"
+            )
+        num_units = {}
+        for component in self.engine.registry:
+            d = RegionDescriptor.from_dict(hello.regions[component.name])
+            if d.region != component.name or d.nbytes % component.unit_bytes:
+                raise ValueError(
+                    f"decode region {d.region!r} of {d.nbytes} bytes is not whole "
+                    f"{component.unit_bytes}-byte units of `{component.name}`"
+                )
+            num_units[component.name] = d.nbytes // component.unit_bytes
+        prefill = PrefillWorker(self.engine, _new_backend(self.backend_kind))
+        try:
+            prefill.connect(hello.regions)
+        except BaseException:
+            prefill.backend.close()
+            raise
+        return prefill, num_units
+
+    # -- requests --------------------------------------------------------------------------
+    def _on_reserve(self, identity: bytes, msg: ReserveState) -> None:
+        if msg.room in self.rooms:
+            # NOTE: a replayed frame or a decode bug. Answering StateFailed would tell decode to
+            # free units the first copy is about to fill, so drop it silently.
+            logger.warning("prefill: second ReserveState for live room %d dropped", msg.room)
+            return
+        problem = self._reserve_problem(identity, msg)
+        failed = None
+        if problem is not None:
+            failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True)
+        else:
+            try:
+                failed = self.prefill.on_reserve(msg)
+            except ValueError as e:  # invalid sampling params (a ProtocolError)
+                failed = StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
+        if failed is not None:
+            logger.warning("prefill: room %d refused: %s", msg.room, failed.reason)
+            self.server.send(identity, failed)
+            return
+        now = time.monotonic()
+        self.rooms[msg.room] = _Room(identity, now)
+        if self.debug_stall_s:
+            self._stall_until = now + self.debug_stall_s
+
+    def _reserve_problem(self, identity: bytes, msg: ReserveState) -> str | None:
+        """Why ``msg`` cannot be served (checked before any state is touched), or None."""
+        if identity != self.peer:
+            return "this decode is not paired with the prefill worker (Hello first)"
+        aux = self.engine.aux
+        if aux.num_free_units == 0:
+            return f"prefill is full ({aux.component.num_units} requests in flight)"
+        pushed = set(self.engine.registry.names()) - {aux.name}
+        if set(msg.dst_unit_ids) != pushed:
+            return f"dst_unit_ids names {sorted(msg.dst_unit_ids)}, prefill pushes {sorted(pushed)}"
+        units = {**msg.dst_unit_ids, aux.name: [msg.aux_slot_id]}
+        for name, ids in units.items():
+            outside = [u for u in ids if u >= self.peer_num_units[name]]
+            if outside:
+                return f"`{name}` unit {outside[0]} is outside decode's {self.peer_num_units[name]}"
+            if len(set(ids)) != len(ids):
+                return f"`{name}` unit ids repeat: {ids}"
+        return None
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        room = self.rooms.get(msg.room)
+        if room is None:  # done, refused or never seen: nothing writes for it
+            reason = "not in flight at prefill"
+            self.server.send(
+                identity, StateFailed(room=msg.room, reason=reason, stopped_writing=True)
+            )
+        elif room.peer == identity:
+            self._drop(msg.room, f"aborted by decode: {msg.reason}")
+
+    def _expire(self) -> None:
+        limit = time.monotonic() - self.deadlines.waiting_for_state_s
+        for room in [r for r, info in self.rooms.items() if info.arrival < limit]:
+            self._drop(room, f"not pushed within {self.deadlines.waiting_for_state_s} s")
+
+    def _drop(self, room: int, reason: str) -> None:
+        """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
+        between steps nothing is writing for it."""
+        request_id = request_id_of(room)
+        self.prefill.outgoing.pop(request_id, None)
+        self.engine.abort_request(request_id)
+        handoff.release(self.engine, request_id)
+        logger.info("prefill: room %d dropped: %s", room, reason)
+        self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
