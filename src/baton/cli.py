@@ -1,7 +1,8 @@
 """The ``baton`` command line.
 
 ``baton generate``: offline generation on a local model directory (the bundled model by
-default). Serving commands (``launch``, ``serve``, ``router``) arrive with the serving issue.
+default). ``baton serve``: the OpenAI-compatible HTTP server, colocated (one engine).
+``launch`` and ``router`` (PD) arrive later.
 """
 
 from __future__ import annotations
@@ -48,6 +49,26 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+    from baton.server.api import build_app
+    from baton.server.async_engine import AsyncEngine
+
+    options = {"dtype": args.dtype, "num_threads": args.threads}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    engine = AsyncEngine(LLMEngine(args.model, EngineConfig.from_kwargs(**options))).start()
+    name = args.served_model_name or Path(args.model).name
+    try:
+        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -64,9 +85,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="do not use the MTP draft even if the model has one",
     )
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (colocated)")
+    serve.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="default: the directory name")
+    serve.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
+    serve.add_argument("--threads", type=int, default=2)
+    serve.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "serve":
+        return _serve(args)
     return 2
 
 

@@ -1,0 +1,350 @@
+"""``build_app``: the OpenAI-compatible FastAPI app over one ``AsyncEngine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as SSE and
+not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every error is
+OpenAI's ``{"error": {...}}`` JSON with a 4xx (5xx only for a failed engine); a bad request
+never reaches the engine thread's state and never takes the server down.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from pydantic import BaseModel, ValidationError
+
+from baton.engine.outputs import CompletionOutput, RequestOutput
+from baton.server.async_engine import AsyncEngine
+from baton.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class _Metrics:
+    """Per-app registry (two apps in one process must not collide)."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.ttft = Histogram(
+            "baton_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "baton_inter_token_latency_seconds", "time between output tokens",
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.running = Gauge("baton_num_requests_running", "requests being run", registry=r)
+        self.waiting = Gauge("baton_num_requests_waiting", "requests queued", registry=r)
+        self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("baton_generation_tokens", "tokens generated", registry=r)
+
+
+def _error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+def _validation_error(exc: ValidationError | RequestValidationError) -> ApiError:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    return ApiError(f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        data = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ApiError("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from exc
+
+
+def _usage(out: RequestOutput) -> dict[str, int]:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    others = sorted(entry.items(), key=lambda kv: -kv[1])
+    return others[:n] if n else []
+
+
+def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    app = FastAPI(title="baton", docs_url=None, redoc_url=None)
+    metrics = _Metrics()
+    tokenizer = engine.tokenizer
+
+    def token_str(token_id: int) -> str:
+        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+    def completion_logprobs(delta: CompletionOutput, n: int, offset: int) -> dict | None:
+        if delta.logprobs is None:
+            return None
+        tokens = [token_str(t) for t in delta.token_ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [
+                lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+            ],
+            "top_logprobs": [
+                {token_str(i): v for i, v in _top(lp, n)}
+                for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+            ],
+            "text_offset": offsets,
+        }
+
+    def chat_logprobs(delta: CompletionOutput, n: int) -> dict | None:
+        if delta.logprobs is None:
+            return None
+
+        def item(token_id: int, value: float) -> dict:
+            text = token_str(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        content = [
+            {**item(t, lp[t]), "top_logprobs": [item(i, v) for i, v in _top(lp, n)]}
+            for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+        ]
+        return {"content": content}
+
+    async def run(prompt: Any, params: Any) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs, with latency and token metrics recorded on the way."""
+        arrival = time.monotonic()
+        try:
+            stream = await engine.add(prompt, params)
+        except ValueError as exc:
+            raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
+        except RuntimeError as exc:
+            raise ApiError(str(exc), 503, type="server_error") from exc
+
+        async def observed() -> AsyncIterator[RequestOutput]:
+            last = None
+            try:
+                async for out in stream:
+                    num_new = len(out.delta.token_ids) if out.delta else 0
+                    if num_new:
+                        now = time.monotonic()
+                        if last is None:
+                            metrics.ttft.observe(now - arrival)
+                        else:
+                            metrics.itl.observe((now - last) / num_new)
+                        last = now
+                        metrics.generation_tokens.inc(num_new)
+                    if out.finished:
+                        metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                    yield out
+            finally:
+                await stream.aclose()
+
+        return observed()
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise ApiError(
+                f"the model {name!r} does not exist; this server serves {model_name!r}",
+                404, param="model", code="model_not_found",
+            )  # fmt: skip
+
+    def sse(
+        outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
+        usage_chunk: Callable[[RequestOutput], dict] | None,
+    ) -> StreamingResponse:  # fmt: skip
+        async def body() -> AsyncIterator[str]:
+            last = None
+            try:
+                async for out in outputs:
+                    last = out
+                    data = chunk(out)
+                    if data is not None:
+                        yield f"data: {json.dumps(data)}\n\n"
+                if usage_chunk is not None and last is not None:
+                    yield f"data: {json.dumps(usage_chunk(last))}\n\n"
+            except Exception as exc:  # the engine died mid-stream: tell the client, then end
+                err = ApiError(f"the engine failed: {exc}", 500, type="server_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
+            finally:
+                await outputs.aclose()
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(_validation_error(exc))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return _error(ApiError(f"internal error: {exc}", 500, type="server_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req: CompletionRequest = await _parse(request, CompletionRequest)
+        check_model(req.model)
+        params = req.sampling_params()
+        outputs = await run(req.engine_prompt(), params)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        n_top = req.logprobs or 0
+        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
+        if req.stream:
+            offset = 0
+
+            def chunk(out: RequestOutput) -> dict | None:
+                nonlocal offset
+                delta = out.delta
+                if not delta.text and not delta.token_ids and not out.finished:
+                    return None
+                choice = {
+                    "index": 0,
+                    "text": delta.text,
+                    "logprobs": completion_logprobs(delta, n_top, offset),
+                    "finish_reason": delta.finish_reason,
+                }
+                offset += len(delta.text)
+                return {**head, "choices": [choice]}
+
+            usage = (
+                (lambda out: {**head, "choices": [], "usage": _usage(out)})
+                if req.include_usage
+                else None
+            )
+            return sse(outputs, chunk, usage)
+        final = await _last(outputs)
+        completion = final.outputs[0]
+        choice = {
+            "index": 0,
+            "text": completion.text,
+            "logprobs": completion_logprobs(completion, n_top, 0),
+            "finish_reason": completion.finish_reason,
+        }
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest)
+        check_model(req.model)
+        params = req.sampling_params()
+        if tokenizer is None:
+            raise ApiError("this model has no tokenizer; chat needs one", param="messages")
+        try:
+            prompt = tokenizer.apply_chat_template(
+                req.template_messages(), add_generation_prompt=True
+            )
+        except ValueError as exc:
+            raise ApiError(str(exc), param="messages") from exc
+        outputs = await run(prompt, params)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        n_top = req.top_logprobs or 0
+        if req.stream:
+            head = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model_name,
+            }
+            is_first = True
+
+            def chunk(out: RequestOutput) -> dict | None:
+                nonlocal is_first
+                delta = out.delta
+                if not is_first and not delta.text and not delta.token_ids and not out.finished:
+                    return None
+                message = (
+                    {"role": "assistant", "content": delta.text}
+                    if is_first
+                    else {"content": delta.text}
+                )
+                is_first = False
+                choice = {
+                    "index": 0,
+                    "delta": message,
+                    "logprobs": chat_logprobs(delta, n_top),
+                    "finish_reason": delta.finish_reason,
+                }
+                return {**head, "choices": [choice]}
+
+            usage = (
+                (lambda out: {**head, "choices": [], "usage": _usage(out)})
+                if req.include_usage
+                else None
+            )
+            return sse(outputs, chunk, usage)
+        final = await _last(outputs)
+        completion = final.outputs[0]
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": completion.text},
+            "logprobs": chat_logprobs(completion, n_top),
+            "finish_reason": completion.finish_reason,
+        }
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
+        return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "baton",
+                "max_model_len": engine.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return _error(ApiError("the engine thread is not running", 503, type="server_error"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        metrics.running.set(engine.num_running)
+        metrics.waiting.set(engine.num_waiting)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+    finally:
+        await outputs.aclose()
+    if last is None:
+        raise ApiError("the engine returned no output", 500, type="server_error")
+    return last
+
+
+def _param_of_engine_error(message: str) -> str | None:
+    if "max_tokens" in message:
+        return "max_tokens"
+    if "prompt" in message or "token id" in message:
+        return "prompt"
+    return None

@@ -1,0 +1,176 @@
+"""``AsyncEngine``: one ``LLMEngine`` driven by a background thread, fed from asyncio.
+
+The engine is not thread-safe, so only the engine thread touches it. Coroutines send
+commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
+while there is no work (no spinning), otherwise steps the engine and hands each
+``RequestOutput`` back to the request's asyncio queue with ``loop.call_soon_threadsafe``.
+
+Who calls it: ``baton.server.api`` (one per server) and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from baton.engine.engine import LLMEngine
+from baton.engine.outputs import RequestOutput
+from baton.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int] | dict
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    accepted: Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Owns the engine thread. ``await add(...)`` validates the request on that thread
+    (raising the engine's ``ValueError`` for a bad one) and returns an async iterator of its
+    outputs; closing or cancelling the iterator before the last output aborts the request.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+        self.error: BaseException | None = None
+        """Set when the engine thread died; the server reports unhealthy from then on."""
+        # Snapshots written by the engine thread after each step, read by /metrics.
+        self.num_running = 0
+        self.num_waiting = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def start(self) -> AsyncEngine:
+        self._thread.start()
+        return self
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread; requests still running end with an error on their iterators."""
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout_s)
+
+    async def add(
+        self, prompt: str | list[int] | dict, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        if not self.is_alive:
+            raise RuntimeError("the engine thread is not running")
+        loop = asyncio.get_running_loop()
+        request_id = f"srv-{next(self._ids)}"
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: Future = Future()
+        self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted))
+        await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
+        return self._iterate(request_id, outputs)
+
+    async def _iterate(
+        self, request_id: str, outputs: asyncio.Queue
+    ) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            # NOTE: reached on a client disconnect too (CancelledError / GeneratorExit).
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self.num_running = len(self.engine.scheduler.running)
+                self.num_waiting = len(self.engine.scheduler.waiting)
+        except Exception as exc:
+            logger.exception("the engine thread failed")
+            self.error = exc
+        finally:
+            self._fail_all(self.error or RuntimeError("the engine was shut down"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every queued command (waiting for one if ``block``); False on stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(command, _Stop):
+                return False
+            if isinstance(command, _Abort):
+                self._streams.pop(command.request_id, None)
+                self.engine.abort_request(command.request_id)
+                continue
+            try:
+                self.engine.add_request(command.prompt, command.params, command.request_id)
+            except Exception as exc:
+                command.accepted.set_exception(exc)
+                continue
+            self._streams[command.request_id] = (command.loop, command.outputs)
+            command.accepted.set_result(command.request_id)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            loop, outputs_queue = stream
+            try:
+                loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                self._streams.pop(out.request_id, None)
+                self.engine.abort_request(out.request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, (loop, outputs_queue) in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(outputs_queue.put_nowait, error)
+        self._streams.clear()

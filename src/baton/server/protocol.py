@@ -1,0 +1,195 @@
+"""OpenAI request models for ``/v1/completions`` and ``/v1/chat/completions``, and their
+conversion to ``SamplingParams``.
+
+Unknown fields that do not change the output (``user``, ``metadata``, ...) are ignored;
+known fields this server cannot honour (``n > 1``, ``echo``, ``logit_bias``, tools, ...)
+raise ``ApiError`` (a 400), never silently produce a different answer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Strict
+
+from baton.request import SamplingParams
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+
+
+class ApiError(Exception):
+    """An error the client caused or must see: rendered as OpenAI's error JSON."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        param: str | None = None,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status_code, self.param = message, status_code, param
+        self.type, self.code = type, code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: Bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields the two endpoints share (OpenAI names plus vLLM's common extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Str
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    n: Int = 1
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Str | list[Str] | None = None
+    seed: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    user: Str | None = None
+    logit_bias: dict[str, Any] | None = None
+    # vLLM extras: accepted because clients of vLLM send them.
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+
+    def _check_unsupported(self) -> None:
+        if self.n != 1:
+            raise ApiError(f"n={self.n} is not supported; only n=1", param="n")
+        if self.logit_bias:
+            raise ApiError("logit_bias is not supported", param="logit_bias")
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        self._check_unsupported()
+        if max_tokens is not None and max_tokens <= 0:
+            raise ApiError(f"max_tokens must be positive, got {max_tokens}", param="max_tokens")
+        given = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        kwargs = {k: v for k, v in given.items() if v is not None}
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                stop=self.stop,
+                logprobs=logprobs,
+                ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens,
+                **kwargs,
+            )
+        except (ValueError, TypeError) as exc:
+            raise ApiError(str(exc), param=_param_of(str(exc))) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: Str | list[Int] | list[Str]
+    max_tokens: Int | None = 16  # OpenAI's default for completions
+    logprobs: Int | None = None
+    echo: Bool = False
+    best_of: Int | None = None
+    suffix: Str | None = None
+
+    def engine_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise ApiError("only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise ApiError("the prompt is empty", param="prompt")
+        return prompt
+
+    def sampling_params(self) -> SamplingParams:
+        if self.echo:
+            raise ApiError("echo is not supported", param="echo")
+        if self.best_of not in (None, 1):
+            raise ApiError("best_of > 1 is not supported", param="best_of")
+        if self.suffix:
+            raise ApiError("suffix is not supported", param="suffix")
+        return self._sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Str
+    content: Str | list[dict[str, Any]] | None = None
+
+    def as_template_dict(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError("only text content parts are supported", param="messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: Int | None = None
+    logprobs: Bool = False
+    top_logprobs: Int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def sampling_params(self) -> SamplingParams:
+        if self.tools:
+            raise ApiError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise ApiError("only response_format text is supported", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens <= 0:
+            raise ApiError("max_completion_tokens must be positive", param="max_completion_tokens")
+        return self._sampling_params(max_tokens, logprobs)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        if not self.messages:
+            raise ApiError("messages must not be empty", param="messages")
+        return [m.as_template_dict() for m in self.messages]
+
+
+_PARAM_NAMES = set(SamplingParams.__dataclass_fields__)
+
+
+def _param_of(message: str) -> str | None:
+    """``SamplingParams`` errors start with the field name (``"top_p must be ..."``)."""
+    first = message.split(" ", 1)[0].split("=", 1)[0]
+    return first if first in _PARAM_NAMES else None

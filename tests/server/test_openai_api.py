@@ -1,0 +1,235 @@
+"""The OpenAI-compatible server end to end: uvicorn on a free port, the official client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton import LLM, SamplingParams
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.server.api import build_app
+from baton.server.async_engine import AsyncEngine
+
+pytestmark = pytest.mark.integration
+
+MODEL = "tiny"
+OPTIONS = {"dtype": "float32", "page_size": 8, "max_num_batched_tokens": 64}
+PROMPT = "def add(a, b):\n    return"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(text_model_dir):
+    engine = AsyncEngine(LLMEngine(text_model_dir, EngineConfig.from_kwargs(**OPTIONS))).start()
+    port = _free_port()
+    config = uvicorn.Config(
+        build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning"
+    )
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield engine, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server[1] + "/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(text_model_dir):
+    return LLM(text_model_dir, **OPTIONS)
+
+
+def test_completion_matches_offline_greedy(client, offline):
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    assert resp.choices[0].text == want.outputs[0].text
+    assert resp.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert resp.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_token_id_prompt(client, offline):
+    ids = offline.tokenizer.encode(PROMPT)
+    by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    by_text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+
+
+def test_completion_stream_joins_to_the_same_text(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+
+
+def test_chat_and_chat_stream(client, offline):
+    messages = [{"role": "user", "content": "Write a function."}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=10, temperature=0
+    )
+    prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want = offline.generate(prompt, SamplingParams(max_tokens=10, temperature=0))[0]
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == want.outputs[0].text
+    assert full.usage.prompt_tokens == len(want.prompt_token_ids)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=10, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.outputs[0].text
+
+
+def test_stop_sequence(client):
+    base = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    text = base.choices[0].text
+    stop = text[3:5] if len(text) >= 5 and text[3:5].strip() else None
+    if stop is None:
+        pytest.skip("greedy text too short to cut a stop string from")
+    cut = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.find(stop)]
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
+
+
+def test_logprobs(client):
+    resp = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    for value, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and 1 <= len(top) <= 3
+        assert max(top.values()) == pytest.approx(value)  # greedy: the sampled one is the top
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
+
+
+def test_models_health_and_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    base = server[1]
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics").text)
+    }
+    for name in (
+        "baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
+        "baton_num_requests_running", "baton_num_requests_waiting",
+        "baton_prompt_tokens", "baton_generation_tokens",
+    ):  # fmt: skip
+        assert name in families, name
+    count = {s.name: s.value for s in families["baton_time_to_first_token_seconds"].samples}
+    assert count["baton_time_to_first_token_seconds_count"] >= 1
+    generated = families["baton_generation_tokens"].samples[0].value
+    assert generated >= 3
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", b"[1, 2]", 400, None),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"model": "nope", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
+        400,
+        "tools",
+    ),  # fmt: skip
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), BAD)
+def test_bad_requests_get_openai_errors(server, path, body, status, param):
+    base = server[1]
+    if isinstance(body, bytes):
+        resp = httpx.post(base + path, content=body, headers={"content-type": "application/json"})
+    else:
+        resp = httpx.post(base + path, json=body)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+    # The server is still up.
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_client_disconnect_aborts_the_request(server):
+    engine, base = server
+    aborted: list[str] = []
+    abort = engine.engine.abort_request
+
+    def recording_abort(request_id: str):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    engine.engine.abort_request = recording_abort  # only the engine thread calls it
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break
+    deadline = time.monotonic() + 20
+    while engine.num_running or engine.num_waiting or engine.engine.tracks:
+        assert time.monotonic() < deadline, "the disconnected request kept running"
+        time.sleep(0.05)
+    del engine.engine.abort_request
+    assert aborted, "the request finished instead of being aborted"
+    assert not engine.engine.has_unfinished_requests()
