@@ -1,13 +1,16 @@
 """The ``baton`` command line.
 
 ``baton generate``: offline generation on a local model directory (the bundled model by
-default). ``baton serve``: the OpenAI-compatible HTTP server, colocated (one engine).
-``launch`` and ``router`` (PD) arrive later.
+default). ``baton serve``: the OpenAI-compatible HTTP server, colocated (one engine) or, with
+``--role decode --prefill ENDPOINT``, the decode half of a PD pair. ``baton launch``: a local
+PD deployment (a prefill worker and a decode server, see ``baton.launch``). ``router`` arrives
+later.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -49,24 +52,83 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    options = {"dtype": args.dtype, "num_threads": args.threads}
+    if args.max_model_len:
+        options["max_model_len"] = args.max_model_len
+    return options
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from baton.config import EngineConfig
-    from baton.engine.engine import LLMEngine
     from baton.server.api import build_app
     from baton.server.async_engine import AsyncEngine
 
-    options = {"dtype": args.dtype, "num_threads": args.threads}
-    if args.max_model_len:
-        options["max_model_len"] = args.max_model_len
-    engine = AsyncEngine(LLMEngine(args.model, EngineConfig.from_kwargs(**options))).start()
+    config = EngineConfig.from_kwargs(**_engine_options(args))
+    if args.role == "decode":
+        core = _decode_engine(args, config)
+        if core is None:
+            return 2
+    else:
+        from baton.engine.engine import LLMEngine
+
+        core = LLMEngine(args.model, config)
+    engine = AsyncEngine(core).start()
     name = args.served_model_name or Path(args.model).name
+    # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal at the
+    # handler that was installed before it; a no-op there lets the cleanup below run (a
+    # default SIGTERM would kill the process and leave decode's shared memory behind).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
         uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
     finally:
         engine.shutdown()
+        if args.role == "decode":
+            core.close()  # type: ignore[union-attr]  # after the engine thread stopped
     return 0
+
+
+def _decode_engine(args: argparse.Namespace, config):
+    """A ``PDEngine`` paired with the prefill at ``--prefill``; None (after saying why) when
+    the pairing fails."""
+    import os
+
+    from baton.server.pd_engine import PDEngine
+    from baton.transfer.decode_client import DecodeClient
+    from baton.transfer.handshake import PairingError
+
+    if not args.prefill:
+        print("error: --role decode needs --prefill tcp://HOST:PORT", file=sys.stderr)
+        return None
+    token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
+    if not token:
+        print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
+        return None
+    try:
+        client = DecodeClient(args.model, config, args.prefill, token, shm_prefix=args.shm_prefix)
+    except (TimeoutError, PairingError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return PDEngine(client)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from baton.launch import launch
+
+    return launch(args.model, args.host, args.port, _engine_options(args), args.served_model_name)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None, help="default: the directory name")
+    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,19 +147,24 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="do not use the MTP draft even if the model has one",
     )
-    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (colocated)")
-    serve.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="default: the directory name")
-    serve.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
-    serve.add_argument("--threads", type=int, default=2)
-    serve.add_argument("--max-model-len", type=int, default=None)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument(
+        "--role", choices=("colocated", "decode"), default="colocated",
+        help="colocated: one engine; decode: the decode half of a PD pair (needs --prefill)",
+    )  # fmt: skip
+    serve.add_argument("--prefill", help="decode: the prefill endpoint, e.g. tcp://127.0.0.1:5557")
+    serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
+    serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
+    launch = sub.add_parser("launch", help="local PD deployment: prefill worker + decode server")
+    _add_engine_args(launch)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "launch":
+        return _launch(args)
     return 2
 
 

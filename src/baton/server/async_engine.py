@@ -1,4 +1,5 @@
-"""``AsyncEngine``: one ``LLMEngine`` driven by a background thread, fed from asyncio.
+"""``AsyncEngine``: one ``LLMEngine`` (or a PD decode ``PDEngine``) driven by a background
+thread, fed from asyncio.
 
 The engine is not thread-safe, so only the engine thread touches it. Coroutines send
 commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
@@ -18,10 +19,14 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
 from baton.request import SamplingParams
+
+if TYPE_CHECKING:
+    from baton.engine.engine import LLMEngine
+    from baton.server.pd_engine import PDEngine
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,7 @@ class AsyncEngine:
     outputs; closing or cancelling the iterator before the last output aborts the request.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine | PDEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
