@@ -1,0 +1,190 @@
+"""``baton launch`` end to end: a prefill process and a decode server, the official client.
+
+Checked: the launcher prints its URL once ``/health`` answers; a greedy completion through
+the PD pair equals the offline engine's text; a streaming chat works; SIGINT stops it with
+exit 0, no child left running and no shared-memory segment left behind. ``PDEngine``'s
+bookkeeping (id mapping, queueing when decode is full) is checked on a fake client.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.memory.allocator import SHM_DIR
+from baton.server.pd_engine import PDEngine
+from baton.transfer.worker_base import request_id_of
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "def add(a, b):\n    return"
+ENGINE = {"dtype": "float32", "num_threads": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class _FakeEngine:
+    tokenizer = None
+    max_model_len = 64
+    scheduler = None
+
+    def encode_prompt(self, prompt):
+        return None, list(prompt)
+
+    def validate(self, token_ids, params):
+        if not token_ids:
+            raise ValueError("empty prompt")
+
+
+class _FakeClient:
+    """Holds ``capacity`` requests; each finishes on the step after it was added."""
+
+    def __init__(self, capacity: int) -> None:
+        self.engine = _FakeEngine()
+        self.capacity = capacity
+        self.rooms: list[int] = []
+        self.releasing: dict = {}
+        self.aborted: list[int] = []
+        self._next_room = 100
+
+    def add_request(self, prompt_token_ids, params):
+        if len(self.rooms) >= self.capacity:
+            raise MemoryError("full")
+        self._next_room += 1
+        self.rooms.append(self._next_room)
+        return self._next_room
+
+    def step(self):
+        rooms, self.rooms = self.rooms, []
+        done = CompletionOutput(index=0, text="x", token_ids=[1], finish_reason="length")
+        return [
+            RequestOutput(request_id_of(r), None, [1], [done], True, RequestMetrics(0.0))
+            for r in rooms
+        ]
+
+    def abort(self, room):
+        self.rooms.remove(room)
+        self.aborted.append(room)
+
+    def has_unfinished_requests(self):
+        return bool(self.rooms)
+
+
+def test_pd_engine_maps_ids_and_queues_when_full():
+    client = _FakeClient(capacity=1)
+    engine = PDEngine(client)
+    params = SamplingParams(max_tokens=1)
+    for request_id in ("a", "b", "c"):
+        engine.add_request([1, 2], params, request_id)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], params, "b")
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], params, "d")
+    engine.abort_request("c")  # still queued: never reaches the client
+    assert [o.request_id for o in engine.step()] == ["a"]
+    assert engine.has_unfinished_requests()  # "b" was admitted by that step
+    engine.abort_request("b")
+    assert client.aborted == [102] and not engine.has_unfinished_requests()
+    assert engine.step() == []
+
+
+def test_pd_engine_refuses_what_never_fits():
+    engine = PDEngine(_FakeClient(capacity=0))
+    with pytest.raises(ValueError, match="does not fit"):
+        engine.add_request([1, 2], SamplingParams(), "a")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
+def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
+    openai = pytest.importorskip("openai")
+    port = _free_port()
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "launch", "--model", str(text_model_dir),
+             "--port", str(port), "--dtype", "float32", "--threads", "1"],
+            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 45
+        while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
+            assert proc.poll() is None, f"launch exited {proc.returncode}:\n{err_path.read_text()}"
+            assert time.monotonic() < deadline, f"no URL printed:\n{err_path.read_text()}"
+            time.sleep(0.1)
+        base_url = match.group(1)
+        assert "curl" in out_path.read_text()
+        children = _children(proc.pid)
+        assert len(children) == 2, children  # prefill worker + decode server
+
+        client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
+        model = Path(text_model_dir).name
+        resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+        offline = LLM(text_model_dir, **ENGINE)
+        want = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0]
+        assert resp.choices[0].text == want.outputs[0].text
+        assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+        messages = [{"role": "user", "content": "Write a function."}]
+        prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        want_chat = offline.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0]
+        chunks = list(
+            client.chat.completions.create(
+                model=model, messages=messages, max_tokens=8, temperature=0, stream=True
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == want_chat.outputs[0].text
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0, err_path.read_text()
+        assert not [pid for pid in children if _is_running(pid)]
+        leftover = [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-launch-{proc.pid}-")]
+        assert not leftover, leftover
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in children:
+            if _is_running(pid):
+                os.kill(pid, signal.SIGKILL)
