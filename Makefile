@@ -1,10 +1,11 @@
-# The two set-up commands of the README: `make demo` (main job) and `make test` (tests).
+# The two set-up commands of the README: `make launch` (main job: a local PD deployment)
+# and `make test` (tests). `make demo` runs offline generation.
 # Each creates .venv and installs what it needs on first use.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint
+.PHONY: launch demo test lint
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +22,9 @@ $(STAMP): pyproject.toml
 extras: $(STAMP)
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
+
+launch: $(STAMP)
+	$(VENV)/bin/baton launch
 
 demo: $(STAMP)
 	$(VENV)/bin/baton generate
