@@ -3,7 +3,8 @@
 ``baton generate``: offline generation on a local model directory (the bundled model by
 default). ``baton serve``: the OpenAI-compatible HTTP server, colocated (one engine) or, with
 ``--role decode --prefill ENDPOINT``, the decode half of a PD pair. ``baton launch``: a local
-PD deployment (a prefill worker and a decode server, see ``baton.launch``). ``router`` arrives
+PD deployment (a prefill worker and a decode server, see ``baton.launch``). ``baton bench``: a
+serving benchmark client against a running server (see ``baton.bench``). ``router`` arrives
 later.
 """
 
@@ -121,6 +122,25 @@ def _launch(args: argparse.Namespace) -> int:
     return launch(args.model, args.host, args.port, _engine_options(args), args.served_model_name)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from baton.bench import BenchConfig, format_summary, parse_range, run_bench
+
+    try:
+        config = BenchConfig(
+            url=args.url.rstrip("/"), model=args.model, tokenizer_dir=args.tokenizer,
+            num_requests=args.num_requests, request_rate=args.request_rate,
+            concurrency=args.concurrency, prompt_tokens=parse_range(args.prompt_tokens),
+            output_tokens=parse_range(args.output_tokens), seed=args.seed,
+            count_chunk_tokens=args.count_chunk_tokens,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    result = run_bench(config, args.out, args.plot, show_progress=not args.no_progress)
+    print(format_summary(result))
+    return 0 if result["summary"]["num_failed"] == 0 else 1
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1")
@@ -158,6 +178,23 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
     launch = sub.add_parser("launch", help="local PD deployment: prefill worker + decode server")
     _add_engine_args(launch)
+    bench = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server")
+    bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    bench.add_argument("--model", default=BUNDLED_MODEL.name, help="the served model name")
+    bench.add_argument("--tokenizer", default=str(BUNDLED_MODEL), help="model dir (tokenizer)")
+    bench.add_argument("--num-requests", type=int, default=16)
+    bench.add_argument("--request-rate", type=float, default=float("inf"), help="req/s, Poisson")
+    bench.add_argument("--concurrency", type=int, default=None, help="max requests in flight")
+    bench.add_argument("--prompt-tokens", default="128", help="A or A:B (uniform)")
+    bench.add_argument("--output-tokens", default="64", help="A or A:B (uniform)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--count-chunk-tokens", action="store_true",
+        help="request logprobs: 0 to count the tokens of each chunk (speculative decoding)",
+    )  # fmt: skip
+    bench.add_argument("--out", default=None, help="write results JSON here")
+    bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
+    bench.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
@@ -165,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "launch":
         return _launch(args)
+    if args.command == "bench":
+        return _bench(args)
     return 2
 
 

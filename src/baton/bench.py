@@ -1,0 +1,369 @@
+"""``baton bench``: a serving benchmark client for any OpenAI-compatible ``/v1/completions``.
+
+Builds prompts from windows of tokenised held-out stdlib code (``baton.corpus``), sends them as
+token-id prompts over streaming requests (``ignore_eos``, greedy), and measures per request the
+time to first token (TTFT), the gaps between chunks (ITL), time per output token (TPOT) and
+end-to-end latency. Reports percentiles and throughput, diffs the server's Prometheus
+``/metrics`` before and after, and writes JSON (config, summary, per-request records) and a
+PNG. Owns nothing of the server; ``baton.cli`` and the tests call ``run_bench``.
+
+NOTE: with speculative decoding one chunk may carry several tokens. A chunk's token count is
+exact only with ``count_chunk_tokens`` (which asks for ``logprobs: 0``: one entry per token, a
+small cost on the server); otherwise per-token ITL is kept only where the number of chunks
+equals the completion tokens (one token per chunk).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    url: str = "http://127.0.0.1:8000"
+    """The server's base URL (without ``/v1``)."""
+    model: str = "baton-stdlib-qwen3"
+    """The ``model`` field of every request."""
+    tokenizer_dir: str = ""
+    """A Hugging Face model directory whose tokenizer cuts the prompts (the server's)."""
+    num_requests: int = 16
+    """Requests to send."""
+    request_rate: float = math.inf
+    """Poisson arrivals per second; inf sends them all at once."""
+    concurrency: int | None = None
+    """At most this many requests in flight (None: unlimited)."""
+    prompt_tokens: tuple[int, int] = (128, 128)
+    """Prompt length, uniform in [low, high] tokens."""
+    output_tokens: tuple[int, int] = (64, 64)
+    """``max_tokens``, uniform in [low, high]; ``ignore_eos`` makes it exact."""
+    seed: int = 0
+    """Seeds the prompt windows, lengths and arrival times."""
+    count_chunk_tokens: bool = False
+    """Ask for ``logprobs: 0`` to count the tokens of each chunk exactly."""
+    timeout_s: float = 600.0
+    """Per-request timeout."""
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "output_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name}={low}:{high}: need 1 <= low <= high")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests={self.num_requests}: need at least 1")
+        if not self.request_rate > 0:
+            raise ValueError(f"request_rate={self.request_rate}: need > 0 (inf = all at once)")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency={self.concurrency}: need >= 1 (or None)")
+
+
+@dataclass
+class RequestRecord:
+    index: int
+    prompt_tokens: int
+    max_tokens: int
+    start_s: float = 0.0
+    """Send time, seconds since the benchmark started."""
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    """``usage.completion_tokens`` (or the counted tokens without a usage chunk)."""
+    chunk_itl_s: list[float] = field(default_factory=list)
+    tokens_per_chunk: list[int] | None = None
+    """Per chunk after the first; None where not known."""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ttft_s is None or self.e2e_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def token_itl_s(self) -> list[float]:
+        if self.tokens_per_chunk is None:
+            return []
+        pairs = zip(self.chunk_itl_s, self.tokens_per_chunk, strict=True)
+        return [gap / n for gap, n in pairs if n]
+
+
+def sample_prompts(config: BenchConfig) -> list[tuple[list[int], int]]:
+    """(prompt token ids, max_tokens) per request: random windows of held-out stdlib code."""
+    from baton.corpus import held_out_texts
+    from baton.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(config.tokenizer_dir)
+    stream: list[int] = []
+    for text in held_out_texts():
+        stream.extend(tokenizer.encode(text, add_special_tokens=False))
+    if len(stream) < config.prompt_tokens[1]:
+        raise ValueError(f"held-out code has {len(stream)} tokens, fewer than the prompt length")
+    rng = random.Random(config.seed)
+    requests = []
+    for _ in range(config.num_requests):
+        length = rng.randint(*config.prompt_tokens)
+        start = rng.randrange(len(stream) - length + 1)
+        requests.append((stream[start : start + length], rng.randint(*config.output_tokens)))
+    return requests
+
+
+async def _one(
+    client: httpx.AsyncClient, config: BenchConfig, record: RequestRecord, prompt: list[int],
+    t0: float,
+) -> None:  # fmt: skip
+    body: dict[str, Any] = {
+        "model": config.model, "prompt": prompt, "max_tokens": record.max_tokens,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+    if config.count_chunk_tokens:
+        body["logprobs"] = 0
+    sent = time.perf_counter()
+    record.start_s = sent - t0
+    last: float | None = None
+    counts: list[int | None] = []
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now, chunk = time.perf_counter(), json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message", str(chunk["error"])))
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                n = _chunk_tokens(chunk["choices"][0])
+                if n == 0:
+                    continue
+                if last is None:
+                    record.ttft_s = now - sent
+                else:
+                    record.chunk_itl_s.append(now - last)
+                    counts.append(n)
+                last = now
+        record.e2e_s = time.perf_counter() - sent
+    except Exception as exc:  # one failed request is a result, not the end of the run
+        record.error = f"{type(exc).__name__}: {exc}"
+        return
+    if record.ttft_s is None:
+        record.error = "the stream ended without a token"
+    elif all(n is not None for n in counts):
+        record.tokens_per_chunk = [int(n) for n in counts]  # type: ignore[arg-type]
+        record.output_tokens = record.output_tokens or 1 + sum(record.tokens_per_chunk)
+    elif record.output_tokens == len(counts) + 1:  # one token per chunk
+        record.tokens_per_chunk = [1] * len(counts)
+
+
+def _chunk_tokens(choice: dict) -> int | None:
+    """Tokens in one streamed choice: exact from logprobs, else 1 for text, None unknown.
+
+    NOTE: baton sends a chunk only when it has text or tokens, or on finish; an empty chunk
+    without a finish reason therefore holds tokens whose text is held back (partial UTF-8)."""
+    logprobs = choice.get("logprobs")
+    if logprobs and logprobs.get("tokens") is not None:
+        return len(logprobs["tokens"])
+    if choice.get("text") or choice.get("finish_reason") is None:
+        return None
+    return 0
+
+
+async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """Counter, gauge and histogram sum/count samples of ``/metrics``; {} when unavailable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        resp = await client.get("/metrics")
+        resp.raise_for_status()
+    except httpx.HTTPError:
+        return {}
+    samples = {}
+    for family in text_string_to_metric_families(resp.text):
+        for s in family.samples:
+            if s.name.endswith(("_bucket", "_created")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if not k.startswith("baton_num_")}
+    for name in ("time_to_first_token", "inter_token_latency"):
+        total, count = (delta.get(f"baton_{name}_seconds_{s}") for s in ("sum", "count"))
+        if total is not None and count:
+            delta[f"server_mean_{name}_s"] = total / count
+    return delta
+
+
+async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    prompts = sample_prompts(config)
+    rng = random.Random(config.seed + 1)
+    records = [RequestRecord(i, len(p), m) for i, (p, m) in enumerate(prompts)]
+    limit = asyncio.Semaphore(config.concurrency or len(records))
+    bar = tqdm(total=len(records), disable=not show_progress, file=sys.stderr, unit="req")
+    timeout = httpx.Timeout(config.timeout_s)
+    max_conns = httpx.Limits(max_connections=config.concurrency or len(records))
+    async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=max_conns) as client:
+        metrics_before = await _scrape(client)
+
+        async def limited(record: RequestRecord, prompt: list[int]) -> None:
+            async with limit:
+                await _one(client, config, record, prompt, t0)
+            bar.update()
+
+        t0 = time.perf_counter()
+        tasks = []
+        for record, (prompt, _) in zip(records, prompts, strict=True):
+            tasks.append(asyncio.create_task(limited(record, prompt)))
+            if not math.isinf(config.request_rate):
+                await asyncio.sleep(rng.expovariate(config.request_rate))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        metrics_after = await _scrape(client)
+    bar.close()
+    config_dict = asdict(config)
+    config_dict["request_rate"] = str(config.request_rate)  # JSON has no inf
+    return {
+        "config": config_dict,
+        "summary": summarize(records, duration),
+        "server_metrics": _metrics_delta(metrics_before, metrics_after),
+        "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records],
+    }
+
+
+def _stats(values: list[float]) -> dict[str, float] | None:
+    if not values:
+        return None
+    arr = np.asarray(values)
+    out = {"mean": float(arr.mean())}
+    out.update({f"p{p}": float(np.percentile(arr, p)) for p in PERCENTILES})
+    return out
+
+
+def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
+    ok = [r for r in records if r.ok]
+    failed = [r for r in records if not r.ok]
+    output_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "duration_s": duration_s,
+        "num_completed": len(ok),
+        "num_failed": len(failed),
+        "first_error": failed[0].error if failed else None,
+        "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "total_output_tokens": output_tokens,
+        "request_throughput": len(ok) / duration_s,
+        "output_token_throughput": output_tokens / duration_s,
+        "ttft_s": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot_s": _stats([t for r in ok if (t := r.tpot_s) is not None]),
+        "itl_chunk_s": _stats([g for r in ok for g in r.chunk_itl_s]),
+        "itl_token_s": _stats([g for r in ok for g in r.token_itl_s]),
+        "e2e_s": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "tokens_per_chunk_mean": _tokens_per_chunk(ok),
+    }
+
+
+def _tokens_per_chunk(records: list[RequestRecord]) -> float | None:
+    counts = [n for r in records if r.tokens_per_chunk for n in r.tokens_per_chunk]
+    return sum(counts) / len(counts) if counts else None
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    s = result["summary"]
+    lines = [
+        f"requests: {s['num_completed']} ok, {s['num_failed']} failed in {s['duration_s']:.2f} s",
+        f"throughput: {s['request_throughput']:.2f} req/s, "
+        f"{s['output_token_throughput']:.1f} output tok/s "
+        f"({s['total_prompt_tokens']} prompt, {s['total_output_tokens']} output tokens)",
+    ]
+    if s["first_error"]:
+        lines.append(f"first error: {s['first_error']}")
+    lines.append(f"{'ms':<12}{'mean':>10}" + "".join(f"{'p' + str(p):>10}" for p in PERCENTILES))
+    for key in ("ttft_s", "tpot_s", "itl_chunk_s", "itl_token_s", "e2e_s"):
+        st = s[key]
+        if st is None:
+            hint = "  (unknown: use --count-chunk-tokens)" if key == "itl_token_s" else ""
+            lines.append(f"{key[:-2]:<12}{'-':>10}{hint}")
+            continue
+        values = [st["mean"]] + [st[f"p{p}"] for p in PERCENTILES]
+        lines.append(f"{key[:-2]:<12}" + "".join(f"{v * 1e3:>10.1f}" for v in values))
+    if s["tokens_per_chunk_mean"] is not None:
+        lines.append(f"tokens per chunk (after the first): {s['tokens_per_chunk_mean']:.2f}")
+    m = result["server_metrics"]
+    if m:
+        lines.append("server /metrics during the run:")
+        lines += [f"  {k}: {v:.4g}" for k, v in sorted(m.items()) if not k.endswith("_sum")]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str | Path) -> None:
+    """ITL CDF (per chunk and per token), and TTFT and e2e latency against send time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["requests"] if r["error"] is None]
+    fig, (ax_itl, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    chunk = sorted(g for r in ok for g in r["chunk_itl_s"])
+    token = sorted(
+        g / n for r in ok if r["tokens_per_chunk"]
+        for g, n in zip(r["chunk_itl_s"], r["tokens_per_chunk"], strict=True) if n
+    )  # fmt: skip
+    for values, label in ((chunk, "per chunk"), (token, "per token")):
+        if values:
+            ms = np.asarray(values) * 1e3
+            ax_itl.plot(ms, np.arange(1, len(ms) + 1) / len(ms), label=label)
+    ax_itl.set(xlabel="inter-token latency (ms)", ylabel="CDF", title="ITL")
+    ax_itl.legend()
+    starts = [r["start_s"] for r in ok]
+    ax_time.scatter(starts, [r["ttft_s"] * 1e3 for r in ok], s=12, label="TTFT")
+    ax_time.scatter(starts, [r["e2e_s"] * 1e3 for r in ok], s=12, marker="x", label="e2e")
+    ax_time.set(xlabel="send time (s)", ylabel="latency (ms)", title="per request")
+    ax_time.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_bench(
+    config: BenchConfig, out_json: str | Path | None = None, out_png: str | Path | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:  # fmt: skip
+    """Run the benchmark; write the JSON and PNG where asked; return the result dict."""
+    result = asyncio.run(_run(config, show_progress))
+    if out_json is not None:
+        Path(out_json).write_text(json.dumps(result, indent=1))
+    if out_png is not None:
+        plot(result, out_png)
+    return result
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"A"`` or ``"A:B"`` to (A, B)."""
+    low, _, high = text.partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        raise ValueError(f"{text!r}: expected A or A:B (token counts)") from None

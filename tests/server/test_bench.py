@@ -1,0 +1,54 @@
+"""``baton bench`` end to end: the Python API against an in-process colocated server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton.bench import BenchConfig, RequestRecord, parse_range, run_bench
+from tests.server.test_openai_api import MODEL, server  # noqa: F401  (a fixture)
+
+pytestmark = pytest.mark.integration
+
+
+def test_bench_against_colocated_server(server, text_model_dir, tmp_path):  # noqa: F811
+    config = BenchConfig(
+        url=server[1], model=MODEL, tokenizer_dir=str(text_model_dir), num_requests=6,
+        concurrency=3, prompt_tokens=(8, 24), output_tokens=(4, 10), seed=1,
+    )  # fmt: skip
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = run_bench(config, out_json, out_png, show_progress=False)
+
+    summary, requests = result["summary"], result["requests"]
+    assert summary["num_completed"] == 6 and summary["num_failed"] == 0, summary["first_error"]
+    for r in requests:
+        assert r["error"] is None
+        assert r["output_tokens"] == r["max_tokens"]
+        assert 0 < r["ttft_s"] < r["e2e_s"]
+        assert 8 <= r["prompt_tokens"] <= 24
+    for key in ("ttft_s", "tpot_s", "itl_chunk_s", "e2e_s"):
+        st = summary[key]
+        assert st["p50"] <= st["p90"] <= st["p99"], key
+    assert summary["total_output_tokens"] == sum(r["max_tokens"] for r in requests)
+    generated = result["server_metrics"]["baton_generation_tokens_total"]
+    assert generated == summary["total_output_tokens"]
+
+    loaded = json.loads(out_json.read_text())
+    assert loaded["summary"]["num_completed"] == 6
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_token_itl_splits_multi_token_chunks():
+    record = RequestRecord(0, 4, 5, ttft_s=0.1, e2e_s=0.5, output_tokens=5)
+    record.chunk_itl_s, record.tokens_per_chunk = [0.2, 0.2], [3, 1]
+    assert record.token_itl_s == pytest.approx([0.2 / 3, 0.2])
+    assert record.tpot_s == pytest.approx(0.1)
+
+
+def test_config_and_range_errors():
+    assert parse_range("16") == (16, 16) and parse_range("8:32") == (8, 32)
+    with pytest.raises(ValueError, match="A or A:B"):
+        parse_range("x")
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        BenchConfig(prompt_tokens=(9, 3))
