@@ -1,7 +1,7 @@
 #!/bin/bash
 # `baton bench` against colocated serving (both cores) vs PD (prefill core 0, decode core 1), mixed workload, p99 ITL
-mkdir -p benchmarks/results
 cd "$(dirname "$0")/.." && . .venv/bin/activate
+mkdir -p benchmarks/results
 M=models/baton-stdlib-qwen3
 BENCH="baton bench --model baton-stdlib-qwen3 --num-requests 48 --request-rate 3 --prompt-tokens 200:380 --output-tokens 96:128 --count-chunk-tokens --seed 0"
 taskset -c 0,1 baton serve --model $M --port 8031 --threads 2 > benchmarks/results/itl_colo_server.log 2>&1 &
