@@ -217,8 +217,8 @@ def test_mismatched_schema_is_refused_by_name(pd_dir, prefill_server):
 
 
 # -- the handoff ---------------------------------------------------------------------------
-def _colocated(pd_dir) -> list:
-    engine = LLMEngine(pd_dir, _config())
+def _colocated(pd_dir, **overrides) -> list:
+    engine = LLMEngine(pd_dir, _config(**overrides))
     ids = [engine.add_request({"prompt_token_ids": p}, params) for p, params in _requests()]
     done = {}
     while engine.has_unfinished_requests():
@@ -256,18 +256,21 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
     assert our_segments() == before
 
 
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
-def test_pd_processes_over_real_transfer_engines(pd_dir, spawn_prefill, backend):
-    """The same handoff pushed by NIXL (UCX) or Mooncake (TCP) instead of shared memory."""
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, backend, mode):
+    """The same handoff pushed by shared memory, NIXL (UCX) or Mooncake (TCP), with sliding
+    layers (target and draft) kept as pages or as rings."""
     from baton.transfer.backends import backend_class
 
     try:
         backend_class(backend)
     except ImportError as e:
         pytest.skip(f"{backend} is not installed: {e}")
-    expected = _colocated(pd_dir)
-    prefill = spawn_prefill("--backend", backend)
-    with _client(pd_dir, prefill.endpoint, backend=backend) as client:
+    expected = _colocated(pd_dir, sliding_mode=mode)
+    prefill = spawn_prefill("--backend", backend, f"--engine=sliding_mode={mode}")
+    config = _config(sliding_mode=mode)
+    with _client(pd_dir, prefill.endpoint, backend=backend, config=config) as client:
         start_free = _free_units(client.engine)
         rooms = [client.add_request(p, params) for p, params in _requests()]
         done = _run(client, timeout_s=60.0)
