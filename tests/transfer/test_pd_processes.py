@@ -378,3 +378,30 @@ def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
         assert _free_units(client.engine) == start_free
     prefill.wait_for_log("refused")
     assert our_segments() == before
+
+
+def test_pd_processes_bundled_model(spawn_prefill, tmp_path):
+    """The bundled model (Qwen3 sliding/full + its trained MTP draft) across two processes:
+    tokens and acceptance lengths equal colocated, and the draft really accepts."""
+    from tests.conftest import BUNDLED
+
+    if not (BUNDLED / "model.safetensors").is_file():
+        pytest.skip("bundled weights not trained")
+    prefill = start_prefill(BUNDLED, tmp_path / "prefill.log")
+    try:
+        expected = _colocated(BUNDLED)
+        with _client(BUNDLED, prefill.endpoint) as client:
+            rooms = [client.add_request(p, params) for p, params in _requests()]
+            done = _run(client, timeout_s=60.0)
+            outs = [done[request_id_of(room)] for room in rooms]
+            assert [o.outputs[0].token_ids for o in outs] == [
+                o.outputs[0].token_ids for o in expected
+            ]
+            assert [o.metrics.accepted_lengths for o in outs] == [
+                o.metrics.accepted_lengths for o in expected
+            ]
+            assert client.engine.runner.num_computed_prompt_tokens == 0
+            steps = [a for o in outs for a in o.metrics.accepted_lengths]
+            assert sum(steps) / len(steps) > 1.5
+    finally:
+        prefill.stop()
