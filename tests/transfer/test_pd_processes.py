@@ -380,17 +380,23 @@ def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
     assert our_segments() == before
 
 
-def test_pd_processes_bundled_model(spawn_prefill, tmp_path):
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_bundled_model(tmp_path, backend):
     """The bundled model (Qwen3 sliding/full + its trained MTP draft) across two processes:
     tokens and acceptance lengths equal colocated, and the draft really accepts."""
+    from baton.transfer.backends import backend_class
     from tests.conftest import BUNDLED
 
     if not (BUNDLED / "model.safetensors").is_file():
         pytest.skip("bundled weights not trained")
-    prefill = start_prefill(BUNDLED, tmp_path / "prefill.log")
+    try:
+        backend_class(backend)
+    except ImportError as e:
+        pytest.skip(f"{backend} is not installed: {e}")
+    prefill = start_prefill(BUNDLED, tmp_path / "prefill.log", "--backend", backend)
     try:
         expected = _colocated(BUNDLED)
-        with _client(BUNDLED, prefill.endpoint) as client:
+        with _client(BUNDLED, prefill.endpoint, backend=backend) as client:
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
             outs = [done[request_id_of(room)] for room in rooms]
