@@ -229,7 +229,6 @@ def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
 def ttft(directory: Path, length: int) -> dict:
     """Time to first token of one request, colocated vs PD in one process over shm (PD:
     reserve -> prefill computes -> push -> decode admits; the two sides take turns)."""
-    from baton.engine import handoff  # noqa: F401  (the PD roles below use it)
     from baton.request import SamplingParams
     from baton.transfer.pd import DecodeWorker, PrefillWorker
 

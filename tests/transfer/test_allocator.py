@@ -83,7 +83,7 @@ def test_model_cache_puts_every_pool_in_shared_memory(shm_allocator):
     )  # fmt: skip
     registry = StateRegistry()
     cache = ModelCache(
-        spec, CacheConfig(page_size=4, num_pages=16), SchedulerConfig(max_num_seqs=2), 64,
+        spec, CacheConfig(page_size=4, num_pages=16), SchedulerConfig(max_num_seqs=2),
         torch.bfloat16, registry, allocator=shm_allocator,
     )  # fmt: skip
     assert (

@@ -132,14 +132,14 @@ class LLMEngine:
         # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
         slack = self.num_spec + 1 if draft is not None else 0
         self.cache = ModelCache(
-            spec, config.cache, config.scheduler, self.max_model_len, dtype, self.registry,
+            spec, config.cache, config.scheduler, dtype, self.registry,
             slack=slack, allocator=allocator,
         )  # fmt: skip
         self.caches = [self.cache]
         proposer = None
         if draft is not None:
             draft_cache = ModelCache(
-                draft.spec, config.cache, config.scheduler, self.max_model_len, dtype,
+                draft.spec, config.cache, config.scheduler, dtype,
                 self.registry, prefix="draft", slack=2 * slack, allocator=allocator,
             )  # fmt: skip
             self.caches.append(draft_cache)

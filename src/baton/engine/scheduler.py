@@ -92,7 +92,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        scheduled: set[str] = set()
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -112,7 +111,6 @@ class Scheduler:
                 break  # it preempted itself: nothing after it can run either
             self.memory.grow(request.request_id, start, start + n)
             out.chunks.append(ScheduledChunk(request, start, n, spec))
-            scheduled.add(request.request_id)
             budget -= n
             i += 1
         if out.preempted:

@@ -25,7 +25,6 @@ class ModelCache:
         spec: ModelSpec,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
-        max_model_len: int,
         dtype: torch.dtype,
         registry: StateRegistry,
         prefix: str = "target",

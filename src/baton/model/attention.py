@@ -160,7 +160,8 @@ class StaticKVCache:
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.max_len = max_len
         self.seq_len = 0
-        """Positions already written (the next forward starts here)."""
+        """Positions already written (the next forward starts here); the caller advances it
+        after each forward (``reference.forward_step``), so a rollback is one assignment."""
 
     def step(self) -> _CacheStep:
         """The backend for one forward that continues at ``seq_len``."""
@@ -180,7 +181,6 @@ class _CacheStep:
             raise ValueError(f"sequence length {end} exceeds the cache's max_len {cache.max_len}")
         cache.k[layer_id][:, :, start:end] = k.transpose(1, 2)
         cache.v[layer_id][:, :, start:end] = v.transpose(1, 2)
-        cache.seq_len = max(cache.seq_len, end)
         first = 0 if window is None else max(0, end - num_tokens - window + 1)
         keys = cache.k[layer_id][:, :, first:end]
         values = cache.v[layer_id][:, :, first:end]
