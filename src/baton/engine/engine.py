@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from baton.config import EngineConfig
+from baton.detokenizer import IncrementalDetokenizer
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.sampler import Sampler, SamplingState
@@ -29,7 +30,7 @@ from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.speculative.proposer import DraftProposer
-from baton.tokenizer import IncrementalDetokenizer, Tokenizer
+from baton.tokenizer import Tokenizer
 
 FINISH = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
