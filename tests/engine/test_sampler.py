@@ -242,11 +242,11 @@ def test_extreme_draws_land_on_tokens_with_mass(u: float, monkeypatch: pytest.Mo
 
 
 def test_rounding_past_a_block_stays_on_its_last_token_with_mass():
-    from baton.engine.sampler import _inverse_cdf
+    from baton.engine.sampler import inverse_cdf
 
     # fp32: 1 + 0.6 * 2**-23 rounds up to 1 + 2**-23, above the exact float64 sum.
     probs = torch.tensor([[1.0, 0.6 * 2.0**-23, 0.0, 0.0]])
-    assert _inverse_cdf(probs, [1.0 - 2.0**-53]).tolist() == [1]
+    assert inverse_cdf(probs, [1.0 - 2.0**-53]).tolist() == [1]
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.sampler import Sampler, SamplingState, _inverse_cdf
+from baton.engine.sampler import Sampler, SamplingState, inverse_cdf
 
 ACCEPT_STREAM = 1
 RESAMPLE_STREAM = 2
@@ -42,7 +42,7 @@ def verify_chain(
             u = state.random(position, RESAMPLE_STREAM)
         else:
             u = state.random(position)
-        token = int(_inverse_cdf(probs[None], [u])[0])
+        token = int(inverse_cdf(probs[None], [u])[0])
         tokens.append(token)
         state.append(token)
         return tokens
