@@ -141,3 +141,15 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+
+class NullDetokenizer:
+    """Detokenizer stand-in for models served without a tokenizer."""
+
+    text = ""
+
+    def step(self, token_ids: list[int]) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""

@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from baton.config import EngineConfig
-from baton.detokenizer import IncrementalDetokenizer
+from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.sampler import Sampler, SamplingState
 from baton.engine.scheduler import Scheduler
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
-from baton.memory.cache import ModelCache
+from baton.memory.cache import CacheGroup, ModelCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -38,40 +38,6 @@ FINISH = {
 }
 
 
-class _Memory:
-    """The scheduler's view of the target's and the draft's pools together. Trimming is the
-    target's only: the proposer trims the draft at its own committed end."""
-
-    def __init__(self, caches: list[ModelCache]) -> None:
-        self.caches = caches
-
-    def can_grow(self, request_id: str, start: int, end: int) -> bool:
-        return all(c.can_grow(request_id, start, end) for c in self.caches)
-
-    def grow(self, request_id: str, start: int, end: int) -> None:
-        for c in self.caches:
-            c.grow(request_id, start, end)
-
-    def trim(self, request_id: str, num_computed: int) -> None:
-        self.caches[0].trim(request_id, num_computed)
-
-    def free(self, request_id: str) -> None:
-        for c in self.caches:
-            c.free(request_id)
-
-
-class _NoText:
-    """Detokenizer stand-in for models served without a tokenizer."""
-
-    text = ""
-
-    def step(self, token_ids: list[int]) -> str:
-        return ""
-
-    def flush(self) -> str:
-        return ""
-
-
 @dataclass
 class _Track:
     """Engine-side bookkeeping of one request."""
@@ -79,7 +45,7 @@ class _Track:
     request: Request
     prompt: str | None
     sampling: SamplingState
-    detok: IncrementalDetokenizer | _NoText
+    detok: IncrementalDetokenizer | NullDetokenizer
     metrics: RequestMetrics
     max_tokens: int
     text: str = ""
@@ -155,7 +121,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
-            config.scheduler, _Memory(self.caches), self._num_spec_tokens if proposer else None
+            config.scheduler, CacheGroup(self.caches), self._num_spec_tokens if proposer else None
         )
         self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
         self.tracks: dict[str, _Track] = {}
@@ -238,7 +204,7 @@ class LLMEngine:
                 self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
             )
             if self.tokenizer is not None
-            else _NoText(),
+            else NullDetokenizer(),
             metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
             max_tokens=max_tokens,
             logprobs=[] if params.logprobs is not None else None,

@@ -86,3 +86,26 @@ class ModelCache:
 
     def num_free_units(self) -> dict[str, int]:
         return {p.name: p.num_free_units for p in self.pools}
+
+
+class CacheGroup:
+    """The scheduler's ``Memory``: the target's and the draft's pools together. Trimming is
+    the target's only: the draft's slots trail its positions, so the proposer trims the draft
+    at its own committed end."""
+
+    def __init__(self, caches: list[ModelCache]) -> None:
+        self.caches = caches
+
+    def can_grow(self, request_id: str, start: int, end: int) -> bool:
+        return all(c.can_grow(request_id, start, end) for c in self.caches)
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        for c in self.caches:
+            c.grow(request_id, start, end)
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        self.caches[0].trim(request_id, num_computed)
+
+    def free(self, request_id: str) -> None:
+        for c in self.caches:
+            c.free(request_id)
