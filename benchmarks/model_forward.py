@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from common import BUNDLED_SHAPE, cpu_name, save_random_qwen3
 
 from baton.model import CausalLM, DenseAttention, load_model
 from baton.model.loader import DTYPES
@@ -85,32 +86,6 @@ def parse_args() -> argparse.Namespace:
 
 def has_weights(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
-
-
-def save_random_qwen3(out_dir: Path, dtype: torch.dtype) -> Path:
-    """A randomly initialised Qwen3 shaped like the bundled model (see train_bundled.py)."""
-    num_layers = 6
-    config = transformers.Qwen3Config(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_sliding_window=True,
-        sliding_window=128,
-        max_window_layers=0,
-        layer_types=[
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
-        ],
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def load_hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
@@ -227,11 +202,7 @@ def check_agreement(
 def machine_facts(
     args: argparse.Namespace, model_dir: Path, is_random: bool, model: CausalLM, hf: torch.nn.Module
 ) -> dict:
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    cpu = cpu_name()
     return {
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
@@ -334,7 +305,10 @@ def main() -> None:
         elif not args.random_qwen3 and has_weights(BUNDLED_MODEL):
             model_dir, is_random = BUNDLED_MODEL, False
         else:
-            model_dir, is_random = save_random_qwen3(Path(tmp), DTYPES[args.dtype]), True
+            model_dir, is_random = (
+                save_random_qwen3(Path(tmp), DTYPES[args.dtype], 128, **BUNDLED_SHAPE),
+                True,
+            )
         result = run(args, model_dir, is_random)
     print_table(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,17 +51,15 @@ from pathlib import Path
 
 import torch
 import transformers
+from common import BUNDLED_SHAPE, PAD_ID, cpu_name, save_random_qwen3
 
 from baton import LLM, SamplingParams
 from baton.tokenizer import Tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED_MODEL = REPO / "models" / "baton-stdlib-qwen3"
-PAD_ID = 0
 ENGINE = dict(page_size=16, max_num_seqs=32, max_num_batched_tokens=512)
 TARGETS = {"batch1": 2.0, "mixed": 3.0, "bandwidth": 0.5}
-# The bundled model's shape (scripts/train_bundled.py): the stand-in when it is not trained yet.
-BUNDLED_SHAPE = dict(vocab=4096, hidden=256, intermediate=768, layers=6, heads=4, kv_heads=2)
 BIG_SHAPE = dict(vocab=32000, hidden=1024, intermediate=4096, layers=8, heads=16, kv_heads=8)
 
 
@@ -116,34 +114,6 @@ def parse_args() -> argparse.Namespace:
 # -- models and prompts ------------------------------------------------------------------------
 def has_weights(model_dir: Path) -> bool:
     return (model_dir / "config.json").is_file() and (model_dir / "model.safetensors").is_file()
-
-
-def save_random_qwen3(out_dir: Path, dtype: torch.dtype, window: int | None, **shape) -> Path:
-    """A random Qwen3 with tied embeddings; ``window`` makes even layers sliding."""
-    layers = shape["layers"]
-    sliding = [window is not None and i % 2 == 0 for i in range(layers)]
-    config = transformers.Qwen3Config(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_hidden_layers=layers,
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["hidden"] // shape["heads"],
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        use_sliding_window=window is not None,
-        sliding_window=window,
-        max_window_layers=0,
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-        bos_token_id=None,
-        eos_token_id=PAD_ID,
-        pad_token_id=PAD_ID,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out_dir)
-    return out_dir
 
 
 def token_stream(model_dir: Path, vocab: int, num_tokens: int) -> tuple[list[int], str]:
@@ -379,11 +349,7 @@ def bench_kv(model_dir: Path, args: argparse.Namespace, sizes: Sizes, stream: li
 
 # -- report ------------------------------------------------------------------------------------
 def machine_facts(args: argparse.Namespace, model_desc: str, hf) -> dict:
-    cpu = platform.processor()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
+    cpu = cpu_name()
     return {
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,

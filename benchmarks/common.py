@@ -1,0 +1,50 @@
+"""Helpers the benchmark scripts share: a random Qwen3 checkpoint and machine facts."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+BUNDLED_SHAPE = dict(vocab=4096, hidden=256, intermediate=768, layers=6, heads=4, kv_heads=2)
+"""The bundled model's shape (scripts/train_bundled.py): the stand-in before it is trained."""
+PAD_ID = 0
+
+
+def save_random_qwen3(out_dir: Path, dtype: torch.dtype, window: int | None, **shape) -> Path:
+    """A random Qwen3 with tied embeddings; ``window`` makes even layers sliding."""
+    layers = shape["layers"]
+    sliding = [window is not None and i % 2 == 0 for i in range(layers)]
+    config = transformers.Qwen3Config(
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["hidden"] // shape["heads"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        max_window_layers=0,
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        bos_token_id=None,
+        eos_token_id=PAD_ID,
+        pad_token_id=PAD_ID,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def cpu_name() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        if names:
+            return names[0].split(":", 1)[1].strip()
+    return platform.processor()
