@@ -253,6 +253,15 @@ class TransferBackend(ABC):
             dst = self._remote[op.dst_region][op.dst_offset : op.dst_offset + op.nbytes]
             dst.copy_(self._local[op.src_region][op.src_offset : op.src_offset + op.nbytes])
 
+    def _copy_and_finish(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
+        """``_copy`` then DONE; a failed copy is a state, not an exception (the contract)."""
+        try:
+            self._copy(batch)
+        except Exception as e:
+            self._finish(transfer_id, failed(f"{self.kind} copy failed: {type(e).__name__}: {e}"))
+        else:
+            self._finish(transfer_id, DONE)
+
     def _check_open(self) -> None:
         if self._is_closed:
             raise ValueError(f"{self.kind}: backend is closed")

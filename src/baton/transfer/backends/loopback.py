@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import torch
 
 from baton.transfer.backends.base import (
-    DONE,
     RegionDescriptor,
     TransferBackend,
     TransferOp,
@@ -51,20 +50,12 @@ class LoopbackBackend(TransferBackend):
         if self.is_deferred:
             self._pending[transfer_id] = list(batch)
         else:
-            self._run(transfer_id, batch)
-
-    def _run(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
-        try:
-            self._copy(batch)
-        except Exception as e:  # a failed copy is a state, not an exception (base contract)
-            self._finish(transfer_id, failed(f"loopback copy failed: {e}"))
-        else:
-            self._finish(transfer_id, DONE)
+            self._copy_and_finish(transfer_id, batch)
 
     def complete_pending(self) -> None:
         """Deferred mode: carry out every held batch now."""
         for transfer_id, batch in self._take_pending():
-            self._run(transfer_id, batch)
+            self._copy_and_finish(transfer_id, batch)
 
     def fail_pending(self, reason: str) -> None:
         """Deferred mode: fail every held batch without writing a byte."""

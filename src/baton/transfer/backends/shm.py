@@ -25,11 +25,9 @@ import torch
 
 from baton.memory.allocator import SharedMemoryAllocator, SharedSegment, attach
 from baton.transfer.backends.base import (
-    DONE,
     RegionDescriptor,
     TransferBackend,
     TransferOp,
-    failed,
 )
 
 
@@ -78,17 +76,9 @@ class ShmBackend(TransferBackend):
 
     def _start(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
         if self._executor is None:
-            self._run(transfer_id, batch)
+            self._copy_and_finish(transfer_id, batch)
         else:
-            self._executor.submit(self._run, transfer_id, list(batch))
-
-    def _run(self, transfer_id: int, batch: Sequence[TransferOp]) -> None:
-        try:
-            self._copy(batch)
-        except Exception as e:  # a failed copy is a state, not an exception (base contract)
-            self._finish(transfer_id, failed(f"shm copy failed: {type(e).__name__}: {e}"))
-        else:
-            self._finish(transfer_id, DONE)
+            self._executor.submit(self._copy_and_finish, transfer_id, list(batch))
 
     def _shutdown(self) -> None:
         if self._executor is not None:
