@@ -87,6 +87,11 @@ class PrefillWorker:
     def step(self) -> list[StateDone | StateFailed]:
         """One engine step, then push the state of every request that finished prefill."""
         self.engine.step()
+        return self.push_ready()
+
+    def push_ready(self) -> list[StateDone | StateFailed]:
+        """Push the state of this sender's requests that finished prefill (several senders,
+        one per decode peer, can share an engine: step it once, then each pushes)."""
         replies = []
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
