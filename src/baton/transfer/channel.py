@@ -238,3 +238,16 @@ class ControlClient(_Endpoint):
 
     def _accept(self, frames: list[zmq.Frame]) -> Message | None:
         return self._open([f.bytes for f in frames], f"server {self.endpoint}")
+
+
+def wait_any(clients: list[ControlClient], timeout_ms: int) -> list[ControlClient]:
+    """The clients with a frame to read, waiting up to ``timeout_ms`` for one (one thread)."""
+    if not clients:
+        if timeout_ms > 0:
+            time.sleep(timeout_ms / 1000)
+        return []
+    poller = zmq.Poller()
+    for client in clients:
+        poller.register(client._socket, zmq.POLLIN)
+    ready = dict(poller.poll(timeout_ms))
+    return [c for c in clients if c._socket in ready]

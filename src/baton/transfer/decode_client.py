@@ -10,8 +10,11 @@ import os
 import secrets
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import zmq
 
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
@@ -19,13 +22,15 @@ from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.memory.allocator import SharedMemoryAllocator
 from baton.request import FinishReason, RequestStatus, SamplingParams
 from baton.transfer.backends.base import TransferBackend
-from baton.transfer.channel import ControlClient
+from baton.transfer.channel import ControlClient, wait_any
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.pd import DecodeWorker
 from baton.transfer.protocol import (
     Abort,
     HelloAck,
     Message,
+    Ping,
+    Pong,
     StateDone,
     StateFailed,
     new_room,
@@ -38,6 +43,7 @@ from baton.transfer.worker_base import (
     IDLE_WAIT_MS,
     MAX_FAILURE_REASONS,
     MAX_MESSAGES_PER_TURN,
+    PING_INTERVAL_S,
     Deadlines,
     _check_backend,
     _new_backend,
@@ -53,6 +59,8 @@ class _Pending:
     request_id: str
     deadline: float
     """Waiting: when the request fails. Releasing: when its units are freed unconfirmed."""
+    endpoint: str
+    """The prefill that owes (or owed) the state."""
 
 
 def _final_output(track: _Track, finish: FinishReason) -> RequestOutput:
@@ -69,19 +77,38 @@ def _final_output(track: _Track, finish: FinishReason) -> RequestOutput:
     )
 
 
-class DecodeClient:
-    """A decode worker paired with one prefill: pools in shared memory, engine-like API.
+@dataclass
+class _Link:
+    """The control channel to one prefill worker."""
 
-    Outputs carry request id ``request_id_of(room)``. A request that fails (prefill refused
-    it, reported a failure, or missed the deadline) appears once in ``step``'s outputs with
-    finish reason ``error``; ``failure_reasons`` says why.
+    endpoint: str
+    client: ControlClient
+    hello_deadline: float
+    """Until HelloAck: when the pairing is given up."""
+    peer: HelloAck | None = None
+    """Prefill's accepted HelloAck; None while the pairing is in flight."""
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    ping_seq: int = 0
+
+
+class DecodeClient:
+    """A decode worker paired with one or more prefills: pools in shared memory, engine-like
+    API.
+
+    The prefills given at construction are paired before it returns; ``add_request(...,
+    prefill=endpoint)`` pairs with another on the way (Hello, then the request, on one
+    ordered channel: no wait). Outputs carry request id ``request_id_of(room)``. A request
+    that fails (prefill refused it, reported a failure, stopped answering or missed the
+    deadline) appears once in ``step``'s outputs with finish reason ``error``;
+    ``failure_reasons`` says why.
     """
 
     def __init__(
         self,
         model_dir: str | os.PathLike,
         engine_config: EngineConfig | None = None,
-        prefill_endpoint: str = "",
+        prefill_endpoint: str | Sequence[str] = (),
         token: str | bytes = "",
         backend_kind: str = "shm",
         deadlines: Deadlines | None = None,
@@ -89,15 +116,20 @@ class DecodeClient:
         shm_prefix: str | None = None,
         worker_id: str | None = None,
     ) -> None:
-        """Builds the engine, pairs with the prefill at ``prefill_endpoint``. Raises
-        ``TimeoutError`` when no answer comes within ``bootstrap_s`` and ``PairingError``
-        when either side refuses the pairing; nothing is left behind then."""
+        """Builds the engine, pairs with each prefill at ``prefill_endpoint``. Raises
+        ``TimeoutError`` when one does not answer within ``bootstrap_s`` and ``PairingError``
+        when either side refuses a pairing; nothing is left behind then."""
         _check_backend(backend_kind)
+        endpoints = [prefill_endpoint] if isinstance(prefill_endpoint, str) else prefill_endpoint
         self.deadlines = deadlines or Deadlines()
-        self.endpoint = prefill_endpoint
+        self.token = token
         self.allocator = SharedMemoryAllocator(shm_prefix)
         self.backend: TransferBackend | None = None
-        self.client: ControlClient | None = None
+        self.links: dict[str, _Link] = {}
+        """Endpoint -> channel, paired or pairing."""
+        self.default_endpoints = [e for e in endpoints if e]
+        """Where a request that names no prefill goes (round robin)."""
+        self._next_default = 0
         try:
             self.engine = LLMEngine(model_dir, engine_config, allocator=self.allocator)
             self.backend = _new_backend(backend_kind, self.allocator)
@@ -111,8 +143,8 @@ class DecodeClient:
                 f"{secrets.token_hex(2)}",
                 role="decode", backend=backend_kind, regions=regions,
             )  # fmt: skip
-            self.client = ControlClient(prefill_endpoint, token)
-            self.peer = self._bootstrap(self.client)
+            for endpoint in self.default_endpoints:
+                self._bootstrap(self._open_link(endpoint))
         except BaseException:
             self.close()
             raise
@@ -125,30 +157,42 @@ class DecodeClient:
         """Request id -> why it failed (finish reason ``error``), newest kept."""
         self._outputs: list[RequestOutput] = []
 
-    def _bootstrap(self, client: ControlClient) -> HelloAck:
+    def _open_link(self, endpoint: str) -> _Link:
+        """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``)."""
+        client = ControlClient(endpoint, self.token)
+        now = time.monotonic()
+        link = _Link(endpoint, client, now + self.deadlines.bootstrap_s, last_heard=now)
+        self.links[endpoint] = link
         client.send(self.hello)
+        return link
+
+    def _bootstrap(self, link: _Link) -> None:
+        """Wait for ``link``'s HelloAck (construction only; later pairings do not block)."""
         bootstrap_s = self.deadlines.bootstrap_s
-        deadline = time.monotonic() + bootstrap_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            msg = client.recv(math.ceil(remaining * 1000))
+        while (remaining := link.hello_deadline - time.monotonic()) > 0:
+            msg = link.client.recv(math.ceil(remaining * 1000))
             if isinstance(msg, HelloAck):
                 break
             if msg is not None:
                 logger.warning("decode: %s before HelloAck ignored", type(msg).__name__)
         else:
             raise TimeoutError(
-                f"decode: no HelloAck from the prefill at {self.endpoint} within the "
+                f"decode: no HelloAck from the prefill at {link.endpoint} within the "
                 f"{bootstrap_s} s bootstrap deadline (is it running? same token? a prefill "
                 "logs every frame it drops for a bad MAC)"
             )
+        self._check_ack(link, msg)
+
+    def _check_ack(self, link: _Link, msg: HelloAck) -> None:
+        """Accept ``link``'s pairing or raise ``PairingError``."""
         if not msg.accepted:
             error = msg.error or "no reason given"
             raise PairingError(
-                f"prefill {msg.worker_id!r} at {self.endpoint} refused to pair: {error}", [error]
+                f"prefill {msg.worker_id!r} at {link.endpoint} refused to pair: {error}", [error]
             )
         check_pairing(self.hello, msg)
-        logger.info("decode: paired with prefill %r at %s", msg.worker_id, self.endpoint)
-        return msg
+        link.peer = msg
+        logger.info("decode: paired with prefill %r at %s", msg.worker_id, link.endpoint)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -156,26 +200,37 @@ class DecodeClient:
         prompt_token_ids: list[int],
         params: SamplingParams | None = None,
         room: int | None = None,
+        prefill: str | None = None,
     ) -> int:
-        """Reserve units for every component and ask prefill for the state; returns the room.
-        Raises ``ValueError`` for a bad request, ``MemoryError`` when decode cannot hold it
-        now (retry after some requests finish)."""
+        """Reserve units for every component and ask the prefill at ``prefill`` (default:
+        the next of ``default_endpoints``) for the state; returns the room. Raises
+        ``ValueError`` for a bad request, ``MemoryError`` when decode cannot hold it now
+        (retry after some requests finish)."""
         room = new_room() if room is None else room
         if room in self.waiting or room in self.releasing:
             raise ValueError(f"room {room} is in use")
+        endpoint = prefill or self._default_endpoint()
+        link = self.links.get(endpoint)
+        if link is None:
+            try:
+                link = self._open_link(endpoint)
+            except zmq.ZMQError as e:  # a malformed endpoint
+                raise ValueError(f"cannot connect to prefill endpoint {endpoint!r}: {e}") from e
         msg = self.decode.reserve(room, list(prompt_token_ids), params or SamplingParams())
+        if all(p.endpoint != endpoint for p in self.waiting.values()):
+            link.last_heard = time.monotonic()  # silence counts while it owes us state
         deadline = time.monotonic() + self.deadlines.waiting_for_state_s
-        self.waiting[room] = _Pending(msg.request_id, deadline)
-        assert self.client is not None
-        if not self.client.send(msg):  # never queued: prefill cannot be writing for it
+        self.waiting[room] = _Pending(msg.request_id, deadline, endpoint)
+        if not link.client.send(msg):  # never queued: prefill cannot be writing for it
             self._outputs.append(self._fail(room, "could not send the request to prefill", True))
         return room
 
     def abort(self, room: int) -> RequestOutput | None:
         """End a request now; a waiting one keeps its units until prefill confirms."""
         if room in self.waiting:
-            assert self.client is not None
-            self.client.send(Abort(room=room, reason="aborted by decode's client"))
+            link = self.links.get(self.waiting[room].endpoint)
+            if link is not None:
+                link.client.send(Abort(room=room, reason="aborted by decode's client"))
             return self._fail(room, "aborted", False, finish=FinishReason.ABORT)
         return self.engine.abort_request(request_id_of(room))
 
@@ -187,14 +242,15 @@ class DecodeClient:
         outputs, self._outputs = self._outputs, []
         is_busy = bool(outputs) or self.engine.has_unfinished_requests()
         self._drain(0 if is_busy else self._idle_wait_ms(), outputs)
+        self._check_links(outputs)
         self._check_deadlines(outputs)
         outputs += self.engine.step()
         return outputs
 
     def close(self) -> None:
-        """Close the channel and the backend, unlink the shared pools. Idempotent."""
-        if self.client is not None:
-            self.client.close()
+        """Close the channels and the backend, unlink the shared pools. Idempotent."""
+        for link in self.links.values():
+            link.client.close()
         if self.backend is not None:
             self.backend.close()
         self.allocator.unlink()
@@ -210,20 +266,49 @@ class DecodeClient:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+    def _default_endpoint(self) -> str:
+        if not self.default_endpoints:
+            raise ValueError("no prefill worker: this decode was given none and the request "
+                             "names none")  # fmt: skip
+        endpoint = self.default_endpoints[self._next_default % len(self.default_endpoints)]
+        self._next_default += 1
+        return endpoint
+
     def _idle_wait_ms(self) -> int:
         deadlines = [p.deadline for p in (*self.waiting.values(), *self.releasing.values())]
+        if self.waiting:
+            deadlines.append(time.monotonic() + PING_INTERVAL_S)
         if not deadlines:
             return 0
         return max(0, min(IDLE_WAIT_MS, math.ceil((min(deadlines) - time.monotonic()) * 1000)))
 
     def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
-        assert self.client is not None
-        for _ in range(MAX_MESSAGES_PER_TURN):
-            msg = self.client.recv(timeout_ms)
-            if msg is None:
-                return
-            timeout_ms = 0
-            self._on_message(msg, outputs)
+        links = list(self.links.values())
+        ready = wait_any([link.client for link in links], timeout_ms)
+        for link in links:
+            if link.client not in ready:
+                continue
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                msg = link.client.recv(0)
+                if msg is None:
+                    break
+                link.last_heard = time.monotonic()
+                if isinstance(msg, HelloAck):
+                    self._on_ack(link, msg, outputs)
+                    if link.endpoint not in self.links:
+                        break
+                elif not isinstance(msg, Pong):
+                    self._on_message(msg, outputs)
+
+    def _on_ack(self, link: _Link, msg: HelloAck, outputs: list[RequestOutput]) -> None:
+        if link.peer is not None:
+            logger.warning("decode: second HelloAck from %s ignored", link.endpoint)
+            return
+        try:
+            self._check_ack(link, msg)
+        except PairingError as e:
+            # A refusing prefill refuses our requests too (not paired): nothing writes.
+            self._drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
 
     def _on_message(self, msg: Message, outputs: list[RequestOutput]) -> None:
         if isinstance(msg, StateDone | StateFailed) and msg.room in self.releasing:
@@ -250,12 +335,48 @@ class DecodeClient:
             # NOTE: handoff.admit finishes such a request without an output; build it here.
             outputs.append(self.engine._output(track, track.finish_reason))
 
+    def _check_links(self, outputs: list[RequestOutput]) -> None:
+        """Give up on a prefill that never answered the handshake or went silent while it
+        owes us state; ping the others that owe us state."""
+        now = time.monotonic()
+        owing = {p.endpoint for p in self.waiting.values()}
+        for link in list(self.links.values()):
+            if link.peer is None and now > link.hello_deadline:
+                reason = (f"no HelloAck from the prefill at {link.endpoint} within "
+                          f"{self.deadlines.bootstrap_s} s")  # fmt: skip
+                self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
+            elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
+                reason = (f"the prefill at {link.endpoint} answered nothing for "
+                          f"{self.deadlines.peer_silence_s} s")  # fmt: skip
+                self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
+            elif (
+                link.peer is not None
+                and link.endpoint in owing
+                and now - link.last_ping >= PING_INTERVAL_S
+            ):
+                link.ping_seq += 1
+                link.last_ping = now
+                link.client.send(Ping(seq=link.ping_seq))
+
+    def _drop_link(
+        self, link: _Link, reason: str, stopped_writing: bool, outputs: list[RequestOutput]
+    ) -> None:
+        """Close ``link`` and fail the requests waiting on it. Without ``stopped_writing``
+        their units wait out the abort grace (the prefill may still be writing); a later
+        request to that endpoint pairs afresh."""
+        logger.warning("decode: %s", reason)
+        del self.links[link.endpoint]
+        link.client.close()
+        for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
+            outputs.append(self._fail(room, reason, stopped_writing))
+
     def _check_deadlines(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
-        assert self.client is not None
         for room in [r for r, p in self.waiting.items() if p.deadline <= now]:
             reason = f"no state from prefill within {self.deadlines.waiting_for_state_s} s"
-            self.client.send(Abort(room=room, reason=reason))
+            link = self.links.get(self.waiting[room].endpoint)
+            if link is not None:
+                link.client.send(Abort(room=room, reason=reason))
             outputs.append(self._fail(room, reason, False))
         for room in [r for r, p in self.releasing.items() if p.deadline <= now]:
             logger.warning(
@@ -289,7 +410,7 @@ class DecodeClient:
                 del self.failure_reasons[next(iter(self.failure_reasons))]
             logger.warning("decode: room %d failed: %s", room, reason)
         grace = track.metrics.finished_time + self.deadlines.abort_grace_s
-        self.releasing[room] = _Pending(pending.request_id, grace)
+        self.releasing[room] = _Pending(pending.request_id, grace, pending.endpoint)
         if stopped_writing:
             self._release(room)
         return _final_output(track, finish)

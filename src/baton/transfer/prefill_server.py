@@ -45,6 +45,20 @@ logger = logging.getLogger("baton.transfer")
 
 # -- prefill ---------------------------------------------------------------------------------
 @dataclass
+class _Peer:
+    """A paired decode: its own sender (a backend mapping that decode's regions)."""
+
+    worker_id: str
+    sender: PrefillWorker
+    num_units: dict[str, int]
+    """Component name -> units of that decode's pool (bounds its unit ids)."""
+
+
+MAX_PEERS = 64
+"""Paired decodes kept at once; past it an idle one is forgotten (it re-pairs on Hello)."""
+
+
+@dataclass
 class _Room:
     peer: bytes
     """The decode that reserved it: where StateDone / StateFailed go."""
@@ -52,10 +66,12 @@ class _Room:
 
 
 class PrefillServer:
-    """A prefill worker behind a ``ControlServer``, paired with one decode at a time.
+    """A prefill worker behind a ``ControlServer``, paired with any number of decodes.
 
-    NOTE: a backend maps one decode's regions under the component names, so a second decode
-    may pair only once the first has no request in flight (a restarted decode re-pairs).
+    One engine computes every decode's prompts; each paired decode has its own sender
+    (``PrefillWorker``) whose backend maps that decode's regions, so a step is one engine
+    step and then one push per sender. A decode that says Hello again (a reconnect) is
+    re-paired once it has no request in flight here.
     """
 
     def __init__(
@@ -92,9 +108,14 @@ class PrefillServer:
             self.prefill.backend.close()
             raise
         self.endpoint = self.server.endpoint
-        self.peer: bytes | None = None
-        self.peer_num_units: dict[str, int] = {}
-        """Component name -> units of the paired decode's pool (bounds its unit ids)."""
+        self.peers: dict[bytes, _Peer] = {}
+        """Control-channel identity -> paired decode."""
+        self.component_bytes: dict[str, int] = {}
+        self.component_seconds: dict[str, float] = {}
+        """Per component: bytes pushed and seconds spent pushing, all requests (metrics)."""
+        self.num_requests = {"done": 0, "failed": 0}
+        self.last_turn = time.monotonic()
+        """When ``serve_once`` last ran (a health check's liveness signal)."""
         self.rooms: dict[int, _Room] = {}
         self._stall_until = 0.0
 
@@ -108,23 +129,24 @@ class PrefillServer:
 
     def serve_once(self) -> None:
         """Drain the channel, drop rooms past their deadline, run one step if there is work."""
-        can_step = bool(self.prefill.outgoing) and time.monotonic() >= self._stall_until
+        self.last_turn = time.monotonic()
+        can_step = self._has_work() and time.monotonic() >= self._stall_until
         self._drain(0 if can_step else IDLE_WAIT_MS)
         self._expire()
-        if self.prefill.outgoing and time.monotonic() >= self._stall_until:
-            for reply in self.prefill.step():
-                self._reply(reply)
+        if self._has_work() and time.monotonic() >= self._stall_until:
+            self.engine.step()
+            for peer in list(self.peers.values()):
+                for reply in peer.sender.push_ready():
+                    self._reply(reply)
+
+    def _has_work(self) -> bool:
+        return any(peer.sender.outgoing for peer in self.peers.values())
 
     def close(self) -> None:
         self.server.close()
-        self._close_backend()
-
-    def _close_backend(self) -> None:
-        """Unmap the current decode's regions; a mapping still in use stays (logged)."""
-        try:
-            self.prefill.backend.close()
-        except BufferError as e:
-            logger.warning("prefill: %s", e)
+        for peer in self.peers.values():
+            _close_backend(peer.sender)
+        _close_backend(self.prefill)
 
     def _drain(self, timeout_ms: int) -> None:
         for _ in range(MAX_MESSAGES_PER_TURN):
@@ -147,6 +169,14 @@ class PrefillServer:
                 )
 
     def _reply(self, msg: StateDone | StateFailed) -> None:
+        if isinstance(msg, StateDone):
+            self.num_requests["done"] += 1
+            for name, stats in msg.component_stats.items():
+                self.component_bytes[name] = self.component_bytes.get(name, 0) + stats.num_bytes
+                seconds = self.component_seconds.get(name, 0.0) + stats.seconds
+                self.component_seconds[name] = seconds
+        else:
+            self.num_requests["failed"] += 1
         room = self.rooms.pop(msg.room, None)
         if room is None:
             logger.warning("prefill: no decode peer for room %d", msg.room)
@@ -157,12 +187,14 @@ class PrefillServer:
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
         try:
             check_pairing(self.hello, hello)
-            if self.prefill.outgoing:
+            old = self.peers.get(identity)
+            if old is not None and old.sender.outgoing:
                 raise PairingError(
-                    f"prefill {self.hello.worker_id!r} still pushes {len(self.prefill.outgoing)} "
-                    "requests of its current decode peer; pair again later",
+                    f"prefill {self.hello.worker_id!r} still pushes {len(old.sender.outgoing)} "
+                    "requests of this decode's earlier pairing; pair again later",
                     [],
                 )
+            self._make_room_for_peer(identity)
             prefill, num_units = self._connect(hello)
         except (ValueError, OSError) as e:  # PairingError is a ValueError
             logger.warning(
@@ -171,10 +203,23 @@ class PrefillServer:
             )  # fmt: skip
             self.server.send(identity, HelloAck.answer(self.hello, accepted=False, error=str(e)))
             return
-        self._close_backend()  # the previous decode's regions
-        self.prefill, self.peer, self.peer_num_units = prefill, identity, num_units
+        if old is not None:
+            _close_backend(old.sender)  # the earlier pairing's mappings
+        self.peers[identity] = _Peer(hello.worker_id, prefill, num_units)
         logger.info("prefill: paired with decode %r (peer %s)", hello.worker_id, identity.hex())
         self.server.send(identity, HelloAck.answer(self.hello, accepted=True))
+
+    def _make_room_for_peer(self, identity: bytes) -> None:
+        """Forget the longest-paired idle decodes past ``MAX_PEERS`` (raises if all are busy)."""
+        others = [i for i in self.peers if i != identity]
+        while len(others) >= MAX_PEERS:
+            idle = [i for i in others if not self.peers[i].sender.outgoing]
+            if not idle:
+                raise PairingError(f"prefill serves {MAX_PEERS} busy decodes already", [])
+            forgotten = self.peers.pop(idle[0])
+            others.remove(idle[0])
+            _close_backend(forgotten.sender)
+            logger.info("prefill: forgot idle decode %r", forgotten.worker_id)
 
     def _connect(self, hello: Hello) -> tuple[PrefillWorker, dict[str, int]]:
         """A sender mapping ``hello``'s regions, and the unit count of each."""
@@ -213,7 +258,7 @@ class PrefillServer:
             failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True)
         else:
             try:
-                failed = self.prefill.on_reserve(msg)
+                failed = self.peers[identity].sender.on_reserve(msg)
             except ValueError as e:  # invalid sampling params (a ProtocolError)
                 failed = StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
         if failed is not None:
@@ -227,7 +272,8 @@ class PrefillServer:
 
     def _reserve_problem(self, identity: bytes, msg: ReserveState) -> str | None:
         """Why ``msg`` cannot be served (checked before any state is touched), or None."""
-        if identity != self.peer:
+        peer = self.peers.get(identity)
+        if peer is None:
             return "this decode is not paired with the prefill worker (Hello first)"
         aux = self.engine.aux
         if aux.num_free_units == 0:
@@ -237,9 +283,9 @@ class PrefillServer:
             return f"dst_unit_ids names {sorted(msg.dst_unit_ids)}, prefill pushes {sorted(pushed)}"
         units = {**msg.dst_unit_ids, aux.name: [msg.aux_slot_id]}
         for name, ids in units.items():
-            outside = [u for u in ids if u >= self.peer_num_units[name]]
+            outside = [u for u in ids if u >= peer.num_units[name]]
             if outside:
-                return f"`{name}` unit {outside[0]} is outside decode's {self.peer_num_units[name]}"
+                return f"`{name}` unit {outside[0]} is outside decode's {peer.num_units[name]}"
             if len(set(ids)) != len(ids):
                 return f"`{name}` unit ids repeat: {ids}"
         return None
@@ -263,8 +309,18 @@ class PrefillServer:
         """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
         between steps nothing is writing for it."""
         request_id = request_id_of(room)
-        self.prefill.outgoing.pop(request_id, None)
+        peer = self.peers.get(self.rooms[room].peer)
+        if peer is not None:
+            peer.sender.outgoing.pop(request_id, None)
         self.engine.abort_request(request_id)
         handoff.release(self.engine, request_id)
         logger.info("prefill: room %d dropped: %s", room, reason)
         self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
+
+
+def _close_backend(sender: PrefillWorker) -> None:
+    """Unmap a sender's decode regions; a mapping still in use stays (logged)."""
+    try:
+        sender.backend.close()
+    except BufferError as e:
+        logger.warning("prefill: %s", e)

@@ -23,6 +23,8 @@ WORKER_BACKENDS = ("shm", "nixl", "mooncake")
 """Backends that cross a process boundary today (``loopback`` is in-process only)."""
 IDLE_WAIT_MS = 20
 """How long a loop with nothing to compute waits on the channel per turn."""
+PING_INTERVAL_S = 1.0
+"""Decode pings each prefill that owes it state this often."""
 MAX_MESSAGES_PER_TURN = 256
 """A turn handles at most this many messages, so a flood cannot starve the engine."""
 MAX_FAILURE_REASONS = 4096
@@ -41,6 +43,10 @@ class Deadlines:
     abort_grace_s: float = 30.0
     """Decode: how long a failed request's units stay reserved for prefill to confirm it
     stopped writing; past it they are freed anyway (a dead prefill never confirms)."""
+    peer_silence_s: float = 10.0
+    """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
+    sent every ``PING_INTERVAL_S``) this long is taken for dead: its requests fail now, not
+    at ``waiting_for_state_s``, so a router can retry them elsewhere."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -1,0 +1,106 @@
+"""PD with more than one peer: a decode fed by two prefills, a prefill feeding two decodes.
+
+Checked across processes (shm): requests spread over two prefill processes -- one given at
+construction, one named per request and paired on the way -- come back equal to a colocated
+engine; two decodes paired with one prefill at once both get their state; a prefill killed
+while requests wait is noticed by its silence (``peer_silence_s``) long before the
+waiting-for-state deadline, and a later request to a fresh prefill at another endpoint works.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from baton.transfer.worker import Deadlines, request_id_of
+from tests.transfer.conftest import our_segments
+from tests.transfer.test_pd_processes import (  # noqa: F401  (fixtures)
+    _client,
+    _colocated,
+    _drain_releases,
+    _free_units,
+    _requests,
+    _run,
+    pd_dir,
+    prefill_server,
+    spawn_prefill,
+)
+
+pytestmark = pytest.mark.integration
+
+
+def test_one_decode_two_prefills(pd_dir, prefill_server, spawn_prefill):
+    expected = _colocated(pd_dir)
+    other = spawn_prefill()
+    before = our_segments()
+    with _client(pd_dir, prefill_server.endpoint) as client:
+        start_free = _free_units(client.engine)
+        rooms = []
+        for i, (prompt, params) in enumerate(_requests()):
+            target = other.endpoint if i % 2 else None  # None: the default prefill
+            rooms.append(client.add_request(prompt, params, prefill=target))
+        done = _run(client)
+        outs = [done[request_id_of(room)] for room in rooms]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert [o.metrics.accepted_lengths for o in outs] == [
+            o.metrics.accepted_lengths for o in expected
+        ]
+        assert sorted(client.links) == sorted([prefill_server.endpoint, other.endpoint])
+        assert client.engine.runner.num_computed_prompt_tokens == 0
+        assert _free_units(client.engine) == start_free
+    other.wait_for_log("paired with decode")
+    assert our_segments() == before
+
+
+def test_two_decodes_share_one_prefill(pd_dir, prefill_server):
+    expected = _colocated(pd_dir)
+    requests = _requests()
+    with (
+        _client(pd_dir, prefill_server.endpoint) as a,
+        _client(pd_dir, prefill_server.endpoint) as b,
+    ):
+        rooms = {}
+        for i, (prompt, params) in enumerate(requests):
+            client = a if i % 2 == 0 else b
+            rooms[i] = (client, client.add_request(prompt, params))
+        done = {}
+        deadline = time.monotonic() + 30
+        while a.has_unfinished_requests() or b.has_unfinished_requests():
+            assert time.monotonic() < deadline, "the decodes did not finish"
+            for client in (a, b):
+                done.update({(id(client), o.request_id): o for o in client.step() if o.finished})
+        for i, (client, room) in rooms.items():
+            out = done[(id(client), request_id_of(room))]
+            assert out.outputs[0].token_ids == expected[i].outputs[0].token_ids, i
+        assert not a.failure_reasons and not b.failure_reasons
+
+
+def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
+    stalled = spawn_prefill("--debug-stall-s", "60")
+    deadlines = Deadlines(
+        bootstrap_s=30.0, waiting_for_state_s=60.0, abort_grace_s=1.0, peer_silence_s=1.5
+    )
+    with _client(pd_dir, stalled.endpoint, deadlines) as client:
+        start_free = _free_units(client.engine)
+        prompt, params = _requests()[2]
+        room = client.add_request(prompt, params)
+        added = time.monotonic()
+        while time.monotonic() < added + 2.5:  # a stalled prefill still answers pings
+            assert client.step() == []
+        stalled.proc.kill()
+        stalled.proc.wait()
+        killed = time.monotonic()
+        out = _run(client, timeout_s=10.0)[request_id_of(room)]
+        assert out.outputs[0].finish_reason == "error"
+        assert time.monotonic() - killed < deadlines.peer_silence_s + 3.0
+        assert "answered nothing" in client.failure_reasons[request_id_of(room)]
+        assert stalled.endpoint not in client.links
+        _drain_releases(client, timeout_s=5.0)
+        assert _free_units(client.engine) == start_free
+
+        # The next request names a live prefill and is served.
+        fresh = spawn_prefill()
+        room = client.add_request(prompt, params, prefill=fresh.endpoint)
+        out = _run(client)[request_id_of(room)]
+        assert out.outputs[0].finish_reason == "length"
