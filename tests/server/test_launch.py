@@ -83,8 +83,10 @@ class _FakeClient:
         self.releasing: dict = {}
         self.aborted: list[int] = []
         self._next_room = 100
+        self.default_endpoints = ["tcp://127.0.0.1:1"]
+        self.failure_reasons: dict[str, str] = {}
 
-    def add_request(self, prompt_token_ids, params):
+    def add_request(self, prompt_token_ids, params, room=None, prefill=None):
         if len(self.rooms) >= self.capacity:
             raise MemoryError("full")
         self._next_room += 1

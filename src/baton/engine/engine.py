@@ -230,6 +230,12 @@ class LLMEngine:
         track.metrics.finished_time = time.monotonic()
         return self._output(track, finish=FinishReason.ABORT)
 
+    def units_in_use(self) -> dict[str, int]:
+        """Per state component: units requests hold now (for metrics)."""
+        free = {name: n for cache in self.caches for name, n in cache.num_free_units().items()}
+        free[self.aux.name] = self.aux.num_free_units
+        return {c.name: c.num_units - free[c.name] for c in self.registry}
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 

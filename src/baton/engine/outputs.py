@@ -59,3 +59,5 @@ class RequestOutput:
     metrics: RequestMetrics
     delta: CompletionOutput | None = field(default=None, repr=False)
     """What this step added (text, token ids, logprobs); for streaming."""
+    error: str | None = None
+    """Why a request with finish reason ``error`` failed (e.g. its prefill worker died)."""

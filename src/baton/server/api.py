@@ -51,6 +51,35 @@ class _Metrics:
         self.waiting = Gauge("baton_num_requests_waiting", "requests queued", registry=r)
         self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "tokens generated", registry=r)
+        self.acceptance = Histogram(
+            "baton_acceptance_length", "per request: mean tokens committed per verify step",
+            buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0), registry=r,
+        )  # fmt: skip
+        self.units = Gauge(
+            "baton_units_in_use", "units held per state component (pool)", ["component"],
+            registry=r,
+        )  # fmt: skip
+        self.transfer_bytes = Counter(
+            "baton_transfer_bytes", "state bytes pushed into this decode per component",
+            ["component"], registry=r,
+        )  # fmt: skip
+        self.transfer_seconds = Counter(
+            "baton_transfer_seconds", "seconds prefill spent pushing state per component",
+            ["component"], registry=r,
+        )  # fmt: skip
+        self._seen: dict[str, tuple[int, float]] = {}
+
+    def update(self, engine: AsyncEngine) -> None:
+        """Copy the engine thread's latest snapshot into the gauges and counters."""
+        self.running.set(engine.num_running)
+        self.waiting.set(engine.num_waiting)
+        for name, n in engine.units_in_use.items():
+            self.units.labels(name).set(n)
+        for name, (num_bytes, seconds) in engine.transfer_stats.items():
+            seen_bytes, seen_seconds = self._seen.get(name, (0, 0.0))
+            self.transfer_bytes.labels(name).inc(num_bytes - seen_bytes)
+            self.transfer_seconds.labels(name).inc(max(0.0, seconds - seen_seconds))
+            self._seen[name] = (num_bytes, seconds)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -133,20 +162,34 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         ]
         return {"content": content}
 
-    async def run(prompt: Any, params: Any) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs, with latency and token metrics recorded on the way."""
+    async def run(prompt: Any, params: Any, route: dict) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs, with latency and token metrics recorded on the way. A
+        request that fails before its first token (a PD prefill died, ...) is a 503 here,
+        before any response starts, so a router can retry it."""
         arrival = time.monotonic()
         try:
-            stream = await engine.add(prompt, params)
+            stream = await engine.add(prompt, params, **route)
         except ValueError as exc:
             raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
         except RuntimeError as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
+        first = await anext(stream)
+        failed = first.outputs[0]
+        if first.finished and failed.finish_reason == "error" and not failed.token_ids:
+            await stream.aclose()
+            code = "prefill_failed" if engine.is_pd else None
+            message = first.error or "the request failed before its first token"
+            raise ApiError(message, 503, type="server_error", code=code)
+
+        async def replayed() -> AsyncIterator[RequestOutput]:
+            yield first
+            async for out in stream:
+                yield out
 
         async def observed() -> AsyncIterator[RequestOutput]:
             last = None
             try:
-                async for out in stream:
+                async for out in replayed():
                     num_new = len(out.delta.token_ids) if out.delta else 0
                     if num_new:
                         now = time.monotonic()
@@ -158,6 +201,8 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                         metrics.generation_tokens.inc(num_new)
                     if out.finished:
                         metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                        if (accepted := out.metrics.acceptance_length) is not None:
+                            metrics.acceptance.observe(accepted)
                     yield out
             finally:
                 await stream.aclose()
@@ -211,7 +256,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         req: CompletionRequest = await _parse(request, CompletionRequest)
         check_model(req.model)
         params = req.sampling_params()
-        outputs = await run(req.engine_prompt(), params)
+        outputs = await run(req.engine_prompt(), params, _route(request))
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         n_top = req.logprobs or 0
         head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
@@ -261,7 +306,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             )
         except ValueError as exc:
             raise ApiError(str(exc), param="messages") from exc
-        outputs = await run(prompt, params)
+        outputs = await run(prompt, params, _route(request))
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         n_top = req.top_logprobs or 0
         if req.stream:
@@ -323,8 +368,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        metrics.running.set(engine.num_running)
-        metrics.waiting.set(engine.num_waiting)
+        metrics.update(engine)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -340,6 +384,23 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     if last is None:
         raise ApiError("the engine returned no output", 500, type="server_error")
     return last
+
+
+PREFILL_HEADER = "x-baton-prefill"
+ROOM_HEADER = "x-baton-room"
+"""PD routing a router adds to a decode server's request: the prefill's control endpoint
+and the room id (both sides of the handoff and the router's logs share it)."""
+
+
+def _route(request: Request) -> dict:
+    route: dict[str, Any] = {}
+    if prefill := request.headers.get(PREFILL_HEADER):
+        route["prefill"] = prefill
+    if (room := request.headers.get(ROOM_HEADER)) is not None:
+        if not room.isdigit() or not 0 < int(room) < 2**63:
+            raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")
+        route["room"] = int(room)
+    return route
 
 
 def _param_of_engine_error(message: str) -> str | None:

@@ -39,6 +39,8 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     accepted: Future
+    route: dict
+    """PD decode: ``prefill`` endpoint and ``room`` a router chose (empty otherwise)."""
 
 
 @dataclass
@@ -67,6 +69,8 @@ class AsyncEngine:
         # Snapshots written by the engine thread after each step, read by /metrics.
         self.num_running = 0
         self.num_waiting = 0
+        self.units_in_use: dict[str, int] = {}
+        self.transfer_stats: dict[str, tuple[int, float]] = {}
 
     @property
     def tokenizer(self):
@@ -90,16 +94,30 @@ class AsyncEngine:
             self._commands.put(_Stop())
             self._thread.join(timeout_s)
 
+    @property
+    def is_pd(self) -> bool:
+        """Whether the engine is a PD decode (requests may name their prefill and room)."""
+        return hasattr(self.engine, "transfer_stats")
+
     async def add(
-        self, prompt: str | list[int] | dict, params: SamplingParams
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        *,
+        prefill: str | None = None,
+        room: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """``prefill`` / ``room``: a PD decode's routing (``ValueError`` on a colocated one)."""
+        route = {k: v for k, v in (("prefill", prefill), ("room", room)) if v is not None}
+        if route and not self.is_pd:
+            raise ValueError(f"this server is colocated; it takes no PD routing ({route})")
         if not self.is_alive:
             raise RuntimeError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         request_id = f"srv-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: Future = Future()
-        self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted))
+        self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted, route))
         await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
         return self._iterate(request_id, outputs)
 
@@ -131,6 +149,9 @@ class AsyncEngine:
                     self._dispatch(self.engine.step())
                 self.num_running = len(self.engine.scheduler.running)
                 self.num_waiting = len(self.engine.scheduler.waiting)
+                self.units_in_use = self.engine.units_in_use()
+                if self.is_pd:
+                    self.transfer_stats = self.engine.transfer_stats()
         except Exception as exc:
             logger.exception("the engine thread failed")
             self.error = exc
@@ -152,7 +173,9 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
                 continue
             try:
-                self.engine.add_request(command.prompt, command.params, command.request_id)
+                self.engine.add_request(
+                    command.prompt, command.params, command.request_id, **command.route
+                )
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 continue

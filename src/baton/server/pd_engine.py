@@ -30,6 +30,8 @@ class _Queued:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    prefill: str | None
+    room: int | None
 
 
 class PDEngine:
@@ -56,14 +58,27 @@ class PDEngine:
         return self.client.engine.scheduler
 
     def add_request(
-        self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        request_id: str,
+        *,
+        prefill: str | None = None,
+        room: int | None = None,
     ) -> str:
-        """Raises ``ValueError`` for a bad request (nothing is kept then)."""
+        """Queue a request for the prefill at ``prefill`` (default: the client's own) under
+        ``room`` (default: a fresh one; a router chooses it). Raises ``ValueError`` for a bad
+        request (nothing is kept then), ``RuntimeError`` when there is no prefill to use."""
         if request_id in self._room_of or any(q.request_id == request_id for q in self._queued):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if prefill is None and not self.client.default_endpoints:
+            raise RuntimeError(
+                "this decode server has no prefill worker of its own; send requests through "
+                "a router (which names one per request) or start it with --prefill"
+            )
         _, token_ids = self.client.engine.encode_prompt(prompt)
         self.client.engine.validate(token_ids, params)
-        queued = _Queued(request_id, token_ids, params, time.monotonic())
+        queued = _Queued(request_id, token_ids, params, time.monotonic(), prefill, room)
         if self._queued or not self._admit(queued):
             if not self._queued and not self._is_busy():
                 raise ValueError(
@@ -78,9 +93,11 @@ class PDEngine:
             request_id = self._request_of.get(out.request_id)
             if request_id is None:
                 continue  # aborted by us already
+            error = None
             if out.finished:
                 self._forget(request_id)
-            outputs.append(dataclasses.replace(out, request_id=request_id))
+                error = self.client.failure_reasons.get(out.request_id)
+            outputs.append(dataclasses.replace(out, request_id=request_id, error=error))
         # after the step, which may have freed units: a queued request is sent to prefill now
         return outputs + self._admit_queued()
 
@@ -97,6 +114,14 @@ class PDEngine:
         # steps too, or their units would only come back with the next request.
         return bool(self._queued) or self._is_busy()
 
+    def units_in_use(self) -> dict[str, int]:
+        return self.client.engine.units_in_use()
+
+    def transfer_stats(self) -> dict[str, tuple[int, float]]:
+        """Per component: bytes received from prefills and the seconds their pushes took."""
+        seconds = self.client.transfer_seconds
+        return {n: (b, seconds.get(n, 0.0)) for n, b in self.client.transfer_bytes.items()}
+
     def close(self) -> None:
         self.client.close()
 
@@ -108,7 +133,9 @@ class PDEngine:
     def _admit(self, queued: _Queued) -> bool:
         """False when decode is full now."""
         try:
-            room = self.client.add_request(queued.prompt_token_ids, queued.params)
+            room = self.client.add_request(
+                queued.prompt_token_ids, queued.params, room=queued.room, prefill=queued.prefill
+            )
         except MemoryError:
             return False
         self._room_of[queued.request_id] = room
@@ -124,12 +151,12 @@ class PDEngine:
                     if not self._is_busy():
                         # nothing will ever free room for it
                         self._queued.popleft()
-                        outputs.append(_error_output(queued))
+                        outputs.append(_error_output(queued, "decode has no room for it"))
                         continue
                     break
-            except ValueError:
+            except ValueError as e:
                 logger.exception("request %s refused on admission", queued.request_id)
-                outputs.append(_error_output(queued))
+                outputs.append(_error_output(queued, str(e)))
             self._queued.popleft()
         return outputs
 
@@ -138,7 +165,7 @@ class PDEngine:
         del self._request_of[request_id_of(room)]
 
 
-def _error_output(queued: _Queued) -> RequestOutput:
+def _error_output(queued: _Queued, reason: str) -> RequestOutput:
     done = CompletionOutput(index=0, text="", token_ids=[], finish_reason=FinishReason.ERROR.value)
     metrics = RequestMetrics(
         queued.arrival_time,
@@ -146,6 +173,7 @@ def _error_output(queued: _Queued) -> RequestOutput:
         num_prompt_tokens=len(queued.prompt_token_ids),
     )
     return RequestOutput(
+        error=reason,
         request_id=queued.request_id,
         prompt=None,
         prompt_token_ids=queued.prompt_token_ids,

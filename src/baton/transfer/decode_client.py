@@ -156,6 +156,9 @@ class DecodeClient:
         self.failure_reasons: dict[str, str] = {}
         """Request id -> why it failed (finish reason ``error``), newest kept."""
         self._outputs: list[RequestOutput] = []
+        self.transfer_bytes: dict[str, int] = {}
+        self.transfer_seconds: dict[str, float] = {}
+        """Per component: bytes prefill pushed here and seconds it spent pushing them."""
 
     def _open_link(self, endpoint: str) -> _Link:
         """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``)."""
@@ -330,6 +333,9 @@ class DecodeClient:
         except ValueError as e:  # a stale or corrupt aux record; prefill is done writing
             outputs.append(self._fail(msg.room, str(e), True))
             return
+        for name, stats in msg.component_stats.items():
+            self.transfer_bytes[name] = self.transfer_bytes.get(name, 0) + stats.num_bytes
+            self.transfer_seconds[name] = self.transfer_seconds.get(name, 0.0) + stats.seconds
         del self.waiting[msg.room]
         if request_id not in self.engine.tracks:  # it finished on its first token
             # NOTE: handoff.admit finishes such a request without an output; build it here.
