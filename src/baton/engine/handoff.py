@@ -5,7 +5,9 @@ state), samples the first token, and keeps every unit in ``engine.held`` until
 ``release``. Decode: ``reserve`` creates the request without computing anything and
 reserves units for every component -- each over its *own* token range (the target's
 positions [0, P), the draft's slots [0, P-1)) -- plus an aux row; ``admit`` turns the
-transferred state into a running request. Decode computes no prompt token.
+transferred state into a running request. Decode computes no prompt token. While a
+prompt is computed, ``streamed_components`` / ``num_complete_units`` say which units are
+final already (the target's complete full-attention pages), so prefill can push them early.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from baton.engine.engine import LLMEngine
 from baton.engine.runner import Committed
+from baton.memory.state import StateComponent
 from baton.request import RequestStatus, SamplingParams
 from baton.speculative.proposer import PendingPairs
 
@@ -40,6 +43,32 @@ def release(engine: LLMEngine, request_id: str) -> None:
     for cache in engine.caches:
         cache.free(request_id)
     engine.aux.free(request_id)
+
+
+def abort_prefill(engine: LLMEngine, request_id: str) -> None:
+    """Prefill: end a request, still computing or held, and free every unit it holds."""
+    engine.abort_request(request_id)
+    release(engine, request_id)
+
+
+def streamed_components(engine: LLMEngine) -> list[StateComponent]:
+    """What prefill may push while the prompt is still being computed: the target's
+    full-attention pages, each final once every position it holds is computed. Sliding
+    pages fall out of the window and ring rows are overwritten during prefill, and the
+    draft's state is complete only after the last chunk, so those move at the end."""
+    return [p.component for p in engine.cache.pools if p.component.kind == "paged_full"]
+
+
+def num_complete_units(component: StateComponent, request_id: str) -> int:
+    """Leading units of a full-attention component whose positions are all computed::
+
+    positions  0 ....... 8 ....... 16 ..... 21      (page_size 8, 21 computed)
+    pages      [ page 0 ][ page 1 ][ page 2 ...     -> 2 complete units
+    """
+    assert component.page_size is not None, component.name
+    held = component.index(request_id)
+    assert held.token_start == 0, f"{component.name} holds a window, not every page"
+    return min(len(held.unit_ids), held.token_end // component.page_size)
 
 
 def token_ranges(engine: LLMEngine, num_prompt_tokens: int) -> dict[str, tuple[int, int]]:

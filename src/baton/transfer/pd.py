@@ -1,11 +1,14 @@
 """PD roles as compositions of the same engine: a prefill sender and a decode receiver.
 
 Per request (DESIGN.md §5): decode ``reserve``s units for every component of its registry
-and sends ``ReserveState``; prefill computes the prompt (chunked, draft prompt state
-included) and the first token, then pushes every component's units -- one batch for all of
-them, planned into coalesced runs -- and, once that batch is DONE, the aux record (nonce,
-first token, logprob, draft seed) last; decode admits the request when the aux row holds
-the nonce it chose. The transfer layer iterates the registry and nothing else.
+and sends ``ReserveState``; prefill computes the prompt in chunks and, after each engine
+step, pushes the target's full-attention pages that became complete (one batch for every
+request still computing). Once the prompt and first token are done, it pushes everything
+else -- the last partial page, the sliding / ring components (pages leave the window and
+rows are overwritten during prefill), the draft's state -- in one batch planned into
+coalesced runs and, once that batch is DONE, the aux record (nonce, first token, logprob,
+draft seed) last; decode admits the request when the aux row holds the nonce it chose.
+The transfer layer iterates the registry and nothing else.
 
 These classes do no I/O of their own: messages go in and out as values, so the same code
 runs in one process (tests, loopback) and behind the zmq control channel (workers).
@@ -23,8 +26,8 @@ import torch
 from baton.engine import handoff
 from baton.engine.engine import LLMEngine
 from baton.request import SamplingParams
-from baton.transfer.backends.base import TransferBackend
-from baton.transfer.plan import plan_ops, plan_request, plan_stats
+from baton.transfer.backends.base import Status, TransferBackend, TransferOp, failed
+from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
 from baton.transfer.protocol import (
     ComponentStats,
     ReserveState,
@@ -50,10 +53,47 @@ def component_checksums(engine: LLMEngine, request_id: str) -> dict[str, str]:
 class _Outgoing:
     reserve: ReserveState
     request_id: str
+    num_sent_units: dict[str, int] = field(default_factory=dict)
+    """Component -> leading units already pushed while the prompt was being computed."""
+    num_bytes: dict[str, int] = field(default_factory=dict)
+    """Component -> bytes pushed so far (every push counts, a resend after preemption too)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Component -> seconds of the transfers that carried its bytes."""
+
+    def count(self, plan: TransferPlan, seconds: float) -> None:
+        for name, s in plan_stats(plan).items():
+            self.num_bytes[name] = self.num_bytes.get(name, 0) + s.total_bytes
+            self.seconds[name] = self.seconds.get(name, 0.0) + (seconds if s.total_bytes else 0.0)
+
+    def failure(self, moved: _Moved) -> StateFailed:
+        return StateFailed(
+            room=self.reserve.room, reason=moved.status.reason, stopped_writing=moved.has_stopped
+        )
+
+
+@dataclass(frozen=True)
+class _Moved:
+    """How one batch ended: its status, how long it took, and whether nothing writes any
+    more (False only for a batch given up at the deadline while the backend still holds it)."""
+
+    status: Status
+    seconds: float
+    has_stopped: bool = True
+
+
+DEFAULT_TRANSFER_S = 60.0
 
 
 class PrefillWorker:
-    """Computes prompts and pushes their state into the decode peer's pools."""
+    """Computes prompts and pushes their state into the decode peer's pools.
+
+    After every engine step, ``push_ready`` pushes, in one batch for all of this sender's
+    requests still computing, the target's full-attention pages that became complete (as
+    chunks finish); once a request's prompt is done, the rest of its state (the last
+    partial page, the sliding / ring components, the draft's) in one batch, then the aux
+    record last. A transfer's batch is waited for before ``push_ready`` returns, so between
+    steps nothing writes for a request -- unless a batch outlived ``transfer_s``.
+    """
 
     def __init__(self, engine: LLMEngine, backend: TransferBackend) -> None:
         self.engine = engine
@@ -66,6 +106,11 @@ class PrefillWorker:
         self.debug_skip_components: frozenset[str] = frozenset()
         """Debug switch: components not pushed although declared (the classic missing-piece
         bug, registry intact): decode's units for them keep whatever they held."""
+        self.transfer_s = DEFAULT_TRANSFER_S
+        """Longest wait for one batch; past it the rooms in it fail (see ``_transfer``)."""
+        self._abandoned: dict[int, list[int]] = {}
+        """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
+        self._num_preemptions = engine.scheduler.num_preemptions
 
     def connect(self, peer_regions: dict[str, dict]) -> None:
         from baton.transfer.backends.base import RegionDescriptor
@@ -85,24 +130,75 @@ class PrefillWorker:
         return None
 
     def step(self) -> list[StateDone | StateFailed]:
-        """One engine step, then push the state of every request that finished prefill."""
+        """One engine step, then push what it completed."""
         self.engine.step()
         return self.push_ready()
 
     def push_ready(self) -> list[StateDone | StateFailed]:
-        """Push the state of this sender's requests that finished prefill (several senders,
-        one per decode peer, can share an engine: step it once, then each pushes)."""
-        replies = []
+        """Push what the last engine step(s) completed for this sender's requests (several
+        senders, one per decode peer, can share an engine: step it once, then each pushes):
+        finished requests' whole remaining state and aux record, then the newly complete
+        full-attention pages of those still computing. Also answers, with
+        ``StateFailed(stopped_writing=True)``, rooms whose timed-out batch has since ended."""
+        replies: list[StateDone | StateFailed] = self._settle_abandoned()
+        if self.engine.scheduler.num_preemptions != self._num_preemptions:
+            # NOTE: a preempted prompt is recomputed into other pages, maybe with other chunk
+            # boundaries (other rounding): send its pages again rather than trust the old ones.
+            self._num_preemptions = self.engine.scheduler.num_preemptions
+            for out in self.outgoing.values():
+                out.num_sent_units.clear()
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
             replies.append(self._push(out))
             handoff.release(self.engine, request_id)
+        replies.extend(self._push_complete_pages())
         return replies
 
+    def _push_complete_pages(self) -> list[StateFailed]:
+        """One batch: every still-computing request's full-attention pages completed since
+        the last push, matched in logical order to decode's reserved units."""
+        plans: dict[str, TransferPlan] = {}
+        ends: dict[str, dict[str, int]] = {}
+        streamed = [
+            c
+            for c in handoff.streamed_components(self.engine)
+            if c.name not in self.debug_skip_components
+        ]
+        for request_id, out in self.outgoing.items():
+            components = {}
+            for c in streamed:
+                dst = out.reserve.dst_unit_ids.get(c.name)
+                if dst is None:
+                    continue  # the final push reports it
+                first = out.num_sent_units.get(c.name, 0)
+                end = min(handoff.num_complete_units(c, request_id), len(dst))
+                if end > first:
+                    src = c.index(request_id).unit_ids[first:end]
+                    components[c.name] = (src, dst[first:end], c.unit_bytes)
+                    ends.setdefault(request_id, {})[c.name] = end
+            if components:
+                plans[request_id] = plan_request(components)
+        if not plans:
+            return []
+        rooms = [self.outgoing[r].reserve.room for r in plans]
+        moved = self._transfer([op for plan in plans.values() for op in plan_ops(plan)], rooms)
+        if not moved.status.is_done:
+            # Their prefill units go back now: the backend only reads them, so even a batch
+            # still in flight cannot hurt the state of a request that reuses them.
+            for request_id in plans:
+                handoff.abort_prefill(self.engine, request_id)
+            return [self.outgoing.pop(r).failure(moved) for r in plans]
+        for request_id, plan in plans.items():
+            out = self.outgoing[request_id]
+            out.count(plan, moved.seconds)
+            out.num_sent_units.update(ends[request_id])
+        return []
+
     def _push(self, out: _Outgoing) -> StateDone | StateFailed:
+        """A finished request: the rest of its state in one batch, then the aux record."""
         msg, request_id = out.reserve, out.request_id
         held = self.engine.held[request_id]
-        components, stats = {}, {}
+        components = {}
         for component in self.engine.registry:
             if component.name == self.engine.aux.name:
                 continue
@@ -116,15 +212,19 @@ class PrefillWorker:
                     stopped_writing=True,
                 )
             if component.name not in self.debug_skip_components:
-                components[component.name] = (src, list(dst), component.unit_bytes)
+                first = out.num_sent_units.get(component.name, 0)
+                components[component.name] = (src[first:], dst[first:], component.unit_bytes)
         plan = plan_request(components)
-        start = time.perf_counter()
-        status = self._transfer(plan_ops(plan))
-        seconds = time.perf_counter() - start
-        if not status.is_done:
-            return StateFailed(room=msg.room, reason=status.reason or "", stopped_writing=True)
-        for name, s in plan_stats(plan).items():
-            stats[name] = ComponentStats(num_bytes=s.total_bytes, seconds=seconds)
+        ops = plan_ops(plan)
+        if ops:
+            moved = self._transfer(ops, [msg.room])
+            if not moved.status.is_done:
+                return out.failure(moved)  # push_ready releases the units
+            out.count(plan, moved.seconds)
+        stats = {
+            name: ComponentStats(num_bytes=n, seconds=out.seconds[name])
+            for name, n in out.num_bytes.items()
+        }
         # The aux record last, only after every other byte has landed.
         token, logprob = held.first_token.token_ids[0], held.first_token.logprobs[0]
         hidden = held.seed_hidden
@@ -137,13 +237,10 @@ class PrefillWorker:
         aux_plan = plan_request(
             {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
         )
-        start = time.perf_counter()
-        status = self._transfer(plan_ops(aux_plan))
-        if not status.is_done:
-            return StateFailed(room=msg.room, reason=status.reason or "", stopped_writing=True)
-        stats[aux.name] = ComponentStats(
-            num_bytes=aux.row_bytes, seconds=time.perf_counter() - start
-        )
+        moved = self._transfer(plan_ops(aux_plan), [msg.room])
+        if not moved.status.is_done:
+            return out.failure(moved)  # push_ready releases the units
+        stats[aux.name] = ComponentStats(num_bytes=aux.row_bytes, seconds=moved.seconds)
         top = held.first_token.top_logprobs[0] or []
         return StateDone(
             room=msg.room,
@@ -154,14 +251,45 @@ class PrefillWorker:
             component_stats=stats,
         )
 
-    def _transfer(self, ops):
+    def _transfer(self, ops: list[TransferOp], rooms: list[int]) -> _Moved:
+        """Submit one batch and wait for it, at most ``transfer_s`` seconds.
+
+        NOTE: past the deadline the batch is given up, not stopped: the backend contract
+        has no cancel, and only a ``DONE`` or ``FAILED`` from ``poll`` promises that it
+        writes no more (``release`` refuses a pending transfer). So a timed-out batch is
+        ``FAILED`` with ``has_stopped=False`` -- decode must not free its units on our word --
+        and is kept in ``_abandoned``; once the backend ends it, ``push_ready`` confirms
+        each of its rooms with ``StateFailed(stopped_writing=True)`` (or decode frees them
+        after its abort grace, whichever comes first)."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + self.transfer_s
         transfer_id = self.backend.submit(ops)
         status = self.backend.poll(transfer_id)
         while status.is_pending:
+            if time.monotonic() >= deadline:
+                self._abandoned[transfer_id] = list(rooms)
+                reason = (
+                    f"transfer of {len(ops)} runs to decode did not finish within "
+                    f"{self.transfer_s:g} s"
+                )
+                return _Moved(failed(reason), time.perf_counter() - start, has_stopped=False)
             time.sleep(0.0005)
             status = self.backend.poll(transfer_id)
         self.backend.release(transfer_id)
-        return status
+        return _Moved(status, time.perf_counter() - start)
+
+    def _settle_abandoned(self) -> list[StateDone | StateFailed]:
+        """Rooms of timed-out batches the backend has since ended: now nothing writes."""
+        replies: list[StateDone | StateFailed] = []
+        for transfer_id, rooms in list(self._abandoned.items()):
+            status = self.backend.poll(transfer_id)
+            if status.is_pending:
+                continue
+            self.backend.release(transfer_id)
+            del self._abandoned[transfer_id]
+            reason = f"the timed-out transfer has ended ({status.state.value}); nothing writes"
+            replies.extend(StateFailed(room=r, reason=reason, stopped_writing=True) for r in rooms)
+        return replies
 
 
 @dataclass
