@@ -12,33 +12,54 @@ are filled with random bytes). In the same run, for the same number of bytes:
 Reported: GB/s, the ratios state/raw and state/memcpy, run count and mean run size.
 Targets (issue 5): >= 80% of raw backend; shm >= 50% of memcpy.
 
-    python benchmarks/transfer.py [--backends shm,loopback] [--lengths 1024,4096,16384]
+The cross-host engines (``nixl``, ``mooncake``) move bytes between two processes, as in
+``tests/transfer/test_real_backends.py``: this process is decode (it registers the decode
+engine's pools and the raw destination), a child (``transfer.py --peer``) is prefill: it
+registers source regions filled with seeded random bytes, connects, and pushes the state
+batch and the raw batch in turns; this process then checks every landed byte. A backend
+that cannot be built here is skipped with the reason printed.
+
+    python benchmarks/transfer.py [--backends shm,loopback,nixl,mooncake]
+        [--lengths 1024,4096,16384] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import zlib
 from pathlib import Path
 
-import torch
+# NOTE: before UCX loads (nixl), or every process crashes at exit without InfiniBand.
+os.environ.setdefault("UCX_MODULES", "^ib")
 
-from baton.config import EngineConfig
-from baton.engine.engine import LLMEngine
-from baton.memory.allocator import SharedMemoryAllocator
-from baton.model import DraftSpec, MTPDraft, load_model
-from baton.model.loader import save_draft
-from baton.transfer.backends.loopback import LoopbackBackend
-from baton.transfer.backends.shm import ShmBackend
-from baton.transfer.plan import plan_ops, plan_request, total_stats
+import torch  # noqa: E402
+
+from baton.config import EngineConfig  # noqa: E402
+from baton.engine.engine import LLMEngine  # noqa: E402
+from baton.memory.allocator import SharedMemoryAllocator  # noqa: E402
+from baton.model import DraftSpec, MTPDraft, load_model  # noqa: E402
+from baton.model.loader import save_draft  # noqa: E402
+from baton.transfer.backends import backend_class  # noqa: E402
+from baton.transfer.backends.base import RegionDescriptor, TransferOp  # noqa: E402
+from baton.transfer.backends.loopback import LoopbackBackend  # noqa: E402
+from baton.transfer.backends.shm import ShmBackend  # noqa: E402
+from baton.transfer.plan import plan_ops, plan_request, total_stats  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
+REMOTE = ("nixl", "mooncake")
+"""Backends measured across two processes (the sender is a child: ``--peer``)."""
+RESULT_TAG = "result: "
+PEER_TIMEOUT_S = 600.0
 
 
 def make_model(directory: Path) -> None:
@@ -167,6 +188,9 @@ def measure(directory: Path, length: int, allocator, args) -> dict:
     row["memcpy_gbps"] = memcpy
     row["socket_gbps"] = socket_gbps(stats.total_bytes, max(2, args.repeats // 2))
     for kind in args.backends:
+        if kind in REMOTE:
+            row[kind] = remote_row(kind, plan_ops(plan), decode, dst, memcpy, args.repeats)
+            continue
         sender = ShmBackend() if kind == "shm" else LoopbackBackend()
         receiver = ShmBackend(allocator) if kind == "shm" else LoopbackBackend()
         for c in prefill.registry:
@@ -186,13 +210,8 @@ def measure(directory: Path, length: int, allocator, args) -> dict:
                 assert torch.equal(landed, other.storage[src_ids].view(torch.uint8)), c.name
         raw = None
         if kind != "shm":  # raw: the same bytes, contiguous, 1 MiB runs
-            from baton.transfer.backends.base import TransferOp
-
-            raw_ops = [
-                TransferOp("raw_src", o, "raw_dst", o, min(MiB, stats.total_bytes - o))
-                for o in range(0, stats.total_bytes, MiB)
-            ]
-            seconds = timed(lambda b=sender, o=raw_ops: push(b, o), args.repeats)
+            ops = raw_ops(stats.total_bytes)
+            seconds = timed(lambda b=sender, o=ops: push(b, o), args.repeats)
             raw = stats.total_bytes / seconds / 1e9
         else:  # raw for shm: one contiguous shared region of the same size
             raw = shm_raw_gbps(src, args.repeats)
@@ -203,6 +222,107 @@ def measure(directory: Path, length: int, allocator, args) -> dict:
     return row
 
 
+def raw_ops(nbytes: int) -> list[TransferOp]:
+    """``nbytes`` from ``raw_src`` to ``raw_dst``, contiguous, in 1 MiB runs."""
+    return [
+        TransferOp("raw_src", o, "raw_dst", o, min(MiB, nbytes - o)) for o in range(0, nbytes, MiB)
+    ]
+
+
+def remote_row(
+    kind: str, state_ops: list[TransferOp], decode: LLMEngine, dst: torch.Tensor,
+    memcpy: float, repeats: int,
+) -> dict:  # fmt: skip
+    """State vs raw through ``kind`` from a child process (the sender) into this one."""
+    try:
+        receiver = backend_class(kind)()
+    except (ImportError, RuntimeError, ValueError) as e:
+        print(f"skipping {kind}: {e}", flush=True)
+        return {"skipped": str(e)}
+    try:
+        descriptors = [receiver.register(c.name, c.storage) for c in decode.registry]
+        descriptors.append(receiver.register("raw_dst", dst))
+        phases = {"state": state_ops, "raw": raw_ops(sum(op.nbytes for op in state_ops))}
+        sources: dict[str, int] = {}  # region -> bytes the sender needs (offsets start at 0)
+        for op in (op for ops in phases.values() for op in ops):
+            sources[op.src_region] = max(sources.get(op.src_region, 0), op.src_offset + op.nbytes)
+        job = {
+            "backend": kind,
+            "descriptors": [d.to_dict() for d in descriptors],
+            "sources": sources,
+            "phases": {name: [list(op) for op in ops] for name, ops in phases.items()},
+            "repeats": repeats,
+        }
+        result = run_peer(job)
+        if result["error"]:
+            print(f"{kind}: the sending peer failed: {result['error']}", flush=True)
+            return {"skipped": result["error"]}
+        landed = {c.name: c.storage for c in decode.registry} | {"raw_dst": dst}
+        for name, ops in phases.items():  # every byte landed where the plan said
+            for op in ops:
+                got = landed[op.dst_region].view(-1).view(torch.uint8)
+                got = got[op.dst_offset : op.dst_offset + op.nbytes]
+                expected = source(op.src_region, sources[op.src_region])
+                expected = expected[op.src_offset : op.src_offset + op.nbytes]
+                assert torch.equal(got, expected), (kind, name, op)
+    finally:
+        receiver.close()
+    nbytes = sum(op.nbytes for op in state_ops)
+    state = nbytes / statistics.median(result["seconds"]["state"]) / 1e9
+    raw = nbytes / statistics.median(result["seconds"]["raw"]) / 1e9
+    return {"state_gbps": state, "raw_gbps": raw, "state_over_raw": state / raw,
+            "state_over_memcpy": state / memcpy}  # fmt: skip
+
+
+_sources: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def source(region: str, nbytes: int) -> torch.Tensor:
+    """The sender's bytes of ``region``: seeded by its name, the same in both processes."""
+    key = (region, nbytes)
+    if key not in _sources:
+        _sources.clear()  # one at a time: the 16k-token regions are hundreds of MB
+        g = torch.Generator().manual_seed(zlib.crc32(region.encode()))
+        _sources[key] = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g)
+    return _sources[key]
+
+
+def run_peer(job: dict) -> dict:
+    """Run the sending side (``--peer``) in a child process; its tagged JSON result."""
+    child = subprocess.run(
+        [sys.executable, __file__, "--peer"], input=json.dumps(job), capture_output=True,
+        text=True, timeout=PEER_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    lines = [x for x in child.stdout.splitlines() if x.startswith(RESULT_TAG)]
+    if child.returncode != 0 or not lines:
+        return {"error": f"exit {child.returncode}: {child.stderr[-2000:]}"}
+    return json.loads(lines[-1][len(RESULT_TAG) :])
+
+
+def peer() -> None:
+    """The sending process: register the sources, connect, push the phases in turns."""
+    job = json.loads(sys.stdin.readline())
+    seconds: dict[str, list[float]] = {name: [] for name in job["phases"]}
+    phases = {name: [TransferOp(*op) for op in ops] for name, ops in job["phases"].items()}
+    error = ""
+    with backend_class(job["backend"])() as backend:
+        tensors = {name: source(name, n) for name, n in job["sources"].items()}
+        for name, tensor in tensors.items():
+            backend.register(name, tensor)
+        backend.connect([RegionDescriptor.from_dict(d) for d in job["descriptors"]])
+        try:
+            for ops in phases.values():  # warm-up: first-touch, connections, remote keys
+                push(backend, ops)
+            for _ in range(job["repeats"]):  # in turns, so load changes hit both alike
+                for name, ops in phases.items():
+                    start = time.perf_counter()
+                    push(backend, ops)
+                    seconds[name].append(time.perf_counter() - start)
+        except AssertionError as e:  # push asserts DONE
+            error = f"{job['backend']}: {e}"
+    print(RESULT_TAG + json.dumps({"seconds": seconds, "error": error}), flush=True)
+
+
 def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
     allocator = SharedMemoryAllocator()
     try:
@@ -211,12 +331,7 @@ def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
         descriptor = receiver.register("raw_dst", dst)
         sender.register("raw_src", src)
         sender.connect([descriptor])
-        from baton.transfer.backends.base import TransferOp
-
-        ops = [
-            TransferOp("raw_src", o, "raw_dst", o, min(MiB, src.numel() - o))
-            for o in range(0, src.numel(), MiB)
-        ]
+        ops = raw_ops(src.numel())
         seconds = timed(lambda: push(sender, ops), repeats)
         sender.close()
         receiver.close()
@@ -266,13 +381,19 @@ def ttft(directory: Path, length: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backends", default="shm,loopback")
+    parser.add_argument("--backends", default="shm,loopback,nixl,mooncake")
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--ttft-lengths", default="1024,4096")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/transfer.json"))
+    parser.add_argument("--quick", action="store_true", help="1k and 4k tokens, 2 repeats")
+    parser.add_argument("--peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peer:
+        return peer()
+    if args.quick:
+        args.lengths, args.repeats, args.ttft_lengths = "1024,4096", 2, ""
     args.backends = args.backends.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.ttft_lengths = [int(x) for x in args.ttft_lengths.split(",") if x]
@@ -281,17 +402,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp))
         results["ttft"] = {n: ttft(Path(tmp), n) for n in args.ttft_lengths}
-    print(f"{'tokens':>7} {'MB':>8} {'runs':>6} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
-          + "  ".join(f"{b + ' state/raw/%mc':>24}" for b in args.backends))  # fmt: skip
+    print(f"{'tokens':>7} {'MB':>7} {'runs':>5} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
+          f"{'backend':<9} {'state':>7} {'raw':>7} {'state/raw':>9} {'/memcpy':>8}")  # fmt: skip
     for length, r in results["lengths"].items():
-        cells = "  ".join(
-            f"{r[b]['state_gbps']:6.2f} /{r[b]['raw_gbps']:6.2f} GB/s {r[b]['state_over_raw']:4.0%}"
-            f" {r[b]['state_over_memcpy']:4.0%}"
-            for b in args.backends
-        )
         mean_kib = r["mean_run_bytes"] / 1024
-        print(f"{length:>7} {r['bytes'] / 1e6:8.1f} {r['runs']:>6} {mean_kib:7.0f}K"
-              f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}  {cells}")  # fmt: skip
+        head = (f"{length:>7} {r['bytes'] / 1e6:7.1f} {r['runs']:>5} {mean_kib:8.0f}K"
+                f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}")  # fmt: skip
+        for b in args.backends:
+            c = r[b]
+            if "skipped" in c:
+                print(f"{head}  {b:<9} skipped: {c['skipped'][:80]}")
+                continue
+            print(f"{head}  {b:<9} {c['state_gbps']:7.2f} {c['raw_gbps']:7.2f}"
+                  f" {c['state_over_raw']:9.0%} {c['state_over_memcpy']:8.0%}")  # fmt: skip
+    print("GB/s; memcpy and socket (loopback TCP) move the same bytes as one buffer.")
     for length, t in results["ttft"].items():
         print(f"TTFT {length} tokens: colocated {t['colocated_s'] * 1e3:.0f} ms, PD (shm, one "
               f"process) {t['pd_s'] * 1e3:.0f} ms = {t['pd_over_colocated']:.2f}x")  # fmt: skip
