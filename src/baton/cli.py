@@ -1,11 +1,12 @@
 """The ``baton`` command line.
 
 ``baton generate``: offline generation on a local model directory (the bundled model by
-default). ``baton serve``: the OpenAI-compatible HTTP server, colocated (one engine) or, with
-``--role decode --prefill ENDPOINT``, the decode half of a PD pair. ``baton launch``: a local
-PD deployment (a prefill worker and a decode server, see ``baton.launch``). ``baton bench``: a
-serving benchmark client against a running server (see ``baton.bench``). ``router`` arrives
-later.
+default). ``baton serve --role colocated|prefill|decode``: one worker -- the OpenAI-compatible
+server on one engine, a prefill worker (PD control endpoint + ``/health`` and ``/metrics``),
+or a decode server (the OpenAI API; its prefill named per request by a router, or by
+``--prefill``). ``baton router``: the OpenAI API in front of prefill and decode instances
+(``baton.router``). ``baton launch``: a local PD deployment, router + prefill + decode (see
+``baton.launch``). ``baton bench``: a serving benchmark client (see ``baton.bench``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.server.async_engine import AsyncEngine
 
     config = EngineConfig.from_kwargs(**_engine_options(args))
+    if args.role == "prefill":
+        return _serve_prefill(args, config)
     if args.role == "decode":
         core = _decode_engine(args, config)
         if core is None:
@@ -101,25 +104,77 @@ def _decode_engine(args: argparse.Namespace, config):
     from baton.transfer.decode_client import DecodeClient
     from baton.transfer.handshake import PairingError
 
-    if not args.prefill:
-        print("error: --role decode needs --prefill tcp://HOST:PORT", file=sys.stderr)
-        return None
     token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return None
     try:
-        client = DecodeClient(args.model, config, args.prefill, token, shm_prefix=args.shm_prefix)
+        client = DecodeClient(
+            args.model, config, args.prefill or [], token, args.backend, shm_prefix=args.shm_prefix
+        )
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
     return PDEngine(client)
 
 
+def _serve_prefill(args: argparse.Namespace, config) -> int:
+    """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
+    import json
+    import logging
+    import os
+
+    import uvicorn
+
+    from baton.server.prefill_app import PrefillLoop, build_prefill_app
+    from baton.transfer.prefill_server import PrefillServer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
+    token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
+    if not token:
+        print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
+        return 2
+    server = PrefillServer(args.model, config, args.pd_host, args.pd_port, token, args.backend)
+    loop = PrefillLoop(server).start()
+    print(json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}),
+          flush=True)  # fmt: skip
+    for sig in (signal.SIGINT, signal.SIGTERM):  # see _serve: let the cleanup below run
+        signal.signal(sig, lambda *_: None)
+    try:
+        uvicorn.run(build_prefill_app(loop), host=args.host, port=args.port, log_level="warning")
+    finally:
+        loop.stop()
+    return 0
+
+
+def _router(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from baton.router.router import Router, build_router_app
+
+    try:
+        router = Router(
+            args.prefill or [], args.decode or [], args.policy,
+            admin_token=os.environ.get(args.admin_token_env) or None,
+            health_interval_s=args.health_interval,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def _launch(args: argparse.Namespace) -> int:
     from baton.launch import launch
 
-    return launch(args.model, args.host, args.port, _engine_options(args), args.served_model_name)
+    return launch(
+        args.model, args.host, args.port, _engine_options(args), args.served_model_name,
+        num_prefill=args.num_prefill, num_decode=args.num_decode, policy=args.policy,
+        prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+    )  # fmt: skip
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -139,6 +194,14 @@ def _bench(args: argparse.Namespace) -> int:
     result = run_bench(config, args.out, args.plot, show_progress=not args.no_progress)
     print(format_summary(result))
     return 0 if result["summary"]["num_failed"] == 0 else 1
+
+
+def _cpu_list(text: str) -> list[int]:
+    try:
+        cpus = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected core numbers like 0,1, got {text!r}") from None
+    return cpus
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -170,14 +233,41 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_engine_args(serve)
     serve.add_argument(
-        "--role", choices=("colocated", "decode"), default="colocated",
-        help="colocated: one engine; decode: the decode half of a PD pair (needs --prefill)",
+        "--role", choices=("colocated", "prefill", "decode"), default="colocated",
+        help="colocated: one engine; prefill / decode: one half of a PD deployment",
     )  # fmt: skip
-    serve.add_argument("--prefill", help="decode: the prefill endpoint, e.g. tcp://127.0.0.1:5557")
+    serve.add_argument(
+        "--prefill", action="append",
+        help="decode: a prefill control endpoint (tcp://HOST:PORT) for requests that name none "
+        "(repeatable; without it only a router's requests, which name theirs, are served)",
+    )  # fmt: skip
+    serve.add_argument("--backend", default="shm", choices=("shm", "nixl", "mooncake"),
+                       help="PD: how state moves (shm: one host)")  # fmt: skip
+    serve.add_argument("--pd-host", default="127.0.0.1", help="prefill: control endpoint host")
+    serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
-    launch = sub.add_parser("launch", help="local PD deployment: prefill worker + decode server")
+    router = sub.add_parser("router", help="the OpenAI API in front of prefill/decode instances")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--prefill", action="append", help="a prefill's HTTP URL (repeatable)")
+    router.add_argument("--decode", action="append", help="a decode's HTTP URL (repeatable)")
+    router.add_argument("--policy", default="round_robin",
+                        choices=("round_robin", "least_outstanding"))  # fmt: skip
+    router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
+    router.add_argument(
+        "--admin-token-env", default="BATON_ADMIN_TOKEN",
+        help="env var with the /admin bearer token (unset: no token needed)",
+    )  # fmt: skip
+    launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
+    launch.add_argument("--num-prefill", type=int, default=1)
+    launch.add_argument("--num-decode", type=int, default=1)
+    launch.add_argument("--policy", default="round_robin",
+                        choices=("round_robin", "least_outstanding"))  # fmt: skip
+    for role in ("prefill", "decode"):
+        launch.add_argument(f"--{role}-cpus", type=_cpu_list, default=None,
+                            help=f"pin {role} workers to these cores, e.g. 0 or 0,1")  # fmt: skip
     bench = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     bench.add_argument("--model", default=BUNDLED_MODEL.name, help="the served model name")
@@ -200,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "router":
+        return _router(args)
     if args.command == "launch":
         return _launch(args)
     if args.command == "bench":

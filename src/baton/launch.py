@@ -1,14 +1,16 @@
-"""``baton launch``: a local PD deployment -- one prefill worker and one decode server.
+"""``baton launch``: a local PD deployment -- router, prefill worker(s), decode server(s).
 
-Starts ``python -m baton.transfer.worker --role prefill`` on a free port, then
-``python -m baton.cli serve --role decode`` paired with it on ``--port``, waits until the
-server's ``/health`` answers 200, prints the URL and a sample request, and waits. SIGINT or
-SIGTERM (or either child dying) stops both children: SIGTERM, a bounded wait, then SIGKILL.
-The pairing token is random per launch and reaches the children only through their
-environment (argv is visible to every user). Shared-memory segments are named after this
-process, so any a killed decode server left behind are removed on the way out.
+Starts ``num_prefill`` ``baton serve --role prefill`` and ``num_decode`` ``baton serve
+--role decode`` children on free ports, waits until each one's ``/health`` answers 200,
+then a ``baton router`` child on ``--port`` that knows them all, waits for its ``/health``,
+prints the URL and a sample request, and waits. SIGINT or SIGTERM (or any child dying) stops
+every child: SIGTERM, a bounded wait, then SIGKILL. The pairing token is random per launch
+and reaches the children only through their environment (argv is visible to every user).
+Decode's shared-memory segments are named after this process, so any a killed decode server
+left behind are removed on the way out. ``prefill_cpus`` / ``decode_cpus`` pin the workers
+(``taskset``-like) so a benchmark can keep decode off prefill's cores.
 
-It owns only processes; serving lives in ``baton.server``, pairing in ``baton.transfer``.
+It owns only processes; serving lives in ``baton.server``, routing in ``baton.router``.
 """
 
 from __future__ import annotations
@@ -16,14 +18,15 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 from baton.memory.allocator import SHM_DIR
@@ -43,31 +46,46 @@ def launch(
     port: int = 8000,
     engine_options: dict | None = None,
     served_model_name: str | None = None,
+    *,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    policy: str = "round_robin",
+    prefill_cpus: Sequence[int] | None = None,
+    decode_cpus: Sequence[int] | None = None,
 ) -> int:
     """Run the deployment until SIGINT/SIGTERM (exit 0) or a child dies (exit 1)."""
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS}
     children: list[subprocess.Popen] = []
+    worker_args = _serve_args(model, options, served_model_name)
     try:
-        prefill = _start_prefill(model, options, env, children)
-        endpoint = _read_ready(prefill, stop)
-        server = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "serve", "--role", "decode", "--model", model,
-             "--prefill", endpoint, "--token-env", TOKEN_ENV, "--shm-prefix", shm_prefix,
-             "--host", host, "--port", str(port), *_serve_args(options, served_model_name)],
-            env=env, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        children.append(server)
+        workers = {"prefill": [], "decode": []}
+        for role, count, cpus in (("prefill", num_prefill, prefill_cpus),
+                                  ("decode", num_decode, decode_cpus)):  # fmt: skip
+            for i in range(count):
+                url = f"http://127.0.0.1:{_free_port()}"
+                extra = ["--shm-prefix", f"{shm_prefix}-{i}"] if role == "decode" else []
+                args = ["serve", "--role", role, "--port", url.rsplit(":", 1)[1], *extra]
+                children.append(_start([*args, *worker_args], env, cpus))
+                workers[role].append(url)
+        for url in workers["prefill"] + workers["decode"]:
+            _wait_healthy(url, children, stop)
+        router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
+        for role, urls in workers.items():
+            router_args += [item for url in urls for item in (f"--{role}", url)]
+        children.append(_start(router_args, env, None))
         url = f"http://{_url_host(host)}:{port}"
         _wait_healthy(url, children, stop)
         if not stop.is_set():
-            _print_banner(url, served_model_name or Path(model).name, endpoint)
+            _print_banner(url, served_model_name or Path(model).name, workers)
         while not stop.wait(0.5):
             if dead := [c for c in children if c.poll() is not None]:
-                print(f"error: child {dead[0].args[2]} exited with {dead[0].returncode}; "
+                print(f"error: child {_name(dead[0])} exited with {dead[0].returncode}; "
                       "stopping", file=sys.stderr)  # fmt: skip
                 return 1
         return 0
@@ -75,7 +93,7 @@ def launch(
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        # the server first: it owns the shared memory and talks to the prefill
+        # the router first, then decode (it owns the shared memory), then prefill
         for child in reversed(children):
             _stop(child)
         _remove_segments(shm_prefix)
@@ -86,46 +104,34 @@ def launch(
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _start_prefill(
-    model: str, options: dict, env: dict, children: list[subprocess.Popen]
-) -> subprocess.Popen:
-    engine = [f"--engine={k}={v}" for k, v in options.items()]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "baton.transfer.worker", "--role", "prefill", "--model", model,
-         "--port", "0", "--token-env", TOKEN_ENV, *engine],
-        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True,
+def _start(args: list[str], env: dict, cpus: Sequence[int] | None) -> subprocess.Popen:
+    def pin() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "baton.cli", *args],
+        env=env, stdin=subprocess.DEVNULL, preexec_fn=pin if cpus else None,
     )  # fmt: skip
-    children.append(proc)
-    return proc
 
 
-def _read_ready(proc: subprocess.Popen, stop: threading.Event) -> str:
-    """The endpoint from the prefill's JSON ready line."""
-    assert proc.stdout is not None
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not stop.is_set():
-        if time.monotonic() > deadline:
-            raise LaunchError(f"the prefill worker was not ready within {READY_TIMEOUT_S} s")
-        readable, _, _ = select.select([proc.stdout], [], [], 0.5)
-        if not readable:
-            continue
-        line = proc.stdout.readline()
-        if not line:
-            raise LaunchError(f"the prefill worker exited ({proc.wait()}) before it was ready")
-        try:
-            event = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(event, dict) and event.get("event") == "ready":
-            return event["endpoint"]
-    raise LaunchError("interrupted while the prefill worker started")
+def _name(proc: subprocess.Popen) -> str:
+    """``serve --role decode`` / ``router``: what a child is, for messages."""
+    args = list(proc.args)[3:]
+    return " ".join(args[:3]) if args[0] == "serve" else args[0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _wait_healthy(url: str, children: list[subprocess.Popen], stop: threading.Event) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stop.is_set():
         if dead := [c for c in children if c.poll() is not None]:
-            raise LaunchError(f"{dead[0].args[2]} exited ({dead[0].returncode}) during start-up")
+            raise LaunchError(f"{_name(dead[0])} exited ({dead[0].returncode}) during start-up")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -137,10 +143,11 @@ def _wait_healthy(url: str, children: list[subprocess.Popen], stop: threading.Ev
         time.sleep(0.25)
 
 
-def _print_banner(url: str, model_name: str, endpoint: str) -> None:
+def _print_banner(url: str, model_name: str, workers: dict[str, list[str]]) -> None:
     body = json.dumps({"model": model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
+    counts = ", ".join(f"{len(urls)} {role}" for role, urls in workers.items())
     print(
-        f"baton: PD deployment ready (prefill at {endpoint})\n"
+        f"baton: PD deployment ready ({counts}; router in front)\n"
         f"baton: serving the OpenAI API at {url}/v1\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
         "baton: Ctrl-C stops it",
@@ -174,7 +181,8 @@ def _url_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "") else host
 
 
-def _serve_args(options: dict, served_model_name: str | None) -> list[str]:
+def _serve_args(model: str, options: dict, served_model_name: str | None) -> list[str]:
     flags = {"dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len"}
-    args = [item for k, v in options.items() for item in (flags[k], str(v))]
+    args = ["--model", model, "--token-env", TOKEN_ENV]
+    args += [item for k, v in options.items() for item in (flags[k], str(v))]
     return args + (["--served-model-name", served_model_name] if served_model_name else [])

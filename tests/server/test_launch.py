@@ -156,7 +156,7 @@ def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
         base_url = match.group(1)
         assert "curl" in out_path.read_text()
         children = _children(proc.pid)
-        assert len(children) == 2, children  # prefill worker + decode server
+        assert len(children) == 3, children  # prefill + decode + router
 
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
         model = Path(text_model_dir).name

@@ -160,11 +160,13 @@ class DecodeClient:
         self.transfer_seconds: dict[str, float] = {}
         """Per component: bytes prefill pushed here and seconds it spent pushing them."""
 
-    def _open_link(self, endpoint: str) -> _Link:
-        """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``)."""
+    def _open_link(self, endpoint: str, wait_s: float | None = None) -> _Link:
+        """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``);
+        the pairing is given up after ``wait_s`` (default ``bootstrap_s``)."""
         client = ControlClient(endpoint, self.token)
         now = time.monotonic()
-        link = _Link(endpoint, client, now + self.deadlines.bootstrap_s, last_heard=now)
+        wait_s = min(wait_s or self.deadlines.bootstrap_s, self.deadlines.bootstrap_s)
+        link = _Link(endpoint, client, now + wait_s, last_heard=now)
         self.links[endpoint] = link
         client.send(self.hello)
         return link
@@ -216,7 +218,9 @@ class DecodeClient:
         link = self.links.get(endpoint)
         if link is None:
             try:
-                link = self._open_link(endpoint)
+                # NOTE: a pairing on the way waits at most peer_silence_s: a router retries
+                # a dead prefill's requests elsewhere instead of after bootstrap_s.
+                link = self._open_link(endpoint, self.deadlines.peer_silence_s)
             except zmq.ZMQError as e:  # a malformed endpoint
                 raise ValueError(f"cannot connect to prefill endpoint {endpoint!r}: {e}") from e
         msg = self.decode.reserve(room, list(prompt_token_ids), params or SamplingParams())
@@ -348,8 +352,7 @@ class DecodeClient:
         owing = {p.endpoint for p in self.waiting.values()}
         for link in list(self.links.values()):
             if link.peer is None and now > link.hello_deadline:
-                reason = (f"no HelloAck from the prefill at {link.endpoint} within "
-                          f"{self.deadlines.bootstrap_s} s")  # fmt: skip
+                reason = f"no HelloAck from the prefill at {link.endpoint} in time"
                 self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
             elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
                 reason = (f"the prefill at {link.endpoint} answered nothing for "

@@ -1,0 +1,376 @@
+"""``build_router_app``: the OpenAI API in front of a PD deployment.
+
+Per request (DESIGN.md §5) the router picks a decode and a prefill instance by its policy,
+draws a room id, and forwards the client's body unchanged to the decode's
+``/v1/completions`` or ``/v1/chat/completions`` with two headers naming the prefill's
+control endpoint and the room; decode reserves its units, asks that prefill for the state
+and answers as a colocated server would. The router relays the answer byte for byte
+(streamed or not) without parsing it.
+
+Failure handling:
+
+- decode answers 503 ``prefill_failed`` (its prefill refused, died or stayed silent before
+  the first token; decode has ended that leg and will free its units): retried once on
+  another healthy prefill, else relayed as the clear 5xx it is;
+- decode unreachable: marked unhealthy and the request retried once on another decode;
+- client gone (before or during the answer): the upstream request is cancelled, which makes
+  the decode abort the request, which makes it send ``Abort`` to the prefill;
+- a background task polls every instance's ``/health``: a dead one leaves the rotation, a
+  recovered one comes back (a prefill's control endpoint is re-read each time).
+
+Instances come from flags or the admin endpoints (``GET|POST|DELETE /admin/instances``,
+guarded by a bearer token when one is configured). The router keeps no model state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from baton.router.policy import ROLES, Instance, InstanceTable, make_policy
+from baton.server.api import PREFILL_HEADER, ROOM_HEADER
+from baton.server.protocol import ApiError
+
+logger = logging.getLogger("baton.router")
+
+HEALTH_INTERVAL_S = 2.0
+HEALTH_TIMEOUT_S = 2.0
+CONNECT_TIMEOUT_S = 5.0
+DISCONNECT_POLL_S = 0.25
+"""How often the router checks whether a client waiting for its answer's head is gone."""
+_HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection",
+                "keep-alive"}  # fmt: skip
+"""Not relayed: the body is re-framed and arrives decoded."""
+
+
+class _Metrics:
+    def __init__(self, table: InstanceTable) -> None:
+        self.registry = r = CollectorRegistry()
+        self.table = table
+        self.requests = Counter(
+            "baton_router_requests", "requests answered, by outcome", ["outcome"], registry=r
+        )
+        self.retries = Counter("baton_router_retries", "requests retried, by reason", ["reason"],
+                               registry=r)  # fmt: skip
+        self.healthy = Gauge("baton_router_instance_healthy", "1 if the instance is healthy",
+                             ["role", "url"], registry=r)  # fmt: skip
+        self.outstanding = Gauge("baton_router_instance_outstanding", "requests in flight",
+                                 ["role", "url"], registry=r)  # fmt: skip
+
+    def render(self) -> bytes:
+        self.healthy.clear()
+        self.outstanding.clear()
+        for i in self.table.all():
+            self.healthy.labels(i.role, i.url).set(int(i.healthy))
+            self.outstanding.labels(i.role, i.url).set(i.outstanding)
+        return generate_latest(self.registry)
+
+
+class Router:
+    """The instance table, the policies and the upstream HTTP client of one router app."""
+
+    def __init__(
+        self,
+        prefills: list[str] = (),
+        decodes: list[str] = (),
+        policy: str = "round_robin",
+        admin_token: str | None = None,
+        health_interval_s: float = HEALTH_INTERVAL_S,
+    ) -> None:
+        self.table = InstanceTable()
+        self.policies = {role: make_policy(policy) for role in ROLES}
+        for url in prefills:
+            self.table.add("prefill", url)
+        for url in decodes:
+            self.table.add("decode", url)
+        self.admin_token = admin_token or None
+        self.health_interval_s = health_interval_s
+        self.metrics = _Metrics(self.table)
+        self.http: httpx.AsyncClient | None = None
+
+    # -- health ------------------------------------------------------------------------------
+    async def check(self, instance: Instance) -> None:
+        """One health check; flips ``healthy`` and logs the change."""
+        assert self.http is not None
+        was = instance.healthy
+        try:
+            resp = await self.http.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)
+            body = resp.json() if resp.status_code == 200 else {}
+            if resp.status_code != 200:
+                raise RuntimeError(f"/health answered {resp.status_code}")
+            if instance.role == "prefill":
+                endpoint = body.get("pd_endpoint")
+                if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+                    raise RuntimeError(f"/health names no pd_endpoint: {body}")
+                instance.pd_endpoint = endpoint
+            instance.healthy, instance.last_error = True, None
+        except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+            instance.healthy, instance.last_error = False, str(exc) or type(exc).__name__
+        if was != instance.healthy:
+            state = "healthy" if instance.healthy else f"unhealthy ({instance.last_error})"
+            logger.warning("router: %s %s is %s", instance.role, instance.url, state)
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(i) for i in self.table.all()))
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.health_interval_s)
+
+    # -- requests ----------------------------------------------------------------------------
+    def choose(self, role: str, exclude: set[str] = frozenset()) -> Instance | None:
+        candidates = [i for i in self.table.healthy(role) if i.url not in exclude]
+        return self.policies[role].choose(candidates)
+
+    async def forward(self, request: Request, path: str) -> Response:
+        """Send the request to a decode paired with a prefill; relay the answer."""
+        body = await request.body()
+        tried_prefills: set[str] = set()
+        tried_decodes: set[str] = set()
+        failure: ApiError | None = None
+        for attempt in range(2):
+            decode = self.choose("decode", tried_decodes)
+            prefill = self.choose("prefill", tried_prefills)
+            if decode is None or prefill is None:
+                missing = "decode" if decode is None else "prefill"
+                failure = failure or ApiError(
+                    f"no healthy {missing} instance to serve the request", 503,
+                    type="server_error", code="no_instance",
+                )  # fmt: skip
+                break
+            room = secrets.randbits(63) or 1
+            decode.outstanding += 1
+            prefill.outstanding += 1
+            release = _Release(decode, prefill)
+            try:
+                upstream = await self._send(request, decode, prefill, room, path, body)
+            except httpx.TransportError as exc:
+                release()
+                decode.healthy, decode.last_error = False, f"unreachable: {exc}"
+                tried_decodes.add(decode.url)
+                failure = ApiError(f"decode {decode.url} is unreachable: {exc}", 502,
+                                   type="server_error", code="decode_unreachable")  # fmt: skip
+                if attempt == 0:
+                    self.metrics.retries.labels("decode_unreachable").inc()
+                continue
+            except _ClientGone:
+                release()
+                self.metrics.requests.labels("client_gone").inc()
+                return Response(status_code=499)
+            prefill_error = await _prefill_failure(upstream)
+            if prefill_error is not None:
+                release()
+                tried_prefills.add(prefill.url)
+                failure = ApiError(
+                    f"prefill {prefill.url} failed the request (room {room}): "
+                    f"{prefill_error}", 503, type="server_error",
+                    code="prefill_failed",
+                )  # fmt: skip
+                logger.warning("router: %s", failure.message)
+                asyncio.get_running_loop().create_task(self.check(prefill))
+                if attempt == 0:
+                    self.metrics.retries.labels("prefill_failed").inc()
+                continue
+            self.metrics.requests.labels(str(upstream.status_code)).inc()
+            return _relay(upstream, release)
+        assert failure is not None
+        self.metrics.requests.labels(str(failure.status_code)).inc()
+        return JSONResponse(failure.body(), status_code=failure.status_code)
+
+    async def _send(
+        self, request: Request, decode: Instance, prefill: Instance, room: int, path: str,
+        body: bytes,
+    ) -> httpx.Response:  # fmt: skip
+        """The decode's response head, or ``_ClientGone`` if the client left while waiting."""
+        assert self.http is not None and prefill.pd_endpoint is not None
+        headers = {
+            "content-type": request.headers.get("content-type", "application/json"),
+            PREFILL_HEADER: prefill.pd_endpoint,
+            ROOM_HEADER: str(room),
+        }
+        upstream = self.http.build_request("POST", f"{decode.url}{path}", content=body,
+                                           headers=headers)  # fmt: skip
+        task = asyncio.ensure_future(self.http.send(upstream, stream=True))
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()  # closes the connection: decode aborts both legs
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    response = await task
+                    await response.aclose()
+                logger.info("router: client left before the answer (room %d)", room)
+                raise _ClientGone
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class _Release:
+    """Decrements the instances' outstanding counts once."""
+
+    def __init__(self, *instances: Instance) -> None:
+        self.instances = instances
+
+    def __call__(self) -> None:
+        for i in self.instances:
+            i.outstanding -= 1
+        self.instances = ()
+
+
+async def _prefill_failure(upstream: httpx.Response) -> str | None:
+    """Decode's message if ``upstream`` is its 503 ``prefill_failed`` (then the small body
+    is read and the response closed), else None (nothing read)."""
+    if upstream.status_code != 503:
+        return None
+    content = await upstream.aread()
+    try:
+        error = json.loads(content)["error"]
+        if error.get("code") == "prefill_failed":
+            await upstream.aclose()
+            return str(error.get("message", ""))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def _relay(upstream: httpx.Response, release: _Release) -> StreamingResponse:
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_bytes():
+                yield chunk
+        finally:  # also on a client disconnect: closing upstream aborts decode's request
+            await upstream.aclose()
+            release()
+
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+    return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
+
+
+def build_router_app(router: Router) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=30.0)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+            router.http = http
+            await router.check_all()
+            task = asyncio.create_task(router.health_loop())
+            try:
+                yield
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                router.http = None
+
+    app = FastAPI(title="baton router", docs_url=None, redoc_url=None, lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status_code)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        decode = router.choose("decode")
+        if decode is None:
+            raise ApiError("no healthy decode instance", 503, type="server_error",
+                           code="no_instance")  # fmt: skip
+        assert router.http is not None
+        try:
+            resp = await router.http.get(f"{decode.url}/v1/models", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise ApiError(f"decode {decode.url}: {exc}", 502, type="server_error") from exc
+        return Response(resp.content, resp.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        counts = {role: len(router.table.healthy(role)) for role in ROLES}
+        if all(counts.values()):
+            return JSONResponse({"status": "ok", "healthy": counts})
+        missing = [role for role, n in counts.items() if not n]
+        error = ApiError(f"no healthy {' or '.join(missing)} instance", 503, type="server_error")
+        return JSONResponse(error.body(), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def authorize(request: Request) -> None:
+        if router.admin_token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {router.admin_token}".encode()):
+            raise ApiError("admin endpoints need 'Authorization: Bearer <admin token>'", 401,
+                           type="authentication_error")  # fmt: skip
+
+    async def instance_body(request: Request) -> tuple[str, str]:
+        try:
+            data: Any = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(f"the body is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict) or not isinstance(data.get("role"), str):
+            raise ApiError('the body must be {"role": "prefill"|"decode", "url": "http://..."}',
+                           param="role")  # fmt: skip
+        if not isinstance(data.get("url"), str):
+            raise ApiError("url: a string is required", param="url")
+        return data["role"], data["url"]
+
+    @app.get("/admin/instances")
+    async def list_instances(request: Request) -> Response:
+        authorize(request)
+        return JSONResponse({"instances": [i.describe() for i in router.table.all()]})
+
+    @app.post("/admin/instances")
+    async def add_instance(request: Request) -> Response:
+        authorize(request)
+        role, url = await instance_body(request)
+        try:
+            instance = router.table.add(role, url)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="url" if "url" in str(exc) else "role") from exc
+        await router.check(instance)
+        logger.info("router: registered %s %s (healthy: %s)", role, url, instance.healthy)
+        return JSONResponse(instance.describe(), status_code=201)
+
+    @app.delete("/admin/instances")
+    async def remove_instance(request: Request) -> Response:
+        authorize(request)
+        role, url = await instance_body(request)
+        try:
+            instance = router.table.remove(role, url)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="role") from exc
+        except KeyError as exc:
+            raise ApiError(str(exc.args[0]), 404, param="url") from exc
+        return JSONResponse(instance.describe())
+
+    return app

@@ -1,0 +1,123 @@
+"""``baton serve --role prefill``: a ``PrefillServer`` loop thread behind a small HTTP app.
+
+Prefill takes its work over the PD control channel (decode sends ``ReserveState``), so its
+HTTP side only answers ``/health`` (200 with the control endpoint a router hands to decode,
+while the loop thread turns; 503 otherwise) and ``/metrics`` (Prometheus: requests in flight
+and finished, units per state component, bytes and seconds pushed per component).
+
+The loop thread owns the ``PrefillServer``; it copies what ``/metrics`` reads into a
+snapshot after every turn, so the HTTP thread never touches engine state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
+
+from baton.server.protocol import ApiError
+from baton.transfer.prefill_server import PrefillServer
+
+logger = logging.getLogger(__name__)
+
+STALL_LIMIT_S = 60.0
+"""``/health`` answers 503 once the loop has not turned for this long (a wedged step)."""
+
+
+class PrefillLoop:
+    """Runs ``server.serve_once`` on its own thread until ``stop``; closes the server then."""
+
+    def __init__(self, server: PrefillServer) -> None:
+        self.server = server
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.snapshot: dict = {"rooms": 0, "units": {}, "bytes": {}, "seconds": {},
+                               "requests": {"done": 0, "failed": 0}}  # fmt: skip
+        self._thread = threading.Thread(target=self._run, name="baton-prefill", daemon=True)
+
+    def start(self) -> PrefillLoop:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stop_event.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def is_alive(self) -> bool:
+        stalled = time.monotonic() - self.server.last_turn > STALL_LIMIT_S
+        return self._thread.is_alive() and self.error is None and not stalled
+
+    def _run(self) -> None:
+        server = self.server
+        try:
+            while not self.stop_event.is_set():
+                server.serve_once()
+                self.snapshot = {
+                    "rooms": len(server.rooms),
+                    "units": server.engine.units_in_use(),
+                    "bytes": dict(server.component_bytes),
+                    "seconds": dict(server.component_seconds),
+                    "requests": dict(server.num_requests),
+                }
+        except Exception as exc:
+            logger.exception("the prefill loop failed")
+            self.error = exc
+        finally:
+            server.close()
+
+
+def build_prefill_app(loop: PrefillLoop) -> FastAPI:
+    app = FastAPI(title="baton prefill", docs_url=None, redoc_url=None)
+    r = CollectorRegistry()
+    in_flight = Gauge("baton_prefill_requests_in_flight", "rooms being computed or pushed",
+                      registry=r)  # fmt: skip
+    finished = Counter("baton_prefill_requests", "rooms ended, by outcome", ["outcome"],
+                       registry=r)  # fmt: skip
+    units = Gauge("baton_units_in_use", "units held per state component (pool)", ["component"],
+                  registry=r)  # fmt: skip
+    pushed = Counter("baton_transfer_bytes", "state bytes pushed per component", ["component"],
+                     registry=r)  # fmt: skip
+    seconds = Counter("baton_transfer_seconds", "seconds spent pushing per component",
+                      ["component"], registry=r)  # fmt: skip
+    seen: dict[tuple[str, str], float] = {}
+
+    def advance(counter: Counter, key: str, label: str, total: float) -> None:
+        previous = seen.get((key, label), 0)
+        counter.labels(label).inc(max(0, total - previous))
+        seen[(key, label)] = total
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not loop.is_alive:
+            error = ApiError("the prefill loop is not running", 503, type="server_error")
+            return JSONResponse(error.body(), status_code=503)
+        server = loop.server
+        return JSONResponse({"status": "ok", "role": "prefill", "pd_endpoint": server.endpoint,
+                             "worker_id": server.hello.worker_id})  # fmt: skip
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        snap = loop.snapshot
+        in_flight.set(snap["rooms"])
+        for name, n in snap["units"].items():
+            units.labels(name).set(n)
+        for outcome, n in snap["requests"].items():
+            advance(finished, "requests", outcome, n)
+        for name, n in snap["bytes"].items():
+            advance(pushed, "bytes", name, n)
+        for name, s in snap["seconds"].items():
+            advance(seconds, "seconds", name, s)
+        return Response(generate_latest(r), media_type=CONTENT_TYPE_LATEST)
+
+    return app
