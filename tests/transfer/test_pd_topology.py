@@ -14,17 +14,21 @@ import time
 import pytest
 
 from baton.transfer.worker import Deadlines, request_id_of
+from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import our_segments
-from tests.transfer.test_pd_processes import (  # noqa: F401  (fixtures)
+from tests.transfer.test_pd_processes import (
     _client,
     _colocated,
     _drain_releases,
     _free_units,
     _requests,
     _run,
-    pd_dir,
-    prefill_server,
-    spawn_prefill,
+)
+
+pd_dir, prefill_server, spawn_prefill = (  # the fixtures of the two-process tests
+    processes.pd_dir,
+    processes.prefill_server,
+    processes.spawn_prefill,
 )
 
 pytestmark = pytest.mark.integration

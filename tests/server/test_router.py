@@ -1,0 +1,327 @@
+"""The router in front of a real PD deployment: two prefill processes, one decode, one router.
+
+Checked with the official ``openai`` client through the router: completions, chat, streaming,
+stop sequences and logprobs equal the offline engine's; round robin spreads the prefills;
+every worker's ``/metrics`` parses with ``prometheus_client``'s parser and shows transfer
+bytes for every component; bad input comes back as OpenAI-shaped 4xx and an overlong prompt
+reserves nothing on either worker; a prefill that refuses to pair (a registered instance of
+the wrong dtype) makes the router retry on another; a client that leaves mid-stream aborts
+the request on decode and prefill; a killed prefill leaves the rotation and a restarted one
+on the same URL comes back; admin registration needs the token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from baton import LLM, SamplingParams
+from baton.memory.allocator import SHM_DIR
+from baton.router.policy import Instance, LeastOutstanding, RoundRobin, make_policy
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPT = "def add(a, b):\n    return"
+ADMIN_TOKEN = "admin-" + secrets.token_hex(8)
+ENGINE = {"dtype": "float32", "num_threads": 1}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Deployment:
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self.model_dir, self.log_dir = model_dir, log_dir
+        path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+        tokens = {"BATON_PD_TOKEN": secrets.token_hex(16), "BATON_ADMIN_TOKEN": ADMIN_TOKEN}
+        self.env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **tokens}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, port: int | None = None) -> str:
+        port = port or _free_port()
+        with open(self.log_dir / f"{name}.log", "a") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "baton.cli", *args, "--port", str(port)],
+                stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=self.env,
+            )  # fmt: skip
+        return f"http://127.0.0.1:{port}"
+
+    def serve(self, name: str, role: str, *extra: str, port: int | None = None) -> str:
+        args = ["serve", "--role", role, "--model", str(self.model_dir), "--dtype", "float32",
+                "--threads", "1", "--served-model-name", "tiny", *extra]  # fmt: skip
+        if role == "decode":
+            args += ["--shm-prefix", f"baton-test-router-{os.getpid()}-{name}"]
+        return self.start(name, *args, port=port)
+
+    def wait_healthy(self, url: str, name: str, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            proc = self.procs[name]
+            assert proc.poll() is None, f"{name} exited:\n{self.log(name)}"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"{name} never healthy:\n{self.log(name)}"
+            time.sleep(0.2)
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def deployment(text_model_dir, tmp_path_factory):
+    d = Deployment(text_model_dir, tmp_path_factory.mktemp("router"))
+    d.prefills = [d.serve("prefill-a", "prefill"), d.serve("prefill-b", "prefill")]
+    d.decode = d.serve("decode", "decode")
+    for name, url in [("prefill-a", d.prefills[0]), ("prefill-b", d.prefills[1]),
+                      ("decode", d.decode)]:  # fmt: skip
+        d.wait_healthy(url, name)
+    d.router = d.start(
+        "router", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],
+        "--decode", d.decode, "--health-interval", "0.5",
+    )  # fmt: skip
+    d.wait_healthy(d.router, "router")
+    yield d
+    for name in reversed(list(d.procs)):
+        d.stop(name)
+    leftover = [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-test-router-{os.getpid()}")]
+    assert not leftover, leftover
+
+
+@pytest.fixture(scope="module")
+def client(deployment):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=deployment.router + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(text_model_dir):
+    return LLM(text_model_dir, **ENGINE)
+
+
+def _metrics(url: str) -> dict[str, float]:
+    """Sample name{labels} -> value."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+def _prefill_done(url: str) -> float:
+    return _metrics(url).get("baton_prefill_requests_total{outcome=done}", 0.0)
+
+
+def test_router_answers_like_the_offline_engine(deployment, client, offline):
+    done_before = [_prefill_done(u) for u in deployment.prefills]
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0].outputs[0]
+    for _ in range(2):  # round robin: one to each prefill
+        resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
+        assert resp.choices[0].text == want.text
+        assert resp.usage.completion_tokens == len(want.token_ids)
+    assert all(_prefill_done(u) > b for u, b in zip(deployment.prefills, done_before, strict=True))
+
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
+                                       stream=True)  # fmt: skip
+    assert "".join(c.choices[0].text for c in stream) == want.text
+
+    messages = [{"role": "user", "content": "Write a function."}]
+    prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    want_chat = offline.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0]
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat.outputs[0].text
+
+    stop = want.text[4:7]
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
+                                     stop=[stop])  # fmt: skip
+    assert resp.choices[0].text == want.text[: want.text.index(stop)]
+    assert resp.choices[0].finish_reason == "stop"
+
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
+                                     logprobs=2)  # fmt: skip
+    want_lp = offline.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+    expected = [lp[t] for t, lp in zip(want_lp[0].outputs[0].token_ids,
+                                       want_lp[0].outputs[0].logprobs, strict=True)]  # fmt: skip
+    assert resp.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 2 for top in resp.choices[0].logprobs.top_logprobs)
+
+
+def test_metrics_of_every_worker_parse(deployment, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+    decode = _metrics(deployment.decode)
+    components = {k.split("component=")[1].rstrip("}") for k in decode
+                  if k.startswith("baton_transfer_bytes_total")}  # fmt: skip
+    assert {"target.full", "target.swa", "aux"} <= components, components
+    assert all(decode[f"baton_transfer_bytes_total{{component={c}}}"] > 0 for c in components)
+    assert "baton_time_to_first_token_seconds_count{}" in decode
+    assert decode["baton_inter_token_latency_seconds_count{}"] > 0
+    assert any(k.startswith("baton_units_in_use{component=target.full") for k in decode)
+    prefill = _metrics(deployment.prefills[0])
+    assert prefill["baton_transfer_bytes_total{component=target.full}"] > 0
+    assert prefill["baton_prefill_requests_in_flight{}"] == 0
+    router = _metrics(deployment.router)
+    assert router["baton_router_requests_total{outcome=200}"] > 0
+    assert router[f"baton_router_instance_healthy{{role=decode,url={deployment.decode}}}"] == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (json.dumps({"prompt": PROMPT}).encode(), 400, "model"),
+        (json.dumps({"model": "nope", "prompt": PROMPT}).encode(), 404, "model"),
+        (json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 0}).encode(), 400,
+         "max_tokens"),
+        (json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": -1}).encode(), 400,
+         "temperature"),
+        (json.dumps({"model": "tiny", "prompt": PROMPT, "top_p": 2}).encode(), 400, "top_p"),
+        (json.dumps({"model": "tiny", "prompt": PROMPT, "n": 3}).encode(), 400, "n"),
+        (json.dumps({"model": "tiny", "prompt": "x " * 400, "max_tokens": 4}).encode(), 400,
+         "prompt"),
+    ],
+)  # fmt: skip
+def test_bad_input_through_the_router(deployment, body, status, param):
+    done_before = [_prefill_done(u) for u in deployment.prefills]
+    resp = httpx.post(f"{deployment.router}/v1/completions", content=body,
+                      headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] == param, error
+    # refused before any unit was reserved: decode holds nothing, no prefill saw it
+    units = {k: v for k, v in _metrics(deployment.decode).items() if "units_in_use" in k}
+    assert units and not any(units.values()), units
+    assert [_prefill_done(u) for u in deployment.prefills] == done_before
+
+
+def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
+    bad = deployment.start(  # pairing with the float32 decode is refused by dtype
+        "prefill-bf16", "serve", "--role", "prefill", "--model", str(deployment.model_dir),
+        "--dtype", "bfloat16", "--threads", "1",
+    )  # fmt: skip
+    deployment.wait_healthy(bad, "prefill-bf16")
+    admin = f"{deployment.router}/admin/instances"
+    body = {"role": "prefill", "url": bad}
+    assert httpx.post(admin, json=body, timeout=10).status_code == 401  # no token
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+    resp = httpx.post(admin, json=body, headers=auth, timeout=10)
+    assert resp.status_code == 201 and resp.json()["healthy"], resp.text
+    try:
+        retries_before = _metrics(deployment.router).get(
+            "baton_router_retries_total{reason=prefill_failed}", 0.0
+        )
+        want = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
+        for _ in range(3):  # round robin over three prefills: one lands on the bf16 one
+            resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
+                                             temperature=0)  # fmt: skip
+            assert resp.choices[0].text == want.outputs[0].text
+        retries = _metrics(deployment.router)["baton_router_retries_total{reason=prefill_failed}"]
+        assert retries > retries_before
+        assert "refused pairing" in deployment.log("prefill-bf16")
+    finally:
+        resp = httpx.request("DELETE", admin, json=body, headers=auth, timeout=10)
+        assert resp.status_code == 200, resp.text
+        deployment.stop("prefill-bf16")
+    listed = httpx.get(admin, headers=auth, timeout=10).json()["instances"]
+    assert bad not in [i["url"] for i in listed]
+
+
+def test_client_disconnect_aborts_both_legs(deployment):
+    with httpx.stream("POST", f"{deployment.router}/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+    }) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        next(resp.iter_lines())
+    deadline = time.monotonic() + 10
+    while True:
+        decode = _metrics(deployment.decode)
+        units = [v for k, v in decode.items() if "units_in_use" in k]
+        idle = decode["baton_num_requests_running{}"] == 0 and not any(units)
+        rooms = sum(_metrics(u)["baton_prefill_requests_in_flight{}"] for u in deployment.prefills)
+        if idle and rooms == 0:
+            break
+        assert time.monotonic() < deadline, (decode, rooms)
+        time.sleep(0.2)
+    gen = decode["baton_generation_tokens_total{}"]
+    time.sleep(0.5)
+    assert _metrics(deployment.decode)["baton_generation_tokens_total{}"] == gen  # stopped
+
+
+def test_dead_prefill_leaves_and_a_restarted_one_returns(deployment, client, offline):
+    url = deployment.prefills[1]
+    admin = f"{deployment.router}/admin/instances"
+    auth = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def state() -> dict:
+        listed = httpx.get(admin, headers=auth, timeout=10).json()["instances"]
+        return next(i for i in listed if i["url"] == url)
+
+    old_endpoint = state()["pd_endpoint"]
+    deployment.stop("prefill-b", signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while state()["healthy"]:
+        assert time.monotonic() < deadline, "the router never noticed the dead prefill"
+        time.sleep(0.1)
+    want = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    for _ in range(2):  # both go to the live prefill
+        resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert resp.choices[0].text == want.text
+
+    deployment.serve("prefill-b", "prefill", port=int(url.rsplit(":", 1)[1]))
+    deadline = time.monotonic() + 60
+    while not state()["healthy"]:
+        assert time.monotonic() < deadline, f"not back:\n{deployment.log('prefill-b')}"
+        time.sleep(0.2)
+    assert state()["pd_endpoint"] != old_endpoint  # a new control port, read from /health
+    done_before = _prefill_done(url)
+    for _ in range(2):
+        resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert resp.choices[0].text == want.text
+    assert _prefill_done(url) > done_before
+
+
+def test_policies():
+    a, b = Instance("decode", "http://a", healthy=True), Instance("decode", "http://b", True)
+    rr = RoundRobin()
+    assert [rr.choose([a, b]).url for _ in range(4)] == ["http://a", "http://b"] * 2
+    a.outstanding = 3
+    assert LeastOutstanding().choose([a, b]) is b
+    assert LeastOutstanding().choose([]) is None
+    with pytest.raises(ValueError, match="policy must be one of"):
+        make_policy("random")
