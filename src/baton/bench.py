@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -55,6 +56,8 @@ class BenchConfig:
     """Ask for ``logprobs: 0`` to count the tokens of each chunk exactly."""
     timeout_s: float = 600.0
     """Per-request timeout."""
+    metrics_urls: tuple[str, ...] = ()
+    """More servers whose ``/metrics`` to diff (a router's workers are found by themselves)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens"):
@@ -187,12 +190,28 @@ def _chunk_tokens(choice: dict) -> int | None:
     return 0
 
 
-async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
+async def _workers(client: httpx.AsyncClient, config: BenchConfig) -> list[str]:
+    """The servers whose metrics to diff besides ``config.url``: ``metrics_urls`` and, when
+    ``config.url`` is a baton router that lists them, its instances (with the bearer token
+    in ``$BATON_ADMIN_TOKEN`` if the router wants one)."""
+    urls = list(config.metrics_urls)
+    token = os.environ.get("BATON_ADMIN_TOKEN")
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    try:
+        resp = await client.get("/admin/instances", headers=headers)
+        if resp.status_code == 200:
+            urls += [i["url"] for i in resp.json()["instances"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    return list(dict.fromkeys(u.rstrip("/") for u in urls))
+
+
+async def _scrape(client: httpx.AsyncClient, url: str = "") -> dict[str, float]:
     """Counter, gauge and histogram sum/count samples of ``/metrics``; {} when unavailable."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        resp = await client.get("/metrics")
+        resp = await client.get(f"{url}/metrics")
         resp.raise_for_status()
     except httpx.HTTPError:
         return {}
@@ -204,6 +223,23 @@ async def _scrape(client: httpx.AsyncClient) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
+
+
+def _engine_summary(deltas: list[dict[str, float]]) -> dict[str, float | None]:
+    """Acceptance length and transfer rate over the run, from the servers' metric deltas
+    (transfer counted where it lands: decode servers' ``baton_transfer_*``)."""
+    accepted = sum(d.get("baton_acceptance_length_sum", 0.0) for d in deltas)
+    verified = sum(d.get("baton_acceptance_length_count", 0.0) for d in deltas)
+    decodes = [d for d in deltas if "baton_acceptance_length_count" in d]
+    moved = sum(v for d in decodes for k, v in d.items()
+                if k.startswith("baton_transfer_bytes_total"))  # fmt: skip
+    seconds = sum(v for d in decodes for k, v in d.items()
+                  if k.startswith("baton_transfer_seconds_total"))  # fmt: skip
+    return {
+        "acceptance_length_mean": accepted / verified if verified else None,
+        "transfer_bytes": moved,
+        "transfer_gb_per_s": moved / seconds / 1e9 if seconds else None,
+    }
 
 
 def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -226,7 +262,9 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
     timeout = httpx.Timeout(config.timeout_s)
     max_conns = httpx.Limits(max_connections=config.concurrency or len(records))
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=max_conns) as client:
+        workers = await _workers(client, config)
         metrics_before = await _scrape(client)
+        workers_before = [await _scrape(client, url) for url in workers]
 
         async def limited(record: RequestRecord, prompt: list[int]) -> None:
             async with limit:
@@ -242,13 +280,23 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         metrics_after = await _scrape(client)
+        workers_after = [await _scrape(client, url) for url in workers]
     bar.close()
+    worker_metrics = {
+        url: _metrics_delta(before, after)
+        for url, before, after in zip(workers, workers_before, workers_after, strict=True)
+    }
+    server_metrics = _metrics_delta(metrics_before, metrics_after)
     config_dict = asdict(config)
     config_dict["request_rate"] = str(config.request_rate)  # JSON has no inf
     return {
         "config": config_dict,
-        "summary": summarize(records, duration),
-        "server_metrics": _metrics_delta(metrics_before, metrics_after),
+        "summary": {
+            **summarize(records, duration),
+            **_engine_summary([server_metrics, *worker_metrics.values()]),
+        },
+        "server_metrics": server_metrics,
+        "worker_metrics": worker_metrics,
         "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records],
     }
 
@@ -310,6 +358,12 @@ def format_summary(result: dict[str, Any]) -> str:
         lines.append(f"{key[:-2]:<12}" + "".join(f"{v * 1e3:>10.1f}" for v in values))
     if s["tokens_per_chunk_mean"] is not None:
         lines.append(f"tokens per chunk (after the first): {s['tokens_per_chunk_mean']:.2f}")
+    if s.get("acceptance_length_mean") is not None:
+        lines.append(f"acceptance length (server, per request mean): "
+                     f"{s['acceptance_length_mean']:.2f}")  # fmt: skip
+    if s.get("transfer_gb_per_s") is not None:
+        lines.append(f"PD state transfer: {s['transfer_bytes'] / 1e6:.1f} MB at "
+                     f"{s['transfer_gb_per_s']:.2f} GB/s (while pushing)")  # fmt: skip
     m = result["server_metrics"]
     if m:
         lines.append("server /metrics during the run:")

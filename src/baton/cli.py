@@ -186,7 +186,7 @@ def _bench(args: argparse.Namespace) -> int:
             num_requests=args.num_requests, request_rate=args.request_rate,
             concurrency=args.concurrency, prompt_tokens=parse_range(args.prompt_tokens),
             output_tokens=parse_range(args.output_tokens), seed=args.seed,
-            count_chunk_tokens=args.count_chunk_tokens,
+            count_chunk_tokens=args.count_chunk_tokens, metrics_urls=tuple(args.metrics_url or ()),
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         "--count-chunk-tokens", action="store_true",
         help="request logprobs: 0 to count the tokens of each chunk (speculative decoding)",
     )  # fmt: skip
+    bench.add_argument("--metrics-url", action="append",
+                       help="another server whose /metrics to diff (repeatable)")  # fmt: skip
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
     bench.add_argument("--no-progress", action="store_true")

@@ -325,3 +325,20 @@ def test_policies():
     assert LeastOutstanding().choose([]) is None
     with pytest.raises(ValueError, match="policy must be one of"):
         make_policy("random")
+
+
+def test_bench_through_the_router_reads_every_worker(deployment, text_model_dir, monkeypatch):
+    from baton.bench import BenchConfig, run_bench
+
+    monkeypatch.setenv("BATON_ADMIN_TOKEN", ADMIN_TOKEN)
+    config = BenchConfig(
+        url=deployment.router, model="tiny", tokenizer_dir=str(text_model_dir), num_requests=4,
+        concurrency=2, prompt_tokens=(8, 24), output_tokens=(4, 8), seed=2,
+    )  # fmt: skip
+    result = run_bench(config, show_progress=False)
+    summary = result["summary"]
+    assert summary["num_completed"] == 4, summary["first_error"]
+    assert deployment.decode in result["worker_metrics"]  # found through /admin/instances
+    decode = result["worker_metrics"][deployment.decode]
+    assert decode["baton_generation_tokens_total"] == summary["total_output_tokens"]
+    assert summary["transfer_bytes"] > 0 and summary["transfer_gb_per_s"] > 0
