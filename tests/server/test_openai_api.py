@@ -233,3 +233,32 @@ def test_client_disconnect_aborts_the_request(server):
     del engine.engine.abort_request
     assert aborted, "the request finished instead of being aborted"
     assert not engine.engine.has_unfinished_requests()
+
+
+def test_client_disconnect_aborts_a_non_streaming_request(server):
+    engine, base = server
+    aborted: list[str] = []
+    abort, step = engine.engine.abort_request, engine.engine.step
+
+    def recording_abort(request_id: str):
+        aborted.append(request_id)
+        return abort(request_id)
+
+    def slow_step():  # 200 tokens take >= 2 s: the client leaves long before the end
+        time.sleep(0.01)
+        return step()
+
+    # only the engine thread calls them
+    engine.engine.abort_request, engine.engine.step = recording_abort, slow_step
+    try:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        deadline = time.monotonic() + 10
+        while engine.num_running or engine.num_waiting or engine.engine.tracks:
+            assert time.monotonic() < deadline, "the disconnected request kept running"
+            time.sleep(0.05)
+    finally:
+        del engine.engine.abort_request, engine.engine.step
+    assert aborted, "the request finished instead of being aborted"

@@ -8,6 +8,8 @@ never reaches the engine thread's state and never takes the server down.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -283,7 +285,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 else None
             )
             return sse(outputs, chunk, usage)
-        final = await _last(outputs)
+        final = await _last_unless_disconnected(request, outputs)
         completion = final.outputs[0]
         choice = {
             "index": 0,
@@ -343,7 +345,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 else None
             )
             return sse(outputs, chunk, usage)
-        final = await _last(outputs)
+        final = await _last_unless_disconnected(request, outputs)
         completion = final.outputs[0]
         choice = {
             "index": 0,
@@ -372,6 +374,27 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+DISCONNECT_POLL_S = 0.25
+"""How often a non-streaming request checks whether its client is still there."""
+
+
+async def _last_unless_disconnected(
+    request: Request, outputs: AsyncIterator[RequestOutput]
+) -> RequestOutput:
+    """``_last``, but a client that leaves (or a router that cancels) aborts the request:
+    nothing else would notice before the whole completion was computed."""
+    task = asyncio.ensure_future(_last(outputs))
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()  # closes ``outputs``: the engine aborts the request
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ApiError("the client disconnected", 499)
 
 
 async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
