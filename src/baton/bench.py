@@ -233,8 +233,7 @@ def _engine_summary(deltas: list[dict[str, float]]) -> dict[str, float | None]:
     decodes = [d for d in deltas if "baton_acceptance_length_count" in d]
     moved = sum(v for d in decodes for k, v in d.items()
                 if k.startswith("baton_transfer_bytes_total"))  # fmt: skip
-    seconds = sum(v for d in decodes for k, v in d.items()
-                  if k.startswith("baton_transfer_seconds_total"))  # fmt: skip
+    seconds = sum(d.get("baton_transfer_push_seconds_total", 0.0) for d in decodes)
     return {
         "acceptance_length_mean": accepted / verified if verified else None,
         "transfer_bytes": moved,

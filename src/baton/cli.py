@@ -12,6 +12,7 @@ or a decode server (the OpenAI API; its prefill named per request by a router, o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import sys
 import time
@@ -110,8 +111,9 @@ def _decode_engine(args: argparse.Namespace, config):
         return None
     try:
         client = DecodeClient(
-            args.model, config, args.prefill or [], token, args.backend, shm_prefix=args.shm_prefix
-        )
+            args.model, config, args.prefill or [], token, args.backend, _deadlines(args),
+            shm_prefix=args.shm_prefix,
+        )  # fmt: skip
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
@@ -134,7 +136,9 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
-    server = PrefillServer(args.model, config, args.pd_host, args.pd_port, token, args.backend)
+    server = PrefillServer(
+        args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args)
+    )
     loop = PrefillLoop(server).start()
     print(json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}),
           flush=True)  # fmt: skip
@@ -196,6 +200,15 @@ def _bench(args: argparse.Namespace) -> int:
     return 0 if result["summary"]["num_failed"] == 0 else 1
 
 
+def _deadlines(args: argparse.Namespace):
+    """``Deadlines`` from the ``--*-s`` flags (one per field); ``ValueError`` names a bad one."""
+    import dataclasses
+
+    from baton.transfer.worker_base import Deadlines
+
+    return Deadlines(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Deadlines)})
+
+
 def _cpu_list(text: str) -> list[int]:
     try:
         cpus = [int(c) for c in text.split(",")]
@@ -247,6 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
+    from baton.transfer.worker_base import Deadlines  # light: no engine or backend imported
+
+    for f in dataclasses.fields(Deadlines):
+        serve.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default,
+                           help=f"PD deadline in seconds (default {f.default:g})")  # fmt: skip
     router = sub.add_parser("router", help="the OpenAI API in front of prefill/decode instances")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)

@@ -69,6 +69,10 @@ class _Metrics:
             "baton_transfer_seconds", "seconds prefill spent pushing state per component",
             ["component"], registry=r,
         )  # fmt: skip
+        self.push_seconds = Counter(
+            "baton_transfer_push_seconds", "seconds prefill spent pushing state into this decode "
+            "(all components together; bytes / this = the push rate)", registry=r,
+        )  # fmt: skip
         self._seen: dict[str, tuple[int, float]] = {}
 
     def update(self, engine: AsyncEngine) -> None:
@@ -82,6 +86,9 @@ class _Metrics:
             self.transfer_bytes.labels(name).inc(num_bytes - seen_bytes)
             self.transfer_seconds.labels(name).inc(max(0.0, seconds - seen_seconds))
             self._seen[name] = (num_bytes, seconds)
+        seen_push = self._seen.get("", (0, 0.0))[1]
+        self.push_seconds.inc(max(0.0, engine.push_seconds - seen_push))
+        self._seen[""] = (0, engine.push_seconds)
 
 
 def _error(exc: ApiError) -> JSONResponse:

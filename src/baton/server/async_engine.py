@@ -71,6 +71,7 @@ class AsyncEngine:
         self.num_waiting = 0
         self.units_in_use: dict[str, int] = {}
         self.transfer_stats: dict[str, tuple[int, float]] = {}
+        self.push_seconds = 0.0
 
     @property
     def tokenizer(self):
@@ -151,7 +152,7 @@ class AsyncEngine:
                 self.num_waiting = len(self.engine.scheduler.waiting)
                 self.units_in_use = self.engine.units_in_use()
                 if self.is_pd:
-                    self.transfer_stats = self.engine.transfer_stats()
+                    self.transfer_stats, self.push_seconds = self.engine.transfer_stats()
         except Exception as exc:
             logger.exception("the engine thread failed")
             self.error = exc

@@ -117,10 +117,12 @@ class PDEngine:
     def units_in_use(self) -> dict[str, int]:
         return self.client.engine.units_in_use()
 
-    def transfer_stats(self) -> dict[str, tuple[int, float]]:
-        """Per component: bytes received from prefills and the seconds their pushes took."""
+    def transfer_stats(self) -> tuple[dict[str, tuple[int, float]], float]:
+        """Per component: bytes received from prefills and the seconds of the batches that
+        carried them; and the seconds prefills spent pushing, all components together."""
         seconds = self.client.transfer_seconds
-        return {n: (b, seconds.get(n, 0.0)) for n, b in self.client.transfer_bytes.items()}
+        components = {n: (b, seconds.get(n, 0.0)) for n, b in self.client.transfer_bytes.items()}
+        return components, self.client.push_seconds
 
     def close(self) -> None:
         self.client.close()

@@ -158,7 +158,10 @@ class DecodeClient:
         self._outputs: list[RequestOutput] = []
         self.transfer_bytes: dict[str, int] = {}
         self.transfer_seconds: dict[str, float] = {}
-        """Per component: bytes prefill pushed here and seconds it spent pushing them."""
+        """Per component: bytes prefill pushed here and seconds of the batches carrying them
+        (a batch carries several components: these seconds overlap)."""
+        self.push_seconds = 0.0
+        """Seconds prefills spent pushing state here, all components together."""
 
     def _open_link(self, endpoint: str, wait_s: float | None = None) -> _Link:
         """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``);
@@ -340,6 +343,12 @@ class DecodeClient:
         for name, stats in msg.component_stats.items():
             self.transfer_bytes[name] = self.transfer_bytes.get(name, 0) + stats.num_bytes
             self.transfer_seconds[name] = self.transfer_seconds.get(name, 0.0) + stats.seconds
+        # NOTE: every batch carries a full-attention component's units (the largest), the aux
+        # record goes alone last: its batches plus the aux one are the request's push time.
+        aux = self.engine.aux.name
+        others = [s.seconds for name, s in msg.component_stats.items() if name != aux]
+        aux_stats = msg.component_stats.get(aux)
+        self.push_seconds += max(others, default=0.0) + (aux_stats.seconds if aux_stats else 0.0)
         del self.waiting[msg.room]
         if request_id not in self.engine.tracks:  # it finished on its first token
             # NOTE: handoff.admit finishes such a request without an output; build it here.

@@ -112,6 +112,11 @@ class PrefillWorker:
         """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
         self._num_preemptions = engine.scheduler.num_preemptions
 
+    @property
+    def is_busy(self) -> bool:
+        """Whether ``push_ready`` has work: requests to push or timed-out batches to settle."""
+        return bool(self.outgoing) or bool(self._abandoned)
+
     def connect(self, peer_regions: dict[str, dict]) -> None:
         from baton.transfer.backends.base import RegionDescriptor
 

@@ -117,6 +117,9 @@ class PrefillServer:
         self.last_turn = time.monotonic()
         """When ``serve_once`` last ran (a health check's liveness signal)."""
         self.rooms: dict[int, _Room] = {}
+        self.lingering: dict[int, bytes] = {}
+        """Rooms failed while a timed-out batch may still write: room -> decode identity,
+        until the sender confirms with ``StateFailed(stopped_writing=True)``."""
         self._stall_until = 0.0
 
     def serve_forever(self, stop_event: threading.Event) -> None:
@@ -140,7 +143,7 @@ class PrefillServer:
                     self._reply(reply)
 
     def _has_work(self) -> bool:
-        return any(peer.sender.outgoing for peer in self.peers.values())
+        return any(peer.sender.is_busy for peer in self.peers.values())
 
     def close(self) -> None:
         self.server.close()
@@ -169,6 +172,9 @@ class PrefillServer:
                 )
 
     def _reply(self, msg: StateDone | StateFailed) -> None:
+        if msg.room in self.lingering:  # the confirmation that a timed-out batch ended
+            self.server.send(self.lingering.pop(msg.room), msg)
+            return
         if isinstance(msg, StateDone):
             self.num_requests["done"] += 1
             for name, stats in msg.component_stats.items():
@@ -178,6 +184,8 @@ class PrefillServer:
         else:
             self.num_requests["failed"] += 1
         room = self.rooms.pop(msg.room, None)
+        if room is not None and isinstance(msg, StateFailed) and not msg.stopped_writing:
+            self.lingering[msg.room] = room.peer
         if room is None:
             logger.warning("prefill: no decode peer for room %d", msg.room)
         elif not self.server.send(room.peer, msg):
@@ -238,6 +246,7 @@ class PrefillServer:
                 )
             num_units[component.name] = d.nbytes // component.unit_bytes
         prefill = PrefillWorker(self.engine, _new_backend(self.backend_kind))
+        prefill.transfer_s = self.deadlines.transferring_s
         try:
             prefill.connect(hello.regions)
         except BaseException:

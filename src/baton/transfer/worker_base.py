@@ -43,6 +43,9 @@ class Deadlines:
     abort_grace_s: float = 30.0
     """Decode: how long a failed request's units stay reserved for prefill to confirm it
     stopped writing; past it they are freed anyway (a dead prefill never confirms)."""
+    transferring_s: float = 60.0
+    """Prefill: the longest wait for one push batch; past it its rooms fail (without
+    claiming the writes stopped: the backend has no cancel) -- ``PrefillWorker.transfer_s``."""
     peer_silence_s: float = 10.0
     """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
     sent every ``PING_INTERVAL_S``) this long is taken for dead: its requests fail now, not
