@@ -380,10 +380,14 @@ def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
     assert our_segments() == before
 
 
-@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
-def test_pd_processes_bundled_model(tmp_path, backend):
-    """The bundled model (Qwen3 sliding/full + its trained MTP draft) across two processes:
-    tokens and acceptance lengths equal colocated, and the draft really accepts."""
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [("shm", "paged"), ("shm", "ring"), ("nixl", "paged"), ("mooncake", "ring")],
+)
+def test_pd_processes_bundled_model(tmp_path, backend, mode):
+    """The bundled model (Qwen3 sliding/full + its trained MTP draft) across two processes,
+    sliding layers paged or as rings: tokens and acceptance lengths equal colocated, and the
+    draft really accepts."""
     from baton.transfer.backends import backend_class
     from tests.conftest import BUNDLED
 
@@ -393,10 +397,12 @@ def test_pd_processes_bundled_model(tmp_path, backend):
         backend_class(backend)
     except ImportError as e:
         pytest.skip(f"{backend} is not installed: {e}")
-    prefill = start_prefill(BUNDLED, tmp_path / "prefill.log", "--backend", backend)
+    mode_arg = f"--engine=sliding_mode={mode}"
+    prefill = start_prefill(BUNDLED, tmp_path / "prefill.log", "--backend", backend, mode_arg)
     try:
-        expected = _colocated(BUNDLED)
-        with _client(BUNDLED, prefill.endpoint, backend=backend) as client:
+        expected = _colocated(BUNDLED, sliding_mode=mode)
+        config = _config(sliding_mode=mode)
+        with _client(BUNDLED, prefill.endpoint, backend=backend, config=config) as client:
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
             outs = [done[request_id_of(room)] for room in rooms]

@@ -18,6 +18,7 @@ import time
 import torch
 
 from baton.engine.engine import LLMEngine
+from baton.engine.outputs import RequestOutput
 from baton.engine.runner import Committed
 from baton.memory.state import StateComponent
 from baton.request import RequestStatus, SamplingParams
@@ -122,8 +123,10 @@ def admit(
     logprob: float,
     top_logprobs: list[tuple[int, float]] | None,
     seed_hidden: torch.Tensor,
-) -> None:
-    """Decode: the state has landed (the aux nonce was checked): start decoding."""
+) -> RequestOutput:
+    """Decode: the state has landed (the aux nonce was checked): start decoding. Returns the
+    request's first output -- prefill's token, to stream now rather than after a decode step
+    (finished already if that token ends it)."""
     track = engine.tracks[request_id]
     request = track.request
     num_prompt = request.num_prompt_tokens
@@ -143,3 +146,4 @@ def admit(
     engine.aux.free(request_id)
     if track.finish_reason is not None:
         engine._finish(track, committed)
+    return engine._output(track, track.finish_reason)

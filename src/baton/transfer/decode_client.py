@@ -333,10 +333,8 @@ class DecodeClient:
             logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
 
     def _on_done(self, msg: StateDone, outputs: list[RequestOutput]) -> None:
-        request_id = self.waiting[msg.room].request_id
-        track = self.engine.tracks[request_id]
         try:
-            self.decode.on_done(msg)
+            first = self.decode.on_done(msg)
         except ValueError as e:  # a stale or corrupt aux record; prefill is done writing
             outputs.append(self._fail(msg.room, str(e), True))
             return
@@ -350,9 +348,7 @@ class DecodeClient:
         aux_stats = msg.component_stats.get(aux)
         self.push_seconds += max(others, default=0.0) + (aux_stats.seconds if aux_stats else 0.0)
         del self.waiting[msg.room]
-        if request_id not in self.engine.tracks:  # it finished on its first token
-            # NOTE: handoff.admit finishes such a request without an output; build it here.
-            outputs.append(self.engine._output(track, track.finish_reason))
+        outputs.append(first)  # the first token streams now, not after a decode step
 
     def _check_links(self, outputs: list[RequestOutput]) -> None:
         """Give up on a prefill that never answered the handshake or went silent while it

@@ -25,6 +25,7 @@ import torch
 
 from baton.engine import handoff
 from baton.engine.engine import LLMEngine
+from baton.engine.outputs import RequestOutput
 from baton.request import SamplingParams
 from baton.transfer.backends.base import Status, TransferBackend, TransferOp, failed
 from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
@@ -338,8 +339,9 @@ class DecodeWorker:
             token_ranges={k: v for k, v in ranges.items() if k in dst},
         )
 
-    def on_done(self, msg: StateDone) -> str:
-        """Admit the request if the aux row carries its nonce; returns the request id."""
+    def on_done(self, msg: StateDone) -> RequestOutput:
+        """Admit the request if the aux row carries its nonce (else ``ValueError``); returns
+        its first output (prefill's token)."""
         incoming = self.incoming.pop(msg.room)
         nonce, token, logprob, hidden = self.engine.aux.read(incoming.request_id)
         if nonce != incoming.nonce or msg.nonce != incoming.nonce or token != msg.first_token:
@@ -349,7 +351,7 @@ class DecodeWorker:
             )
         for name, s in msg.component_stats.items():
             self.bytes_received[name] = self.bytes_received.get(name, 0) + s.num_bytes
-        handoff.admit(
+        return handoff.admit(
             self.engine,
             incoming.request_id,
             token,
@@ -357,4 +359,3 @@ class DecodeWorker:
             [tuple(x) for x in msg.first_token_top_logprobs] or None,
             hidden,
         )
-        return incoming.request_id
