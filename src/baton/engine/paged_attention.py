@@ -53,7 +53,10 @@ class _BatchPlan:
     read_units: torch.Tensor  # [B, U] whole units (pages or a ring), padded with unit 0
     q_index: torch.Tensor  # [B, Q] flattened token of each query (padded with 0)
     q_valid: torch.Tensor  # [B, Q] bool
-    mask: torch.Tensor  # [B, 1, Q, L] bool, True = visible
+    bias: torch.Tensor  # [B, 1, 1, Q, L] fp32: 0 where visible, -inf elsewhere
+    dense: bool
+    """The segments are the whole step, back to back, all of one length (a decode or
+    verify step): queries, keys and outputs are views of the step's rows, no gathers."""
 
 
 def _first_visible(seg: Segment, window: int | None) -> int:
@@ -122,6 +125,10 @@ class PagedAttention:
             visible = visibility_mask(q_pos, k, window) & (k >= first)[None, :]
             mask[b, 0, : seg.num_tokens] = visible
             mask[b, 0, seg.num_tokens :, 0] = True  # padded queries: anything but NaN
+        dense = all(
+            s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
+        ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
+        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         return _BatchPlan(
             segs,
             torch.cat(token_index),
@@ -130,14 +137,17 @@ class PagedAttention:
             read_units,
             q_index,
             q_valid,
-            mask,
+            bias[:, :, None],
+            dense,
         )
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
         pool, local = self.cache.layer_map[layer_id]
-        out = torch.empty_like(q)
         plan, others = self._plan(pool, window)
+        if plan is not None and plan.dense:
+            return self._attend_batched(pool, local, plan, q, k, v, None, scale, softcap)
+        out = torch.empty_like(q)
         if plan is not None:
             self._attend_batched(pool, local, plan, q, k, v, out, scale, softcap)
         for seg in others:
@@ -145,9 +155,11 @@ class PagedAttention:
         return out
 
     def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap):
+        """Write the segments' K/V, attend; into ``out``, or returned when ``plan.dense``."""
         storage = pool.storage
-        storage[plan.write_units, local, 0, plan.write_rows] = k[0, plan.token_index]
-        storage[plan.write_units, local, 1, plan.write_rows] = v[0, plan.token_index]
+        rows = slice(None) if plan.dense else plan.token_index
+        storage[plan.write_units, local, 0, plan.write_rows] = k[0, rows]
+        storage[plan.write_units, local, 1, plan.write_rows] = v[0, rows]
         for seg in plan.segments:
             end = seg.start + seg.num_tokens
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
@@ -156,16 +168,20 @@ class PagedAttention:
         shape = (batch, num_units * pool.rows, *storage.shape[-2:])
         keys = storage[:, local, 0][plan.read_units].view(shape)  # [B, L, kv, D]
         values = storage[:, local, 1][plan.read_units].view(shape)
-        queries = q[0, plan.q_index]  # [B, Q, heads, D]
+        # [B, Q, heads, D]
+        queries = q[0].reshape(batch, -1, *q.shape[2:]) if plan.dense else q[0, plan.q_index]
         attn = masked_attention(
             queries.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            plan.mask,
+            plan.bias,
             scale,
             softcap,
         )  # [B, heads, Q, D]
+        if plan.dense:
+            return attn.transpose(1, 2).reshape(q.shape)
         out[0, plan.q_index[plan.q_valid]] = attn.transpose(1, 2)[plan.q_valid]
+        return out
 
     def _attend_one(self, pool, local, seg, q, k, v, out, window, scale, softcap):
         rows = slice(seg.offset, seg.offset + seg.num_tokens)

@@ -71,8 +71,11 @@ def _small_query_attention(q, k, v, mask, scale, softcap, causal):
         mask = visibility_mask(positions[tk - tq :], positions, window=None)
     if mask is not None:
         # [Tq, Tk] or [B, 1, Tq, Tk] -> broadcast over the kv-head and group dims
-        mask = mask if mask.dim() == 2 else mask[:, :, None]
-        scores = scores.masked_fill(~mask, float("-inf"))
+        mask = mask[:, :, None] if mask.dim() == 4 else mask
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:  # an additive fp32 bias (0 / -inf) built once for every layer
+            scores = scores + mask
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, hkv, rep * tq, tk)
     return torch.matmul(probs, v).view(b, h, tq, d)
 
@@ -87,7 +90,9 @@ def masked_attention(
     causal: bool = True,
 ) -> torch.Tensor:
     """q: [B, H, Tq, D]; k, v: [B, Hkv, Tk, D]; mask: [Tq, Tk] bool (True = visible), or
-    None for plain causal (square) attention -- or, with ``causal=False``, no mask at all."""
+    None for plain causal (square) attention -- or, with ``causal=False``, no mask at all.
+    With at most ``SMALL_QUERY`` queries the mask may also be a [B, 1, 1, Tq, Tk] additive
+    fp32 bias (0 visible, -inf not)."""
     if q.shape[2] <= SMALL_QUERY:
         return _small_query_attention(q, k, v, mask, scale, softcap, causal)
     if softcap is None:
@@ -211,15 +216,25 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qk_norm: tuple[torch.Tensor, float] | None = None
 
     def fuse_projections(self) -> None:
-        """Inference: one q|k|v matmul instead of three (a decode step is per-op overhead).
-        The separate modules stay the parameters' owners (checkpoint names, training)."""
+        """Inference: one q|k|v matmul instead of three, and q and k normed and rotated as
+        one tensor (a decode step of a small model is per-op overhead; the arithmetic is
+        row by row, so the results are the same). The separate modules stay the
+        parameters' owners (checkpoint names, training)."""
         weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
         self._qkv = (weight.detach(), None if bias is None else bias.detach())
+        if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:
+            assert self.q_norm.eps == self.k_norm.eps
+            per_head = torch.cat((
+                self.q_norm.weight.detach().expand(self.num_heads, -1),
+                self.k_norm.weight.detach().expand(self.num_kv_heads, -1),
+            ))  # fmt: skip
+            self._qk_norm = (per_head, self.q_norm.eps)
 
     def forward(
         self,
@@ -231,19 +246,38 @@ class Attention(nn.Module):
         # x: [B, T, hidden]
         lead = x.shape[:-1]
         if self._qkv is not None:
-            q_dim, kv_dim = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = F.linear(x, *self._qkv).split((q_dim, kv_dim, kv_dim), dim=-1)
+            q, k, v = self._fused_qkv(x, rotary)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = self._qkv_rotated(x, rotary)
+        out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
+        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+
+    def _fused_qkv(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """q, k, v from one matmul; q and k normed (Qwen3) and rotated together."""
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, *self._qkv)
+        qk = qkv[..., : (heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
+        v = qkv[..., (heads + kv_heads) * d :].unflatten(-1, (kv_heads, d))
+        if self._qk_norm is not None:
+            weight, eps = self._qk_norm
+            qk = weight * F.rms_norm(qk.float(), (d,), eps=eps).to(qk.dtype)
+        elif self.q_norm is not None:
+            q, k = qk.split((heads, kv_heads), dim=-2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
+        q, k = apply_rotary(qk, *rotary).split((heads, kv_heads), dim=-2)
+        return q, k, v
+
+    def _qkv_rotated(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """The unfused path (training, reference): three projections, q and k apart."""
+        lead = x.shape[:-1]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(*lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 def make_rotary(spec: ModelSpec) -> RotaryEmbedding:

@@ -93,7 +93,7 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         # input_ids, positions: [B, T] -> hidden: [B, T, hidden]
         x = self.model.embed(input_ids)
-        rotary = self.model.rotary_emb(positions)
+        rotary = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, rotary, attn)
         return self.model.norm(x)

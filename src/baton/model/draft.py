@@ -102,5 +102,5 @@ class MTPDraft(nn.Module):
         e = self.enorm(target.model.embed(next_ids))
         h = self.hnorm(hidden.to(e.dtype))
         x = self.eh_proj(torch.cat((e, h), dim=-1))
-        x = self.layer(x, self.rotary_emb(positions), attn)
+        x = self.layer(x, self.rotary_emb(positions, x.dtype), attn)
         return target.model.norm(x)

@@ -66,17 +66,19 @@ class RotaryEmbedding(nn.Module):
         # NOTE: a plain attribute, not a buffer: ``module.to(bfloat16)`` must not round it.
         self.inv_freq = rope_inv_freq(rope, head_dim)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [...] int -> cos, sin: [..., head_dim] fp32
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [...] int -> cos, sin: [..., 1, head_dim] (the 1 broadcasts over
+        heads), computed in fp32 and cast to ``dtype`` -- the activations' dtype -- once per
+        forward, as transformers does, instead of once per layer."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, heads, head_dim]; cos/sin: [..., T, head_dim] (broadcast over heads)."""
-    cos = cos.unsqueeze(-2).to(x.dtype)
-    sin = sin.unsqueeze(-2).to(x.dtype)
+    """x: [..., T, heads, head_dim]; cos/sin: [..., T, 1, head_dim] in x's dtype."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
