@@ -91,7 +91,8 @@ class PagedAttention:
 
     def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
         # Reads gather whole units (contiguous rows), not rows: each unit's rows carry a
-        # position (or -1), and the mask keeps exactly the visible ones.
+        # position (or -1), and the mask keeps exactly the visible ones. Per segment only
+        # Python lists are built; the tensors (and the mask) once for the whole batch.
         firsts = [_first_visible(s, window) for s in segs]
         unit_lists, position_lists = [], []
         for seg, first in zip(segs, firsts, strict=True):
@@ -103,41 +104,39 @@ class PagedAttention:
         num_units = max(len(u) for u in unit_lists)
         num_keys = num_units * pool.rows
         num_queries = max(s.num_tokens for s in segs)
-        read_units = torch.zeros(len(segs), num_units, dtype=torch.long)
+        read_units = torch.tensor([u + [0] * (num_units - len(u)) for u in unit_lists])
         key_pos = torch.full((len(segs), num_keys), -1, dtype=torch.long)
-        q_index = torch.zeros(len(segs), num_queries, dtype=torch.long)
-        q_valid = torch.zeros(len(segs), num_queries, dtype=torch.bool)
-        mask = torch.zeros(len(segs), 1, num_queries, num_keys, dtype=torch.bool)
-        token_index, write_units, write_rows = [], [], []
-        for b, (seg, first) in enumerate(zip(segs, firsts, strict=True)):
-            end = seg.start + seg.num_tokens
-            units, positions = unit_lists[b], position_lists[b]
-            read_units[b, : len(units)] = torch.tensor(units)
-            key_pos[b, : len(positions)] = positions
-            new_units, new_rows = pool._slots(seg.request_id, range(seg.start, end))
-            write_units.append(new_units)
-            write_rows.append(new_rows)
-            tokens = torch.arange(seg.offset, seg.offset + seg.num_tokens)
-            token_index.append(tokens)
-            q_index[b, : seg.num_tokens], q_valid[b, : seg.num_tokens] = tokens, True
-            q_pos = torch.arange(seg.start, end)
-            k = key_pos[b]
-            visible = visibility_mask(q_pos, k, window) & (k >= first)[None, :]
-            mask[b, 0, : seg.num_tokens] = visible
-            mask[b, 0, seg.num_tokens :, 0] = True  # padded queries: anything but NaN
+        token_index, write_units, write_rows, q_index = [], [], [], []
+        for b, seg in enumerate(segs):
+            key_pos[b, : len(position_lists[b])] = position_lists[b]
+            units, rows = pool.slot_lists(seg.request_id, seg.start, seg.start + seg.num_tokens)
+            write_units += units
+            write_rows += rows
+            tokens = list(range(seg.offset, seg.offset + seg.num_tokens))
+            token_index += tokens
+            q_index.append(tokens + [0] * (num_queries - seg.num_tokens))
+        num_tokens = torch.tensor([s.num_tokens for s in segs])
+        q_valid = torch.arange(num_queries)[None, :] < num_tokens[:, None]  # [B, Q]
+        q_pos = torch.tensor([s.start for s in segs])[:, None] + torch.arange(num_queries)
+        keys, queries = key_pos[:, None, :], q_pos[:, :, None]  # [B, 1, L], [B, Q, 1]
+        visible = (keys <= queries) & (keys >= torch.tensor(firsts)[:, None, None])
+        if window is not None:
+            visible &= keys > queries - window
+        visible &= q_valid[:, :, None]
+        visible[:, :, 0] |= ~q_valid  # padded queries: anything but NaN
         dense = all(
             s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
         ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
-        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
         return _BatchPlan(
             segs,
-            torch.cat(token_index),
-            torch.cat(write_units),
-            torch.cat(write_rows),
+            torch.tensor(token_index),
+            torch.tensor(write_units),
+            torch.tensor(write_rows),
             read_units,
-            q_index,
+            torch.tensor(q_index),
             q_valid,
-            bias[:, :, None],
+            bias[:, None, None],
             dense,
         )
 

@@ -121,6 +121,10 @@ class StatePool(ABC):
         """(unit ids, rows) of stored positions, each [len(positions)]."""
 
     @abstractmethod
+    def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
+        """``_slots`` of positions [start, end) as Python lists (cheaper for a few rows)."""
+
+    @abstractmethod
     def unit_positions(
         self, request_id: str, first: int, end: int
     ) -> tuple[list[int], torch.Tensor]:
@@ -243,6 +247,15 @@ class PagedPool(StatePool):
         start = logical.start * self.page_size
         return units, torch.arange(start, start + len(units) * self.page_size)
 
+    def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
+        table, size = self.tables[request_id], self.page_size
+        try:
+            return [table[p // size] for p in range(start, end)], [
+                p % size for p in range(start, end)
+            ]
+        except KeyError as e:
+            raise AssertionError(f"{self.name}: {request_id} holds no page {e}") from None
+
     def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.tables[request_id]
         pos = torch.arange(positions.start, positions.stop)
@@ -322,6 +335,10 @@ class RingPool(StatePool):
         rows = torch.arange(self.rows)
         positions = (end - 1) - ((end - 1 - rows) % self.rows)
         return [self.rings[request_id]], torch.where(positions >= 0, positions, -1)
+
+    def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
+        assert end - start <= self.rows, f"{self.name}: {end - start} positions > ring"
+        return [self.rings[request_id]] * (end - start), [p % self.rows for p in range(start, end)]
 
     def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         assert len(positions) <= self.rows, f"{self.name}: {len(positions)} positions > ring"
