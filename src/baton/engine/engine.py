@@ -90,9 +90,7 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, spec.dtype)
         draft = load_draft(model_dir, self.model) if config.speculative is not False else None
         if draft is not None:
-            for module in draft.modules():
-                if module is not draft and hasattr(module, "fuse_projections"):
-                    module.fuse_projections()
+            draft.fuse_projections()
         if config.speculative and draft is None:
             raise ValueError(f"speculative=True but {model_dir} has no MTP draft (mtp_config.json)")
         self.num_spec = config.num_speculative_tokens if draft is not None else 0

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from baton.model.layers import FrozenLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from baton.model.spec import ModelSpec
 
 
@@ -215,7 +215,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._qkv: FrozenLinear | None = None
+        self._o: FrozenLinear | None = None
         self._qk_norm: tuple[torch.Tensor, float] | None = None
 
     def fuse_projections(self) -> None:
@@ -227,7 +228,8 @@ class Attention(nn.Module):
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
-        self._qkv = (weight.detach(), None if bias is None else bias.detach())
+        self._qkv = FrozenLinear(weight, bias)
+        self._o = FrozenLinear(self.o_proj.weight, self.o_proj.bias)
         if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:
             assert self.q_norm.eps == self.k_norm.eps
             per_head = torch.cat((
@@ -250,12 +252,13 @@ class Attention(nn.Module):
         else:
             q, k, v = self._qkv_rotated(x, rotary)
         out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        out = out.reshape(*lead, self.num_heads * self.head_dim)
+        return self._o(out) if self._o is not None else self.o_proj(out)
 
     def _fused_qkv(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v from one matmul; q and k normed (Qwen3) and rotated together."""
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, *self._qkv)
+        qkv = self._qkv(x)
         qk = qkv[..., : (heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
         v = qkv[..., (heads + kv_heads) * d :].unflatten(-1, (kv_heads, d))
         if self._qk_norm is not None:

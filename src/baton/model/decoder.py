@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from baton.model.attention import Attention, AttentionBackend, make_rotary
-from baton.model.layers import GatedMLP, RMSNorm
+from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
 
 
@@ -84,6 +84,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._head: FrozenLinear | None = None
 
     def forward(
         self,
@@ -99,15 +100,21 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def fuse_projections(self) -> CausalLM:
-        """Fuse q|k|v and gate|up matmuls for inference (weights are copied once)."""
+        """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
+        (weights are copied once)."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
+        self._head = FrozenLinear(self.lm_head.weight)
         return self
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> raw [..., vocab] scores in the model's dtype (argmax-ready)."""
+        return self._head(hidden) if self._head is not None else self.lm_head(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.head(hidden).float()
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

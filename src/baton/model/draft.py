@@ -26,7 +26,7 @@ from torch import nn
 
 from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
-from baton.model.layers import RMSNorm
+from baton.model.layers import FrozenLinear, RMSNorm
 from baton.model.spec import SLIDING_ATTENTION, ModelSpec
 
 DRAFT_CONFIG_FILE = "mtp_config.json"
@@ -86,6 +86,15 @@ class MTPDraft(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = DecoderLayer(self.spec, 0, draft_spec.sliding_window)
         self.rotary_emb = make_rotary(target_spec)
+        self._eh: FrozenLinear | None = None
+
+    def fuse_projections(self) -> MTPDraft:
+        """Inference: as ``CausalLM.fuse_projections``."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
+        self._eh = FrozenLinear(self.eh_proj.weight)
+        return self
 
     def forward(
         self,
@@ -101,6 +110,7 @@ class MTPDraft(nn.Module):
         layer id is 0 (the draft has its own pools)."""
         e = self.enorm(target.model.embed(next_ids))
         h = self.hnorm(hidden.to(e.dtype))
-        x = self.eh_proj(torch.cat((e, h), dim=-1))
+        eh = torch.cat((e, h), dim=-1)
+        x = self._eh(eh) if self._eh is not None else self.eh_proj(eh)
         x = self.layer(x, self.rotary_emb(positions, x.dtype), attn)
         return target.model.norm(x)

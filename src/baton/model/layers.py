@@ -16,6 +16,34 @@ from torch import nn
 from baton.model.spec import RopeSpec
 
 
+def _can_pack(weight: torch.Tensor) -> bool:
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class FrozenLinear:
+    """An inference-only ``y = x W^T + b``; bf16 weights on CPU are packed once into oneDNN's
+    blocked layout, which a plain ``F.linear`` re-derives on every call: measured here, a
+    weight-streaming decode GEMV reads 24 vs 18 GB/s, a small one runs in 20 vs 30 us, with
+    bitwise-equal results. NOTE: the packed copy is extra memory beside the parameter."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _can_pack(weight) else None
+        )
+        self.weight = None if self.packed is not None else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; ``offset=1`` gives Gemma's ``x * (1 + weight)`` with zero-initialised weight."""
 
@@ -99,18 +127,20 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
         self.act = ACT_FNS[act]
-        self._gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._gate_up: FrozenLinear | None = None
+        self._down: FrozenLinear | None = None
 
     def fuse_projections(self) -> None:
-        """Inference: one gate|up matmul instead of two."""
-        weight = torch.cat((self.gate_proj.weight, self.up_proj.weight)).detach()
+        """Inference: one gate|up matmul instead of two; both matmuls ``FrozenLinear``."""
+        weight = torch.cat((self.gate_proj.weight, self.up_proj.weight))
         bias = None
         if self.gate_proj.bias is not None:
-            bias = torch.cat((self.gate_proj.bias, self.up_proj.bias)).detach()
-        self._gate_up = (weight, bias)
+            bias = torch.cat((self.gate_proj.bias, self.up_proj.bias))
+        self._gate_up = FrozenLinear(weight, bias)
+        self._down = FrozenLinear(self.down_proj.weight, self.down_proj.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._gate_up is not None:
-            gate, up = F.linear(x, *self._gate_up).chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
+            gate, up = self._gate_up(x).chunk(2, dim=-1)
+            return self._down(self.act(gate) * up)
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
