@@ -300,6 +300,9 @@ def bench_bandwidth(args: argparse.Namespace, sizes: Sizes, tmp: Path) -> dict:
         "fraction_of_memcpy_read_only": achieved / (copy / 2),
         "target_fraction": TARGETS["bandwidth"],
         "target_met": achieved / copy >= TARGETS["bandwidth"],
+        # NOTE: ../shared/NOTES-measured.md (the figures the target was set against) gives
+        # memcpy as bytes copied per second (~18-19 GB/s): the same target, that convention.
+        "target_met_bytes_copied": achieved / (copy / 2) >= TARGETS["bandwidth"],
     }
 
 
@@ -399,7 +402,11 @@ def print_report(r: dict) -> None:
             f"c. {c['num_params'] / 1e6:.0f}M params: {c['decode_ms_per_step']:.1f} ms/step = "
             f"{c['weight_bytes_per_s'] / 1e9:.2f} GB/s of weights; memcpy "
             f"{c['memcpy_bytes_per_s'] / 1e9:.2f} GB/s (read + written) -> "
-            f"{c['fraction_of_memcpy']:.0%}; {verdict(c, 'target_fraction')}"
+            f"{c['fraction_of_memcpy']:.0%}; {verdict(c, 'target_fraction')}\n"
+            f"   counted as bytes copied ({c['memcpy_bytes_per_s'] / 2e9:.2f} GB/s, the "
+            f"convention of NOTES-measured.md): {c['fraction_of_memcpy_read_only']:.0%}; "
+            f"target >= {c['target_fraction']:.2f}: "
+            f"{'met' if c['target_met_bytes_copied'] else 'NOT met'}"
         )
     d = r["kv_curve"]
     if "skipped" in d:
