@@ -190,7 +190,7 @@ class Router:
                     self.metrics.retries.labels("prefill_failed").inc()
                 continue
             self.metrics.requests.labels(str(upstream.status_code)).inc()
-            return _relay(upstream, release)
+            return _relay(upstream, release, decode)
         assert failure is not None
         self.metrics.requests.labels(str(failure.status_code)).inc()
         return JSONResponse(failure.body(), status_code=failure.status_code)
@@ -254,11 +254,20 @@ async def _prefill_failure(upstream: httpx.Response) -> str | None:
     return None
 
 
-def _relay(upstream: httpx.Response, release: _Release) -> StreamingResponse:
+def _relay(upstream: httpx.Response, release: _Release, decode: Instance) -> StreamingResponse:
+    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+
     async def body() -> AsyncIterator[bytes]:
         try:
             async for chunk in upstream.aiter_bytes():
                 yield chunk
+        except httpx.HTTPError as exc:  # decode died mid-answer: nothing to retry any more
+            decode.healthy, decode.last_error = False, f"failed mid-stream: {exc!r}"
+            logger.warning("router: decode %s failed mid-stream: %r", decode.url, exc)
+            if is_sse:  # end the stream as the server would: an error event, then [DONE]
+                error = ApiError(f"the decode server {decode.url} failed mid-stream", 502,
+                                 type="server_error", code="decode_failed")  # fmt: skip
+                yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
         finally:  # also on a client disconnect: closing upstream aborts decode's request
             await upstream.aclose()
             release()

@@ -1,0 +1,167 @@
+"""The router against fake workers (no model): failure paths that a real deployment makes
+slow or hard to provoke.
+
+Checked: an unreachable decode is marked unhealthy and the request retried on another; a
+decode that dies mid-stream ends the client's stream with an OpenAI-shaped error event and
+``[DONE]`` (and leaves the rotation); with no healthy prefill the router answers a clear 503;
+a prefill whose ``/health`` names no control endpoint is unhealthy; admin input is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from baton.router.router import Router, build_router_app
+
+pytestmark = pytest.mark.integration
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, app: FastAPI) -> None:
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                log_level="warning"))  # fmt: skip
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.uv.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(10)
+
+
+def _prefill_app(endpoint: str | None = "tcp://127.0.0.1:1") -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "pd_endpoint": endpoint} if endpoint else {"status": "ok"}
+
+    return app
+
+
+def _decode_app(die_mid_stream: bool) -> tuple[FastAPI, list[dict]]:
+    app, seen = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(dict(request.headers))
+        body = json.loads(await request.body())
+        if not body.get("stream"):
+            return JSONResponse({"choices": [{"text": "ok"}]})
+
+        async def events():
+            yield 'data: {"choices": [{"text": "a"}]}\n\n'
+            if die_mid_stream:
+                raise RuntimeError("decode crashed")  # uvicorn cuts the connection
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return app, seen
+
+
+@pytest.fixture
+def servers():
+    started: list[_Server] = []
+
+    def start(app: FastAPI) -> _Server:
+        started.append(_Server(app))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+def _router(servers, prefills: list[str], decodes: list[str], interval_s: float = 0.2) -> str:
+    return servers(build_router_app(Router(prefills, decodes, health_interval_s=interval_s))).url
+
+
+def test_unreachable_decode_is_retried_on_another(servers):
+    prefill = servers(_prefill_app())
+    good_app, seen = _decode_app(die_mid_stream=False)
+    good = servers(good_app)
+    doomed = servers(_decode_app(die_mid_stream=False)[0])
+    # health checks too rare to notice: the router still believes the doomed one is healthy
+    router = _router(servers, [prefill.url], [doomed.url, good.url], interval_s=600)
+    doomed.stop()
+    for _ in range(3):  # round robin: one of the first two goes to the dead decode
+        resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"},
+                          timeout=10)  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"choices": [{"text": "ok"}]}
+    assert len(seen) == 3
+    assert seen[0]["x-baton-prefill"] == "tcp://127.0.0.1:1"
+    assert len({int(h["x-baton-room"]) for h in seen}) == 3  # a room per request
+    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    assert [i["healthy"] for i in listed if i["role"] == "decode"] == [False, True]
+    metrics = httpx.get(f"{router}/metrics", timeout=10).text
+    assert 'baton_router_retries_total{reason="decode_unreachable"} 1.0' in metrics
+
+
+def test_decode_dying_mid_stream_ends_the_stream_with_an_error(servers):
+    prefill = servers(_prefill_app())
+    app, _ = _decode_app(die_mid_stream=True)
+    decode = servers(app)
+    router = _router(servers, [prefill.url], [decode.url])
+    body = {"model": "m", "prompt": "x", "stream": True}
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=10) as resp:
+        assert resp.status_code == 200
+        events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert events[0] == 'data: {"choices": [{"text": "a"}]}'
+    error = json.loads(events[1][len("data: ") :])["error"]
+    assert error["code"] == "decode_failed" and error["type"] == "server_error"
+    assert events[-1] == "data: [DONE]"
+    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    assert not next(i for i in listed if i["role"] == "decode")["healthy"]
+
+
+def test_no_healthy_prefill_is_a_clear_503(servers):
+    no_endpoint = servers(_prefill_app(endpoint=None))  # healthy HTTP, no control endpoint
+    app, seen = _decode_app(die_mid_stream=False)
+    decode = servers(app)
+    router = _router(servers, [no_endpoint.url], [decode.url])
+    resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    assert resp.status_code == 503
+    assert resp.json()["error"]["code"] == "no_instance"
+    assert "prefill" in resp.json()["error"]["message"]
+    assert httpx.get(f"{router}/health", timeout=10).status_code == 503
+    assert not seen  # nothing reached decode
+    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    assert "pd_endpoint" in next(i for i in listed if i["role"] == "prefill")["last_error"]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [(b"[]", "role"), (b'{"role": "router", "url": "http://x"}', "role"),
+     (b'{"role": "decode", "url": "ftp://x"}', "url"), (b"{nope", None)],
+)  # fmt: skip
+def test_admin_input_is_checked(servers, body, param):
+    router = _router(servers, [], [])
+    resp = httpx.post(f"{router}/admin/instances", content=body, timeout=10)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == param
