@@ -372,7 +372,10 @@ def format_summary(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: str | Path) -> None:
     """ITL CDF (per chunk and per token), and TTFT and e2e latency against send time."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'baton[bench]'") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
