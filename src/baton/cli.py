@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
+    # NOTE: launch pins prefill and decode to halves of the cores, one thread per core.
+    launch.set_defaults(threads=None)
     launch.add_argument("--num-prefill", type=int, default=1)
     launch.add_argument("--num-decode", type=int, default=1)
     launch.add_argument("--policy", default="round_robin",

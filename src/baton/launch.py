@@ -8,7 +8,8 @@ every child: SIGTERM, a bounded wait, then SIGKILL. The pairing token is random 
 and reaches the children only through their environment (argv is visible to every user).
 Decode's shared-memory segments are named after this process, so any a killed decode server
 left behind are removed on the way out. ``prefill_cpus`` / ``decode_cpus`` pin the workers
-(``taskset``-like) so a benchmark can keep decode off prefill's cores.
+(``taskset``-like); by default one prefill and one decode get half of the cores each
+(``split_cores``), one engine thread per core, so decode never shares a core with prefill.
 
 It owns only processes; serving lives in ``baton.server``, routing in ``baton.router``.
 """
@@ -57,12 +58,19 @@ def launch(
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
+    if prefill_cpus is None and decode_cpus is None:
+        prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS}
     children: list[subprocess.Popen] = []
-    worker_args = _serve_args(model, options, served_model_name)
+
+    def worker_args(cpus: Sequence[int] | None) -> list[str]:
+        # NOTE: a pinned worker gets one thread per core it owns unless told otherwise.
+        threads = {"num_threads": len(cpus)} if cpus and "num_threads" not in options else {}
+        return _serve_args(model, {**options, **threads}, served_model_name)
+
     try:
         workers = {"prefill": [], "decode": []}
         for role, count, cpus in (("prefill", num_prefill, prefill_cpus),
@@ -71,7 +79,7 @@ def launch(
                 url = f"http://127.0.0.1:{_free_port()}"
                 extra = ["--shm-prefix", f"{shm_prefix}-{i}"] if role == "decode" else []
                 args = ["serve", "--role", role, "--port", url.rsplit(":", 1)[1], *extra]
-                children.append(_start([*args, *worker_args], env, cpus))
+                children.append(_start([*args, *worker_args(cpus)], env, cpus))
                 workers[role].append(url)
         for url in workers["prefill"] + workers["decode"]:
             _wait_healthy(url, children, stop)
@@ -102,6 +110,18 @@ def launch(
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def split_cores(num_prefill: int, num_decode: int) -> tuple[list[int] | None, list[int] | None]:
+    """Default pinning of one prefill and one decode: the cores this process may use, split
+    in two (prefill the first half, decode the rest), so decode never waits behind a
+    prefill's matmuls on a shared core -- what disaggregating on one host is for. None
+    (no pinning) for other shapes or a single core."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if num_prefill != 1 or num_decode != 1 or len(cores) < 2:
+        return None, None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
 
 
 def _start(args: list[str], env: dict, cpus: Sequence[int] | None) -> subprocess.Popen:

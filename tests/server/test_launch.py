@@ -190,3 +190,13 @@ def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
         for pid in children:
             if _is_running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_launch_splits_the_cores_between_prefill_and_decode(monkeypatch):
+    from baton import launch
+
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
+    assert launch.split_cores(1, 1) == ([0, 1], [2, 3])
+    assert launch.split_cores(2, 1) == (None, None)  # several workers: no default pinning
+    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {5}, raising=False)
+    assert launch.split_cores(1, 1) == (None, None)
