@@ -6,7 +6,7 @@ import torch
 
 from baton.engine.sampler import Sampler, SamplingState
 from baton.request import SamplingParams
-from baton.speculative.verify import verify_chain
+from baton.speculative.verify import greedy_chain, verify_chain
 
 CHI2_999_5DOF = 20.52  # 0.999 quantile, 5 degrees of freedom
 
@@ -46,3 +46,28 @@ def test_greedy_accepts_exactly_the_matching_prefix():
         state = SamplingState(greedy, [0], 5, seed=1)
         assert verify_chain(Sampler(), logits, list(proposals), state) == expected
         assert state.num_output_tokens == len(expected)
+
+
+def test_greedy_chain_is_verify_chain_for_plain_greedy_requests():
+    """The batched fast path commits exactly what the one rule does, proposal by proposal,
+    and only plain-greedy states take it."""
+    g = torch.Generator().manual_seed(3)
+    sampler = Sampler()
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    for trial in range(200):
+        logits = torch.randn(4, 16, generator=g)
+        logits[:, :3] += 2.0 * (trial % 2)  # make matches likely on odd trials
+        argmax = logits.argmax(-1).tolist()
+        proposals = [
+            argmax[i]
+            if torch.rand((), generator=g) < 0.6
+            else int(torch.randint(16, (), generator=g))
+            for i in range(3)
+        ]
+        state = SamplingState(params, [1, 2], 16, seed=trial)
+        assert state.is_plain_greedy
+        assert greedy_chain(argmax, proposals) == verify_chain(sampler, logits, proposals, state)
+    penalised = SamplingState(SamplingParams(temperature=0.0, repetition_penalty=1.2), [1], 16)
+    waiting = SamplingState(SamplingParams(temperature=0.0, min_tokens=2), [1], 16)
+    sampled = SamplingState(SamplingParams(temperature=0.7), [1], 16)
+    assert not any(s.is_plain_greedy for s in (penalised, waiting, sampled))

@@ -21,7 +21,7 @@ from baton.engine.scheduler import SchedulerOutput
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.speculative.proposer import DraftProposer, PendingPairs
-from baton.speculative.verify import verify_chain
+from baton.speculative.verify import greedy_chain, verify_chain
 
 
 @dataclass
@@ -82,16 +82,9 @@ class ModelRunner:
         )[0]  # [N, H]
         result = StepResult()
         self._sample(batch.chunks, segments, hidden, states, result)
-        for chunk, seg in zip(batch.chunks, segments, strict=True):
-            if chunk.num_spec:
-                rows = slice(seg.offset, seg.offset + chunk.num_tokens)
-                logits = self.model.compute_logits(hidden[rows])  # [k+1, V]
-                proposals = chains[chunk.request.request_id][: chunk.num_spec]
-                state = states[chunk.request.request_id]
-                tokens = verify_chain(self.sampler, logits, proposals, state)
-                result.committed[chunk.request.request_id] = self._committed(
-                    logits[: len(tokens)], tokens, state, chunk.num_spec + 1 - len(tokens)
-                )
+        verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
+        if verified:
+            self._verify(verified, hidden, chains, states, result)
         if self.proposer is not None:
             self._feed_draft(batch.chunks, segments, hidden, result)
         return result
@@ -112,18 +105,43 @@ class ModelRunner:
                 [out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]]
             )
 
-    def _committed(self, logits, tokens, state: SamplingState, num_rejected: int) -> Committed:
+    def _verify(self, verified, hidden, chains, states, result: StepResult) -> None:
+        """Verify every speculative chunk's chain: one head matmul and one log-softmax for
+        all of them; plain-greedy requests compare proposals with one batched argmax."""
+        rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
+        logits = self.model.compute_logits(hidden[rows])  # [R, V]
+        argmax: list[int] | None = None
+        committed, start = [], 0
+        for chunk, _ in verified:
+            request_id = chunk.request.request_id
+            proposals = chains[request_id][: chunk.num_spec]
+            state = states[request_id]
+            end = start + chunk.num_tokens
+            if state.is_plain_greedy:
+                argmax = argmax if argmax is not None else logits.argmax(-1).tolist()
+                tokens = greedy_chain(argmax[start:end], proposals)
+                for token in tokens:
+                    state.append(token)
+            else:
+                tokens = verify_chain(self.sampler, logits[start:end], proposals, state)
+            committed.append((request_id, start, tokens, chunk.num_spec + 1 - len(tokens)))
+            start = end
         logprobs = logits.log_softmax(-1)  # raw distribution, as for plain sampling
-        picked = logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-        n = state.params.logprobs
-        top: list[list[tuple[int, float]] | None] = [None] * len(tokens)
-        if n is not None:
-            values, ids = logprobs.topk(max(n, 1), dim=-1)
-            top = [
-                list(zip(i[:n], v[:n], strict=True))
-                for i, v in zip(ids.tolist(), values.tolist(), strict=True)
-            ]
-        return Committed(tokens, picked, top, num_rejected)
+        at = [s + i for _, s, tokens, _ in committed for i in range(len(tokens))]
+        picked = logprobs[at, [t for _, _, tokens, _ in committed for t in tokens]].tolist()
+        for request_id, start, tokens, num_rejected in committed:
+            n = states[request_id].params.logprobs
+            top: list[list[tuple[int, float]] | None] = [None] * len(tokens)
+            if n is not None:
+                values, ids = logprobs[start : start + len(tokens)].topk(max(n, 1), dim=-1)
+                top = [
+                    list(zip(i[:n], v[:n], strict=True))
+                    for i, v in zip(ids.tolist(), values.tolist(), strict=True)
+                ]
+            result.committed[request_id] = Committed(
+                tokens, picked[: len(tokens)], top, num_rejected
+            )
+            picked = picked[len(tokens) :]
 
     def _feed_draft(self, chunks, segments, hidden, result: StepResult) -> None:
         """Draft prompt pairs of prefill chunks now; the rest become pending pairs."""

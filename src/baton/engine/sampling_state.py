@@ -112,6 +112,18 @@ class SamplingState:
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             self.output_counts = TokenCounts(outputs)
 
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing reshaping the logits from here on (no penalty, ``min_tokens``
+        reached): every next token is the raw logits' argmax."""
+        params = self.params
+        return (
+            params.is_greedy
+            and self.seen is None
+            and self.output_counts is None
+            and self.num_output_tokens >= params.min_tokens
+        )
+
     def append(self, token_id: int) -> None:
         """Record a generated token the engine kept (moves the random stream forward)."""
         if not 0 <= token_id < self.vocab_size:

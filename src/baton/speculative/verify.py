@@ -21,6 +21,19 @@ ACCEPT_STREAM = 1
 RESAMPLE_STREAM = 2
 
 
+def greedy_chain(argmax: list[int], proposals: list[int]) -> list[int]:
+    """``verify_chain`` for a plain-greedy request (``SamplingState.is_plain_greedy``), given
+    the target's argmax at each of the k+1 positions: one-hot p accepts exactly the proposals
+    equal to the argmax, and the corrected or bonus token is the argmax. The caller appends
+    the tokens to the state."""
+    tokens: list[int] = []
+    for best, draft in zip(argmax, proposals, strict=False):
+        tokens.append(best)
+        if draft != best:
+            return tokens
+    return [*tokens, argmax[len(proposals)]]
+
+
 def verify_chain(
     sampler: Sampler, logits: torch.Tensor, proposals: list[int], state: SamplingState
 ) -> list[int]:
