@@ -18,12 +18,18 @@ from baton.request import SamplingParams
 
 Prompt = str | list[int] | dict
 
+OFFLINE_DEFAULTS = {"max_num_batched_tokens": 4096}
+"""Offline generation is about throughput: bigger prefill chunks (fewer, fuller steps) than
+a server's default, which keeps chunks small so running requests' tokens are not held up
+(as vLLM picks its defaults by usage context)."""
+
 
 class LLM:
     def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
         """``kwargs`` are engine options (``EngineConfig.from_kwargs``): ``dtype``,
-        ``page_size``, ``num_pages``, ``sliding_mode``, ``max_num_seqs``, ... ."""
-        self.engine = LLMEngine(model, EngineConfig.from_kwargs(**kwargs))
+        ``page_size``, ``num_pages``, ``sliding_mode``, ``max_num_seqs``, ... ; those not
+        given take ``OFFLINE_DEFAULTS``, then the engine's defaults."""
+        self.engine = LLMEngine(model, EngineConfig.from_kwargs(**{**OFFLINE_DEFAULTS, **kwargs}))
 
     @property
     def tokenizer(self):
