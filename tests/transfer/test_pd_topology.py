@@ -9,10 +9,15 @@ waiting-for-state deadline, and a later request to a fresh prefill at another en
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
+from baton.memory.allocator import SHM_DIR
 from baton.transfer.worker import Deadlines, request_id_of
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import our_segments
@@ -108,3 +113,38 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
         room = client.add_request(prompt, params, prefill=fresh.endpoint)
         out = _run(client)[request_id_of(room)]
         assert out.outputs[0].finish_reason == "length"
+
+
+def test_prefill_forgets_a_dead_decode_and_unmaps_its_pools(pd_dir, spawn_prefill):
+    """A decode killed (-9) with requests in flight at prefill: prefill notices the lost
+    connection by its periodic ping, drops the decode's rooms and unmaps its shared pools."""
+    prefill = spawn_prefill("--debug-stall-s", "60")  # the rooms stay in flight
+    jobs = [json.dumps({"prompt_token_ids": p, "max_tokens": 4}) for p, _ in _requests()[:3]]
+    decode = subprocess.Popen(
+        processes._worker_args("decode", pd_dir, "--connect", prefill.endpoint),
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+        cwd=processes.REPO, env=processes._worker_env(processes.TOKEN),
+    )  # fmt: skip
+    prefix = f"baton-{decode.pid}-"
+    try:
+        decode.stdin.write("\n".join(jobs) + "\n")
+        decode.stdin.close()
+        prefill.wait_for_log("paired with decode", timeout_s=60)
+        maps = Path(f"/proc/{prefill.proc.pid}/maps")
+        deadline = time.monotonic() + 10
+        while prefix not in maps.read_text():  # prefill maps decode's pools on pairing
+            assert time.monotonic() < deadline, "prefill never mapped decode's pools"
+            time.sleep(0.1)
+        time.sleep(0.5)  # the requests reach prefill and wait there
+        decode.kill()
+        decode.wait()
+        prefill.wait_for_log("forgot decode", timeout_s=10)
+        assert prefix not in maps.read_text()  # unmapped
+        assert prefill.proc.poll() is None  # and still serving
+    finally:
+        if decode.poll() is None:
+            decode.kill()
+            decode.wait()
+        for name in os.listdir(SHM_DIR):  # a killed decode cannot unlink its own pools
+            if name.startswith(prefix):
+                os.unlink(os.path.join(SHM_DIR, name))

@@ -72,6 +72,8 @@ class _Endpoint:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         self.num_dropped = 0
+        self.last_send_error: int | None = None
+        """errno of the last failed send (``zmq.EHOSTUNREACH``: that peer is gone)."""
         """Frames dropped for a bad MAC or an invalid message (a counter for metrics)."""
 
     def _mac(self, label: bytes, payload: bytes) -> bytes:
@@ -122,13 +124,16 @@ class _Endpoint:
         return None
 
     def _send(self, frames: list[bytes], peer: str) -> bool:
+        self.last_send_error = None
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("control message to %s not sent: send queue full", peer)
+            self.last_send_error = zmq.EAGAIN
             return False
         except zmq.ZMQError as e:
             logger.warning("control message to %s not sent: %s", peer, e)
+            self.last_send_error = e.errno
             return False
         return True
 
@@ -201,6 +206,11 @@ class ControlServer(_Endpoint):
         """Queue ``msg`` for ``peer_identity``; False (logged) if that peer is unknown or its
         queue is full. Never blocks."""
         return self._send([peer_identity, *self._sign(msg)], f"peer {peer_identity.hex()}")
+
+    def is_gone(self) -> bool:
+        """Whether the last failed ``send`` found no connection to its peer (the peer's
+        process died or closed its socket), as opposed to a full queue."""
+        return self.last_send_error == zmq.EHOSTUNREACH
 
 
 class ControlClient(_Endpoint):

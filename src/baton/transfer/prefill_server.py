@@ -56,6 +56,10 @@ class _Peer:
 
 MAX_PEERS = 64
 """Paired decodes kept at once; past it an idle one is forgotten (it re-pairs on Hello)."""
+PEER_CHECK_S = 2.0
+"""How often prefill pings its paired decodes: a decode whose connection is gone (its
+process died) is forgotten -- its rooms dropped, its regions unmapped -- instead of keeping
+its pools mapped for ever."""
 
 
 @dataclass
@@ -121,6 +125,8 @@ class PrefillServer:
         """Rooms failed while a timed-out batch may still write: room -> decode identity,
         until the sender confirms with ``StateFailed(stopped_writing=True)``."""
         self._stall_until = 0.0
+        self._last_peer_check = time.monotonic()
+        self._ping_seq = 0
 
     def serve_forever(self, stop_event: threading.Event) -> None:
         try:
@@ -136,6 +142,8 @@ class PrefillServer:
         can_step = self._has_work() and time.monotonic() >= self._stall_until
         self._drain(0 if can_step else IDLE_WAIT_MS)
         self._expire()
+        if time.monotonic() - self._last_peer_check >= PEER_CHECK_S:
+            self._check_peers()
         if self._has_work() and time.monotonic() >= self._stall_until:
             self.engine.step()
             for peer in list(self.peers.values()):
@@ -190,6 +198,8 @@ class PrefillServer:
             logger.warning("prefill: no decode peer for room %d", msg.room)
         elif not self.server.send(room.peer, msg):
             logger.warning("prefill: room %d: %s not delivered", msg.room, type(msg).__name__)
+            if self.server.is_gone():
+                self._forget_peer(room.peer, "its connection is gone")
 
     # -- pairing ---------------------------------------------------------------------------
     def _on_hello(self, identity: bytes, hello: Hello) -> None:
@@ -216,6 +226,32 @@ class PrefillServer:
         self.peers[identity] = _Peer(hello.worker_id, prefill, num_units)
         logger.info("prefill: paired with decode %r (peer %s)", hello.worker_id, identity.hex())
         self.server.send(identity, HelloAck.answer(self.hello, accepted=True))
+
+    def _check_peers(self) -> None:
+        self._last_peer_check = time.monotonic()
+        self._ping_seq += 1
+        for identity in list(self.peers):
+            if not self.server.send(identity, Ping(seq=self._ping_seq)) and self.server.is_gone():
+                self._forget_peer(identity, "its connection is gone")
+
+    def _forget_peer(self, identity: bytes, reason: str) -> None:
+        """Drop a decode that cannot hear us any more: its rooms (nothing is written for them
+        between steps), then its sender and the mapping of its regions."""
+        peer = self.peers.pop(identity, None)
+        if peer is None:
+            return
+        for room in [r for r, info in self.rooms.items() if info.peer == identity]:
+            request_id = request_id_of(room)
+            peer.sender.outgoing.pop(request_id, None)
+            self.engine.abort_request(request_id)
+            handoff.release(self.engine, request_id)
+            del self.rooms[room]
+        for room in [r for r, p in self.lingering.items() if p == identity]:
+            del self.lingering[room]
+        # NOTE: a batch of its that timed out may still be in flight; the backend's close
+        # waits for nothing, but the memory it writes into is that dead decode's own.
+        _close_backend(peer.sender)
+        logger.warning("prefill: forgot decode %r: %s", peer.worker_id, reason)
 
     def _make_room_for_peer(self, identity: bytes) -> None:
         """Forget the longest-paired idle decodes past ``MAX_PEERS`` (raises if all are busy)."""
