@@ -18,20 +18,18 @@ Failure handling:
 - a background task polls every instance's ``/health``: a dead one leaves the rotation, a
   recovered one comes back (a prefill's control endpoint is re-read each time).
 
-Instances come from flags or the admin endpoints (``GET|POST|DELETE /admin/instances``,
-guarded by a bearer token when one is configured). The router keeps no model state.
+Instances come from flags or the admin endpoints (``admin.py``: ``GET|POST|DELETE
+/admin/instances``, guarded by a bearer token when one is configured). The router keeps no model state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -44,6 +42,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from baton.router.admin import add_admin_routes
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy
 from baton.server.api import PREFILL_HEADER, ROOM_HEADER
 from baton.server.protocol import ApiError
@@ -333,53 +332,5 @@ def build_router_app(router: Router) -> FastAPI:
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    def authorize(request: Request) -> None:
-        if router.admin_token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {router.admin_token}".encode()):
-            raise ApiError("admin endpoints need 'Authorization: Bearer <admin token>'", 401,
-                           type="authentication_error")  # fmt: skip
-
-    async def instance_body(request: Request) -> tuple[str, str]:
-        try:
-            data: Any = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(f"the body is not valid JSON: {exc}") from exc
-        if not isinstance(data, dict) or not isinstance(data.get("role"), str):
-            raise ApiError('the body must be {"role": "prefill"|"decode", "url": "http://..."}',
-                           param="role")  # fmt: skip
-        if not isinstance(data.get("url"), str):
-            raise ApiError("url: a string is required", param="url")
-        return data["role"], data["url"]
-
-    @app.get("/admin/instances")
-    async def list_instances(request: Request) -> Response:
-        authorize(request)
-        return JSONResponse({"instances": [i.describe() for i in router.table.all()]})
-
-    @app.post("/admin/instances")
-    async def add_instance(request: Request) -> Response:
-        authorize(request)
-        role, url = await instance_body(request)
-        try:
-            instance = router.table.add(role, url)
-        except ValueError as exc:
-            raise ApiError(str(exc), param="url" if "url" in str(exc) else "role") from exc
-        await router.check(instance)
-        logger.info("router: registered %s %s (healthy: %s)", role, url, instance.healthy)
-        return JSONResponse(instance.describe(), status_code=201)
-
-    @app.delete("/admin/instances")
-    async def remove_instance(request: Request) -> Response:
-        authorize(request)
-        role, url = await instance_body(request)
-        try:
-            instance = router.table.remove(role, url)
-        except ValueError as exc:
-            raise ApiError(str(exc), param="role") from exc
-        except KeyError as exc:
-            raise ApiError(str(exc.args[0]), 404, param="url") from exc
-        return JSONResponse(instance.describe())
-
+    add_admin_routes(app, router)
     return app

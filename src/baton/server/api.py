@@ -19,76 +19,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.server.async_engine import AsyncEngine
+from baton.server.metrics import ServerMetrics
 from baton.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
-
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-
-
-class _Metrics:
-    """Per-app registry (two apps in one process must not collide)."""
-
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.ttft = Histogram(
-            "baton_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )  # fmt: skip
-        self.itl = Histogram(
-            "baton_inter_token_latency_seconds", "time between output tokens",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.running = Gauge("baton_num_requests_running", "requests being run", registry=r)
-        self.waiting = Gauge("baton_num_requests_waiting", "requests queued", registry=r)
-        self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("baton_generation_tokens", "tokens generated", registry=r)
-        self.acceptance = Histogram(
-            "baton_acceptance_length", "per request: mean tokens committed per verify step",
-            buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0), registry=r,
-        )  # fmt: skip
-        self.units = Gauge(
-            "baton_units_in_use", "units held per state component (pool)", ["component"],
-            registry=r,
-        )  # fmt: skip
-        self.transfer_bytes = Counter(
-            "baton_transfer_bytes", "state bytes pushed into this decode per component",
-            ["component"], registry=r,
-        )  # fmt: skip
-        self.transfer_seconds = Counter(
-            "baton_transfer_seconds", "seconds prefill spent pushing state per component",
-            ["component"], registry=r,
-        )  # fmt: skip
-        self.push_seconds = Counter(
-            "baton_transfer_push_seconds", "seconds prefill spent pushing state into this decode "
-            "(all components together; bytes / this = the push rate)", registry=r,
-        )  # fmt: skip
-        self._seen: dict[str, tuple[int, float]] = {}
-
-    def update(self, engine: AsyncEngine) -> None:
-        """Copy the engine thread's latest snapshot into the gauges and counters."""
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        for name, n in engine.units_in_use.items():
-            self.units.labels(name).set(n)
-        for name, (num_bytes, seconds) in engine.transfer_stats.items():
-            seen_bytes, seen_seconds = self._seen.get(name, (0, 0.0))
-            self.transfer_bytes.labels(name).inc(num_bytes - seen_bytes)
-            self.transfer_seconds.labels(name).inc(max(0.0, seconds - seen_seconds))
-            self._seen[name] = (num_bytes, seconds)
-        seen_push = self._seen.get("", (0, 0.0))[1]
-        self.push_seconds.inc(max(0.0, engine.push_seconds - seen_push))
-        self._seen[""] = (0, engine.push_seconds)
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -131,7 +68,7 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
 
 def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
-    metrics = _Metrics()
+    metrics = ServerMetrics()
     tokenizer = engine.tokenizer
 
     def token_str(token_id: int) -> str:
