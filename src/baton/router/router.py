@@ -19,7 +19,8 @@ Failure handling:
   recovered one comes back (a prefill's control endpoint is re-read each time).
 
 Instances come from flags or the admin endpoints (``admin.py``: ``GET|POST|DELETE
-/admin/instances``, guarded by a bearer token when one is configured). The router keeps no model state.
+/admin/instances``, guarded by a bearer token when one is configured). The router keeps no
+model state.
 """
 
 from __future__ import annotations

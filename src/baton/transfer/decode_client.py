@@ -22,15 +22,13 @@ from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.memory.allocator import SharedMemoryAllocator
 from baton.request import FinishReason, RequestStatus, SamplingParams
 from baton.transfer.backends.base import TransferBackend
-from baton.transfer.channel import ControlClient, wait_any
-from baton.transfer.handshake import PairingError, build_hello, check_pairing
+from baton.transfer.handshake import PairingError, build_hello
 from baton.transfer.pd import DecodeWorker
+from baton.transfer.prefill_links import PrefillLink, PrefillLinks
 from baton.transfer.protocol import (
     Abort,
     HelloAck,
     Message,
-    Ping,
-    Pong,
     StateDone,
     StateFailed,
     new_room,
@@ -42,7 +40,6 @@ if TYPE_CHECKING:
 from baton.transfer.worker_base import (
     IDLE_WAIT_MS,
     MAX_FAILURE_REASONS,
-    MAX_MESSAGES_PER_TURN,
     PING_INTERVAL_S,
     Deadlines,
     _check_backend,
@@ -77,21 +74,6 @@ def _final_output(track: _Track, finish: FinishReason) -> RequestOutput:
     )
 
 
-@dataclass
-class _Link:
-    """The control channel to one prefill worker."""
-
-    endpoint: str
-    client: ControlClient
-    hello_deadline: float
-    """Until HelloAck: when the pairing is given up."""
-    peer: HelloAck | None = None
-    """Prefill's accepted HelloAck; None while the pairing is in flight."""
-    last_heard: float = 0.0
-    last_ping: float = 0.0
-    ping_seq: int = 0
-
-
 class DecodeClient:
     """A decode worker paired with one or more prefills: pools in shared memory, engine-like
     API.
@@ -122,11 +104,10 @@ class DecodeClient:
         _check_backend(backend_kind)
         endpoints = [prefill_endpoint] if isinstance(prefill_endpoint, str) else prefill_endpoint
         self.deadlines = deadlines or Deadlines()
-        self.token = token
         self.allocator = SharedMemoryAllocator(shm_prefix)
         self.backend: TransferBackend | None = None
-        self.links: dict[str, _Link] = {}
-        """Endpoint -> channel, paired or pairing."""
+        self.links: PrefillLinks | None = None
+        """Endpoint -> channel to that prefill, paired or pairing."""
         self.default_endpoints = [e for e in endpoints if e]
         """Where a request that names no prefill goes (round robin)."""
         self._next_default = 0
@@ -143,8 +124,9 @@ class DecodeClient:
                 f"{secrets.token_hex(2)}",
                 role="decode", backend=backend_kind, regions=regions,
             )  # fmt: skip
+            self.links = PrefillLinks(self.hello, token, self.deadlines)
             for endpoint in self.default_endpoints:
-                self._bootstrap(self._open_link(endpoint))
+                self.links.bootstrap(self.links.open(endpoint))
         except BaseException:
             self.close()
             raise
@@ -162,45 +144,6 @@ class DecodeClient:
         (a batch carries several components: these seconds overlap)."""
         self.push_seconds = 0.0
         """Seconds prefills spent pushing state here, all components together."""
-
-    def _open_link(self, endpoint: str, wait_s: float | None = None) -> _Link:
-        """A channel to ``endpoint`` with our Hello queued on it (answered in ``step``);
-        the pairing is given up after ``wait_s`` (default ``bootstrap_s``)."""
-        client = ControlClient(endpoint, self.token)
-        now = time.monotonic()
-        wait_s = min(wait_s or self.deadlines.bootstrap_s, self.deadlines.bootstrap_s)
-        link = _Link(endpoint, client, now + wait_s, last_heard=now)
-        self.links[endpoint] = link
-        client.send(self.hello)
-        return link
-
-    def _bootstrap(self, link: _Link) -> None:
-        """Wait for ``link``'s HelloAck (construction only; later pairings do not block)."""
-        bootstrap_s = self.deadlines.bootstrap_s
-        while (remaining := link.hello_deadline - time.monotonic()) > 0:
-            msg = link.client.recv(math.ceil(remaining * 1000))
-            if isinstance(msg, HelloAck):
-                break
-            if msg is not None:
-                logger.warning("decode: %s before HelloAck ignored", type(msg).__name__)
-        else:
-            raise TimeoutError(
-                f"decode: no HelloAck from the prefill at {link.endpoint} within the "
-                f"{bootstrap_s} s bootstrap deadline (is it running? same token? a prefill "
-                "logs every frame it drops for a bad MAC)"
-            )
-        self._check_ack(link, msg)
-
-    def _check_ack(self, link: _Link, msg: HelloAck) -> None:
-        """Accept ``link``'s pairing or raise ``PairingError``."""
-        if not msg.accepted:
-            error = msg.error or "no reason given"
-            raise PairingError(
-                f"prefill {msg.worker_id!r} at {link.endpoint} refused to pair: {error}", [error]
-            )
-        check_pairing(self.hello, msg)
-        link.peer = msg
-        logger.info("decode: paired with prefill %r at %s", msg.worker_id, link.endpoint)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -223,7 +166,7 @@ class DecodeClient:
             try:
                 # NOTE: a pairing on the way waits at most peer_silence_s: a router retries
                 # a dead prefill's requests elsewhere instead of after bootstrap_s.
-                link = self._open_link(endpoint, self.deadlines.peer_silence_s)
+                link = self.links.open(endpoint, self.deadlines.peer_silence_s)
             except zmq.ZMQError as e:  # a malformed endpoint
                 raise ValueError(f"cannot connect to prefill endpoint {endpoint!r}: {e}") from e
         msg = self.decode.reserve(room, list(prompt_token_ids), params or SamplingParams())
@@ -252,15 +195,17 @@ class DecodeClient:
         outputs, self._outputs = self._outputs, []
         is_busy = bool(outputs) or self.engine.has_unfinished_requests()
         self._drain(0 if is_busy else self._idle_wait_ms(), outputs)
-        self._check_links(outputs)
+        owing = {p.endpoint for p in self.waiting.values()}
+        for link, reason in self.links.failing(owing):
+            self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
         self._check_deadlines(outputs)
         outputs += self.engine.step()
         return outputs
 
     def close(self) -> None:
         """Close the channels and the backend, unlink the shared pools. Idempotent."""
-        for link in self.links.values():
-            link.client.close()
+        if self.links is not None:
+            self.links.close_all()
         if self.backend is not None:
             self.backend.close()
         self.allocator.unlink()
@@ -293,29 +238,18 @@ class DecodeClient:
         return max(0, min(IDLE_WAIT_MS, math.ceil((min(deadlines) - time.monotonic()) * 1000)))
 
     def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
-        links = list(self.links.values())
-        ready = wait_any([link.client for link in links], timeout_ms)
-        for link in links:
-            if link.client not in ready:
-                continue
-            for _ in range(MAX_MESSAGES_PER_TURN):
-                msg = link.client.recv(0)
-                if msg is None:
-                    break
-                link.last_heard = time.monotonic()
-                if isinstance(msg, HelloAck):
-                    self._on_ack(link, msg, outputs)
-                    if link.endpoint not in self.links:
-                        break
-                elif not isinstance(msg, Pong):
-                    self._on_message(msg, outputs)
+        for link, msg in self.links.poll(timeout_ms):
+            if isinstance(msg, HelloAck):
+                self._on_ack(link, msg, outputs)
+            else:
+                self._on_message(msg, outputs)
 
-    def _on_ack(self, link: _Link, msg: HelloAck, outputs: list[RequestOutput]) -> None:
+    def _on_ack(self, link: PrefillLink, msg: HelloAck, outputs: list[RequestOutput]) -> None:
         if link.peer is not None:
             logger.warning("decode: second HelloAck from %s ignored", link.endpoint)
             return
         try:
-            self._check_ack(link, msg)
+            self.links.accept(link, msg)
         except PairingError as e:
             # A refusing prefill refuses our requests too (not paired): nothing writes.
             self._drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
@@ -350,37 +284,14 @@ class DecodeClient:
         del self.waiting[msg.room]
         outputs.append(first)  # the first token streams now, not after a decode step
 
-    def _check_links(self, outputs: list[RequestOutput]) -> None:
-        """Give up on a prefill that never answered the handshake or went silent while it
-        owes us state; ping the others that owe us state."""
-        now = time.monotonic()
-        owing = {p.endpoint for p in self.waiting.values()}
-        for link in list(self.links.values()):
-            if link.peer is None and now > link.hello_deadline:
-                reason = f"no HelloAck from the prefill at {link.endpoint} in time"
-                self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
-            elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
-                reason = (f"the prefill at {link.endpoint} answered nothing for "
-                          f"{self.deadlines.peer_silence_s} s")  # fmt: skip
-                self._drop_link(link, reason, stopped_writing=False, outputs=outputs)
-            elif (
-                link.peer is not None
-                and link.endpoint in owing
-                and now - link.last_ping >= PING_INTERVAL_S
-            ):
-                link.ping_seq += 1
-                link.last_ping = now
-                link.client.send(Ping(seq=link.ping_seq))
-
     def _drop_link(
-        self, link: _Link, reason: str, stopped_writing: bool, outputs: list[RequestOutput]
+        self, link: PrefillLink, reason: str, stopped_writing: bool, outputs: list[RequestOutput]
     ) -> None:
         """Close ``link`` and fail the requests waiting on it. Without ``stopped_writing``
         their units wait out the abort grace (the prefill may still be writing); a later
         request to that endpoint pairs afresh."""
         logger.warning("decode: %s", reason)
-        del self.links[link.endpoint]
-        link.client.close()
+        self.links.close(link)
         for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
             outputs.append(self._fail(room, reason, stopped_writing))
 

@@ -1,0 +1,148 @@
+"""Decode's control channels to its prefill workers: ``PrefillLinks``.
+
+Owns one ``ControlClient`` per prefill endpoint and the pairing on it: a blocking bootstrap
+(``DecodeClient`` construction) or a pairing on the way (Hello queued ahead of the first
+request on the same ordered channel, answered later), the check of the HelloAck, and
+liveness -- a ping every ``PING_INTERVAL_S`` to each prefill that owes decode state, and the
+verdict on links that never answered the handshake or went silent. What a failed link means
+for its requests is ``DecodeClient``'s business; this module only reports the link and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from baton.transfer.channel import ControlClient, wait_any
+from baton.transfer.handshake import PairingError, check_pairing
+from baton.transfer.protocol import Hello, HelloAck, Message, Ping, Pong
+from baton.transfer.worker_base import MAX_MESSAGES_PER_TURN, PING_INTERVAL_S, Deadlines
+
+logger = logging.getLogger("baton.transfer")
+
+
+@dataclass
+class PrefillLink:
+    """The control channel to one prefill worker."""
+
+    endpoint: str
+    client: ControlClient
+    hello_deadline: float
+    """Until HelloAck: when the pairing is given up."""
+    peer: HelloAck | None = None
+    """Prefill's accepted HelloAck; None while the pairing is in flight."""
+    last_heard: float = 0.0
+    last_ping: float = 0.0
+    ping_seq: int = 0
+
+
+class PrefillLinks:
+    """Endpoint -> ``PrefillLink``; iterating gives the endpoints."""
+
+    def __init__(self, hello: Hello, token: str | bytes, deadlines: Deadlines) -> None:
+        self.hello = hello
+        self.token = token
+        self.deadlines = deadlines
+        self._links: dict[str, PrefillLink] = {}
+
+    def __contains__(self, endpoint: object) -> bool:
+        return endpoint in self._links
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._links)
+
+    def get(self, endpoint: str) -> PrefillLink | None:
+        return self._links.get(endpoint)
+
+    def open(self, endpoint: str, wait_s: float | None = None) -> PrefillLink:
+        """A channel to ``endpoint`` with our Hello queued on it; the pairing is given up
+        after ``wait_s`` (default and at most ``bootstrap_s``). Raises ``zmq.ZMQError`` for
+        a malformed endpoint."""
+        client = ControlClient(endpoint, self.token)
+        now = time.monotonic()
+        wait_s = min(wait_s or self.deadlines.bootstrap_s, self.deadlines.bootstrap_s)
+        link = PrefillLink(endpoint, client, now + wait_s, last_heard=now)
+        self._links[endpoint] = link
+        client.send(self.hello)
+        return link
+
+    def bootstrap(self, link: PrefillLink) -> None:
+        """Wait for ``link``'s HelloAck and accept it (construction only). Raises
+        ``TimeoutError`` past the deadline, ``PairingError`` if either side refuses."""
+        while (remaining := link.hello_deadline - time.monotonic()) > 0:
+            msg = link.client.recv(math.ceil(remaining * 1000))
+            if isinstance(msg, HelloAck):
+                break
+            if msg is not None:
+                logger.warning("decode: %s before HelloAck ignored", type(msg).__name__)
+        else:
+            raise TimeoutError(
+                f"decode: no HelloAck from the prefill at {link.endpoint} within the "
+                f"{self.deadlines.bootstrap_s} s bootstrap deadline (is it running? same token? "
+                "a prefill logs every frame it drops for a bad MAC)"
+            )
+        self.accept(link, msg)
+
+    def accept(self, link: PrefillLink, msg: HelloAck) -> None:
+        """Accept ``link``'s pairing or raise ``PairingError``."""
+        if not msg.accepted:
+            error = msg.error or "no reason given"
+            raise PairingError(
+                f"prefill {msg.worker_id!r} at {link.endpoint} refused to pair: {error}", [error]
+            )
+        check_pairing(self.hello, msg)
+        link.peer = msg
+        logger.info("decode: paired with prefill %r at %s", msg.worker_id, link.endpoint)
+
+    def poll(self, timeout_ms: int) -> Iterator[tuple[PrefillLink, Message]]:
+        """Messages from every link (waiting up to ``timeout_ms`` for the first); Pongs are
+        consumed here. A link closed by the caller in between is skipped."""
+        links = list(self._links.values())
+        ready = wait_any([link.client for link in links], timeout_ms)
+        for link in links:
+            if link.client not in ready:
+                continue
+            for _ in range(MAX_MESSAGES_PER_TURN):
+                if link.endpoint not in self._links:
+                    break
+                msg = link.client.recv(0)
+                if msg is None:
+                    break
+                link.last_heard = time.monotonic()
+                if not isinstance(msg, Pong):
+                    yield link, msg
+
+    def failing(self, owing: set[str]) -> list[tuple[PrefillLink, str]]:
+        """Links to give up, with why: no HelloAck in time, or silence past
+        ``peer_silence_s`` while they owe us state (``owing``: endpoints). Pings the rest
+        that owe us state."""
+        now, failed = time.monotonic(), []
+        for link in self._links.values():
+            if link.peer is None and now > link.hello_deadline:
+                failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
+            elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
+                silence = self.deadlines.peer_silence_s
+                failed.append((link, f"the prefill at {link.endpoint} answered nothing for "
+                                     f"{silence} s"))  # fmt: skip
+            elif (
+                link.peer is not None
+                and link.endpoint in owing
+                and now - link.last_ping >= PING_INTERVAL_S
+            ):
+                link.ping_seq += 1
+                link.last_ping = now
+                link.client.send(Ping(seq=link.ping_seq))
+        return failed
+
+    def close(self, link: PrefillLink) -> None:
+        """Forget ``link`` (queued messages are dropped); a later request pairs afresh."""
+        if self._links.get(link.endpoint) is link:
+            del self._links[link.endpoint]
+        link.client.close()
+
+    def close_all(self) -> None:
+        for link in list(self._links.values()):
+            self.close(link)
