@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -28,6 +27,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+
+from baton.bench_metrics import engine_summary, metrics_delta, scrape, workers_of
 
 PERCENTILES = (50, 90, 99)
 
@@ -190,66 +191,6 @@ def _chunk_tokens(choice: dict) -> int | None:
     return 0
 
 
-async def _workers(client: httpx.AsyncClient, config: BenchConfig) -> list[str]:
-    """The servers whose metrics to diff besides ``config.url``: ``metrics_urls`` and, when
-    ``config.url`` is a baton router that lists them, its instances (with the bearer token
-    in ``$BATON_ADMIN_TOKEN`` if the router wants one)."""
-    urls = list(config.metrics_urls)
-    token = os.environ.get("BATON_ADMIN_TOKEN")
-    headers = {"authorization": f"Bearer {token}"} if token else {}
-    try:
-        resp = await client.get("/admin/instances", headers=headers)
-        if resp.status_code == 200:
-            urls += [i["url"] for i in resp.json()["instances"]]
-    except (httpx.HTTPError, ValueError, KeyError, TypeError):
-        pass
-    return list(dict.fromkeys(u.rstrip("/") for u in urls))
-
-
-async def _scrape(client: httpx.AsyncClient, url: str = "") -> dict[str, float]:
-    """Counter, gauge and histogram sum/count samples of ``/metrics``; {} when unavailable."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        resp = await client.get(f"{url}/metrics")
-        resp.raise_for_status()
-    except httpx.HTTPError:
-        return {}
-    samples = {}
-    for family in text_string_to_metric_families(resp.text):
-        for s in family.samples:
-            if s.name.endswith(("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return samples
-
-
-def _engine_summary(deltas: list[dict[str, float]]) -> dict[str, float | None]:
-    """Acceptance length and transfer rate over the run, from the servers' metric deltas
-    (transfer counted where it lands: decode servers' ``baton_transfer_*``)."""
-    accepted = sum(d.get("baton_acceptance_length_sum", 0.0) for d in deltas)
-    verified = sum(d.get("baton_acceptance_length_count", 0.0) for d in deltas)
-    decodes = [d for d in deltas if "baton_acceptance_length_count" in d]
-    moved = sum(v for d in decodes for k, v in d.items()
-                if k.startswith("baton_transfer_bytes_total"))  # fmt: skip
-    seconds = sum(d.get("baton_transfer_push_seconds_total", 0.0) for d in decodes)
-    return {
-        "acceptance_length_mean": accepted / verified if verified else None,
-        "transfer_bytes": moved,
-        "transfer_gb_per_s": moved / seconds / 1e9 if seconds else None,
-    }
-
-
-def _metrics_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    delta = {k: v - before.get(k, 0.0) for k, v in after.items() if not k.startswith("baton_num_")}
-    for name in ("time_to_first_token", "inter_token_latency"):
-        total, count = (delta.get(f"baton_{name}_seconds_{s}") for s in ("sum", "count"))
-        if total is not None and count:
-            delta[f"server_mean_{name}_s"] = total / count
-    return delta
-
-
 async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
     from tqdm import tqdm
 
@@ -261,9 +202,9 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
     timeout = httpx.Timeout(config.timeout_s)
     max_conns = httpx.Limits(max_connections=config.concurrency or len(records))
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=max_conns) as client:
-        workers = await _workers(client, config)
-        metrics_before = await _scrape(client)
-        workers_before = [await _scrape(client, url) for url in workers]
+        workers = await workers_of(client, config)
+        metrics_before = await scrape(client)
+        workers_before = [await scrape(client, url) for url in workers]
 
         async def limited(record: RequestRecord, prompt: list[int]) -> None:
             async with limit:
@@ -278,21 +219,21 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(config.request_rate))
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-        metrics_after = await _scrape(client)
-        workers_after = [await _scrape(client, url) for url in workers]
+        metrics_after = await scrape(client)
+        workers_after = [await scrape(client, url) for url in workers]
     bar.close()
     worker_metrics = {
-        url: _metrics_delta(before, after)
+        url: metrics_delta(before, after)
         for url, before, after in zip(workers, workers_before, workers_after, strict=True)
     }
-    server_metrics = _metrics_delta(metrics_before, metrics_after)
+    server_metrics = metrics_delta(metrics_before, metrics_after)
     config_dict = asdict(config)
     config_dict["request_rate"] = str(config.request_rate)  # JSON has no inf
     return {
         "config": config_dict,
         "summary": {
             **summarize(records, duration),
-            **_engine_summary([server_metrics, *worker_metrics.values()]),
+            **engine_summary([server_metrics, *worker_metrics.values()]),
         },
         "server_metrics": server_metrics,
         "worker_metrics": worker_metrics,
