@@ -152,6 +152,7 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
+    import logging
     import os
 
     import uvicorn
@@ -167,6 +168,8 @@ def _router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # one access line per relayed request, health changes, retries
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
     return 0
 

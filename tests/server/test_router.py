@@ -178,6 +178,12 @@ def test_router_answers_like_the_offline_engine(deployment, client, offline):
                                        want_lp[0].outputs[0].logprobs, strict=True)]  # fmt: skip
     assert resp.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     assert all(len(top) == 2 for top in resp.choices[0].logprobs.top_logprobs)
+    # the router's access log: one line per relayed request
+    deadline = time.monotonic() + 5
+    while "/v1/chat/completions -> decode" not in deployment.log("router"):
+        assert time.monotonic() < deadline, deployment.log("router")
+        time.sleep(0.1)
+    assert f"prefill {deployment.prefills[1]}: 200" in deployment.log("router")
 
 
 def test_metrics_of_every_worker_parse(deployment, client):

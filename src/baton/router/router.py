@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -190,7 +191,8 @@ class Router:
                     self.metrics.retries.labels("prefill_failed").inc()
                 continue
             self.metrics.requests.labels(str(upstream.status_code)).inc()
-            return _relay(upstream, release, decode)
+            access = f"room {room} {path} -> decode {decode.url}, prefill {prefill.url}"
+            return _relay(upstream, release, decode, access)
         assert failure is not None
         self.metrics.requests.labels(str(failure.status_code)).inc()
         return JSONResponse(failure.body(), status_code=failure.status_code)
@@ -254,14 +256,23 @@ async def _prefill_failure(upstream: httpx.Response) -> str | None:
     return None
 
 
-def _relay(upstream: httpx.Response, release: _Release, decode: Instance) -> StreamingResponse:
+def _relay(
+    upstream: httpx.Response, release: _Release, decode: Instance, access: str
+) -> StreamingResponse:
+    """Stream ``upstream`` to the client; one access-log line (``access``: room, path,
+    instances) when it ends: status, bytes, seconds and how it ended."""
     is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+    start = time.monotonic()
 
     async def body() -> AsyncIterator[bytes]:
+        num_bytes, ending = 0, "client left"
         try:
             async for chunk in upstream.aiter_bytes():
+                num_bytes += len(chunk)
                 yield chunk
+            ending = "done"
         except httpx.HTTPError as exc:  # decode died mid-answer: nothing to retry any more
+            ending = "decode failed mid-stream"
             decode.healthy, decode.last_error = False, f"failed mid-stream: {exc!r}"
             logger.warning("router: decode %s failed mid-stream: %r", decode.url, exc)
             if is_sse:  # end the stream as the server would: an error event, then [DONE]
@@ -271,6 +282,8 @@ def _relay(upstream: httpx.Response, release: _Release, decode: Instance) -> Str
         finally:  # also on a client disconnect: closing upstream aborts decode's request
             await upstream.aclose()
             release()
+            logger.info("router: %s: %d, %d bytes in %.3f s, %s", access, upstream.status_code,
+                        num_bytes, time.monotonic() - start, ending)  # fmt: skip
 
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
