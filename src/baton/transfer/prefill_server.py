@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from baton.config import EngineConfig
 from baton.engine import handoff
@@ -27,10 +26,6 @@ from baton.transfer.protocol import (
     StateDone,
     StateFailed,
 )
-
-if TYPE_CHECKING:
-    pass  # the engine's per-request record
-
 from baton.transfer.worker_base import (
     IDLE_WAIT_MS,
     MAX_MESSAGES_PER_TURN,
@@ -241,10 +236,7 @@ class PrefillServer:
         if peer is None:
             return
         for room in [r for r, info in self.rooms.items() if info.peer == identity]:
-            request_id = request_id_of(room)
-            peer.sender.outgoing.pop(request_id, None)
-            self.engine.abort_request(request_id)
-            handoff.release(self.engine, request_id)
+            self._discard(room, peer)
             del self.rooms[room]
         for room in [r for r, p in self.lingering.items() if p == identity]:
             del self.lingering[room]
@@ -350,15 +342,19 @@ class PrefillServer:
         for room in [r for r, info in self.rooms.items() if info.arrival < limit]:
             self._drop(room, f"not pushed within {self.deadlines.waiting_for_state_s} s")
 
-    def _drop(self, room: int, reason: str) -> None:
-        """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
-        between steps nothing is writing for it."""
+    def _discard(self, room: int, peer: _Peer | None) -> None:
+        """Stop computing ``room`` and free its prefill units (between steps nothing writes
+        for it)."""
         request_id = request_id_of(room)
-        peer = self.peers.get(self.rooms[room].peer)
         if peer is not None:
             peer.sender.outgoing.pop(request_id, None)
         self.engine.abort_request(request_id)
         handoff.release(self.engine, request_id)
+
+    def _drop(self, room: int, reason: str) -> None:
+        """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
+        between steps nothing is writing for it."""
+        self._discard(room, self.peers.get(self.rooms[room].peer))
         logger.info("prefill: room %d dropped: %s", room, reason)
         self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
 

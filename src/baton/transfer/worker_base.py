@@ -6,15 +6,11 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from baton.memory.allocator import SharedMemoryAllocator
 from baton.transfer.backends import backend_class
 from baton.transfer.backends.base import TransferBackend
 from baton.transfer.backends.shm import ShmBackend
-
-if TYPE_CHECKING:
-    pass  # the engine's per-request record
 
 logger = logging.getLogger("baton.transfer")
 
