@@ -164,8 +164,11 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 
     def sse(
         outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
-        usage_chunk: Callable[[RequestOutput], dict] | None,
+        usage_head: dict | None,
     ) -> StreamingResponse:  # fmt: skip
+        """The SSE stream of ``chunk(out)`` per output; with ``usage_head`` (the client asked
+        for ``stream_options.include_usage``) a last chunk carrying the usage."""
+
         async def body() -> AsyncIterator[str]:
             last = None
             try:
@@ -174,8 +177,9 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                     data = chunk(out)
                     if data is not None:
                         yield f"data: {json.dumps(data)}\n\n"
-                if usage_chunk is not None and last is not None:
-                    yield f"data: {json.dumps(usage_chunk(last))}\n\n"
+                if usage_head is not None and last is not None:
+                    usage = {**usage_head, "choices": [], "usage": _usage(last)}
+                    yield f"data: {json.dumps(usage)}\n\n"
             except Exception as exc:  # the engine died mid-stream: tell the client, then end
                 err = ApiError(f"the engine failed: {exc}", 500, type="server_error")
                 yield f"data: {json.dumps(err.body())}\n\n"
@@ -223,12 +227,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 offset += len(delta.text)
                 return {**head, "choices": [choice]}
 
-            usage = (
-                (lambda out: {**head, "choices": [], "usage": _usage(out)})
-                if req.include_usage
-                else None
-            )
-            return sse(outputs, chunk, usage)
+            return sse(outputs, chunk, head if req.include_usage else None)
         final = await _last_unless_disconnected(request, outputs)
         completion = final.outputs[0]
         choice = {
@@ -283,12 +282,7 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
                 }
                 return {**head, "choices": [choice]}
 
-            usage = (
-                (lambda out: {**head, "choices": [], "usage": _usage(out)})
-                if req.include_usage
-                else None
-            )
-            return sse(outputs, chunk, usage)
+            return sse(outputs, chunk, head if req.include_usage else None)
         final = await _last_unless_disconnected(request, outputs)
         completion = final.outputs[0]
         choice = {

@@ -14,6 +14,23 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 if TYPE_CHECKING:
     from baton.server.async_engine import AsyncEngine
 
+
+class TotalCounter:
+    """A Prometheus counter fed with running totals (a worker thread's snapshot): each
+    ``set_total`` adds what the total grew by since the last one, per label value."""
+
+    def __init__(
+        self, name: str, doc: str, registry: CollectorRegistry, label: str | None = None
+    ) -> None:
+        self.counter = Counter(name, doc, [label] if label else [], registry=registry)
+        self._seen: dict[str | None, float] = {}
+
+    def set_total(self, total: float, label: str | None = None) -> None:
+        counter = self.counter if label is None else self.counter.labels(label)
+        counter.inc(max(0.0, total - self._seen.get(label, 0.0)))
+        self._seen[label] = total
+
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -42,19 +59,18 @@ class ServerMetrics:
             "baton_units_in_use", "units held per state component (pool)", ["component"],
             registry=r,
         )  # fmt: skip
-        self.transfer_bytes = Counter(
-            "baton_transfer_bytes", "state bytes pushed into this decode per component",
-            ["component"], registry=r,
+        self.transfer_bytes = TotalCounter(
+            "baton_transfer_bytes", "state bytes pushed into this decode per component", r,
+            "component",
         )  # fmt: skip
-        self.transfer_seconds = Counter(
-            "baton_transfer_seconds", "seconds prefill spent pushing state per component",
-            ["component"], registry=r,
+        self.transfer_seconds = TotalCounter(
+            "baton_transfer_seconds", "seconds prefill spent pushing state per component", r,
+            "component",
         )  # fmt: skip
-        self.push_seconds = Counter(
+        self.push_seconds = TotalCounter(
             "baton_transfer_push_seconds", "seconds prefill spent pushing state into this decode "
-            "(all components together; bytes / this = the push rate)", registry=r,
+            "(all components together; bytes / this = the push rate)", r,
         )  # fmt: skip
-        self._seen: dict[str, tuple[int, float]] = {}
 
     def update(self, engine: AsyncEngine) -> None:
         """Copy the engine thread's latest snapshot into the gauges and counters."""
@@ -63,10 +79,6 @@ class ServerMetrics:
         for name, n in engine.units_in_use.items():
             self.units.labels(name).set(n)
         for name, (num_bytes, seconds) in engine.transfer_stats.items():
-            seen_bytes, seen_seconds = self._seen.get(name, (0, 0.0))
-            self.transfer_bytes.labels(name).inc(num_bytes - seen_bytes)
-            self.transfer_seconds.labels(name).inc(max(0.0, seconds - seen_seconds))
-            self._seen[name] = (num_bytes, seconds)
-        seen_push = self._seen.get("", (0, 0.0))[1]
-        self.push_seconds.inc(max(0.0, engine.push_seconds - seen_push))
-        self._seen[""] = (0, engine.push_seconds)
+            self.transfer_bytes.set_total(num_bytes, name)
+            self.transfer_seconds.set_total(seconds, name)
+        self.push_seconds.set_total(engine.push_seconds)

@@ -20,11 +20,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
-    Counter,
     Gauge,
     generate_latest,
 )
 
+from baton.server.metrics import TotalCounter
 from baton.server.protocol import ApiError
 from baton.transfer.prefill_server import PrefillServer
 
@@ -82,20 +82,13 @@ def build_prefill_app(loop: PrefillLoop) -> FastAPI:
     r = CollectorRegistry()
     in_flight = Gauge("baton_prefill_requests_in_flight", "rooms being computed or pushed",
                       registry=r)  # fmt: skip
-    finished = Counter("baton_prefill_requests", "rooms ended, by outcome", ["outcome"],
-                       registry=r)  # fmt: skip
+    finished = TotalCounter("baton_prefill_requests", "rooms ended, by outcome", r, "outcome")
     units = Gauge("baton_units_in_use", "units held per state component (pool)", ["component"],
                   registry=r)  # fmt: skip
-    pushed = Counter("baton_transfer_bytes", "state bytes pushed per component", ["component"],
-                     registry=r)  # fmt: skip
-    seconds = Counter("baton_transfer_seconds", "seconds spent pushing per component",
-                      ["component"], registry=r)  # fmt: skip
-    seen: dict[tuple[str, str], float] = {}
-
-    def advance(counter: Counter, key: str, label: str, total: float) -> None:
-        previous = seen.get((key, label), 0)
-        counter.labels(label).inc(max(0, total - previous))
-        seen[(key, label)] = total
+    pushed = TotalCounter("baton_transfer_bytes", "state bytes pushed per component", r,
+                          "component")  # fmt: skip
+    seconds = TotalCounter("baton_transfer_seconds", "seconds spent pushing per component", r,
+                           "component")  # fmt: skip
 
     @app.get("/health")
     async def health() -> Response:
@@ -113,11 +106,11 @@ def build_prefill_app(loop: PrefillLoop) -> FastAPI:
         for name, n in snap["units"].items():
             units.labels(name).set(n)
         for outcome, n in snap["requests"].items():
-            advance(finished, "requests", outcome, n)
+            finished.set_total(n, outcome)
         for name, n in snap["bytes"].items():
-            advance(pushed, "bytes", name, n)
+            pushed.set_total(n, name)
         for name, s in snap["seconds"].items():
-            advance(seconds, "seconds", name, s)
+            seconds.set_total(s, name)
         return Response(generate_latest(r), media_type=CONTENT_TYPE_LATEST)
 
     return app
