@@ -129,6 +129,7 @@ class ModelRunner:
         logprobs = logits.log_softmax(-1)  # raw distribution, as for plain sampling
         at = [s + i for _, s, tokens, _ in committed for i in range(len(tokens))]
         picked = logprobs[at, [t for _, _, tokens, _ in committed for t in tokens]].tolist()
+        offset = 0  # into ``picked``: each request's committed tokens in turn
         for request_id, start, tokens, num_rejected in committed:
             n = states[request_id].params.logprobs
             top: list[list[tuple[int, float]] | None] = [None] * len(tokens)
@@ -138,10 +139,9 @@ class ModelRunner:
                     list(zip(i[:n], v[:n], strict=True))
                     for i, v in zip(ids.tolist(), values.tolist(), strict=True)
                 ]
-            result.committed[request_id] = Committed(
-                tokens, picked[: len(tokens)], top, num_rejected
-            )
-            picked = picked[len(tokens) :]
+            own = picked[offset : offset + len(tokens)]
+            result.committed[request_id] = Committed(tokens, own, top, num_rejected)
+            offset += len(tokens)
 
     def _feed_draft(self, chunks, segments, hidden, result: StepResult) -> None:
         """Draft prompt pairs of prefill chunks now; the rest become pending pairs."""
