@@ -48,3 +48,16 @@ def cpu_name() -> str:
         if names:
             return names[0].split(":", 1)[1].strip()
     return platform.processor()
+
+
+def machine_facts(dtype: str, **extra) -> dict:
+    """What a result was measured on: versions, CPU, threads, dtype, plus ``extra``."""
+    return {
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "python_version": platform.python_version(),
+        "cpu": cpu_name(),
+        "num_threads": torch.get_num_threads(),
+        "dtype": dtype,
+        **extra,
+    }

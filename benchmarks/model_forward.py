@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import BUNDLED_SHAPE, cpu_name, save_random_qwen3
+from common import BUNDLED_SHAPE, save_random_qwen3
+from common import machine_facts as common_machine_facts
 
 from baton.model import CausalLM, DenseAttention, load_model
 from baton.model.loader import DTYPES
@@ -202,19 +202,13 @@ def check_agreement(
 def machine_facts(
     args: argparse.Namespace, model_dir: Path, is_random: bool, model: CausalLM, hf: torch.nn.Module
 ) -> dict:
-    cpu = cpu_name()
-    return {
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "python_version": platform.python_version(),
-        "cpu": cpu,
-        "num_threads": torch.get_num_threads(),
-        "dtype": args.dtype,
-        "model_dir": "random Qwen3 (temporary directory)" if is_random else str(model_dir),
-        "is_random_model": is_random,
-        "num_params": sum(p.numel() for p in model.parameters()),  # tied weights count once
-        "hf_attn_implementation": hf.config._attn_implementation,
-    }
+    return common_machine_facts(
+        args.dtype,
+        model_dir="random Qwen3 (temporary directory)" if is_random else str(model_dir),
+        is_random_model=is_random,
+        num_params=sum(p.numel() for p in model.parameters()),  # tied weights count once
+        hf_attn_implementation=hf.config._attn_implementation,
+    )
 
 
 def run(args: argparse.Namespace, model_dir: Path, is_random: bool) -> dict:

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import random
 import statistics
 import sysconfig
@@ -51,7 +50,8 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import BUNDLED_SHAPE, PAD_ID, cpu_name, save_random_qwen3
+from common import BUNDLED_SHAPE, PAD_ID, save_random_qwen3
+from common import machine_facts as common_machine_facts
 
 from baton import LLM, SamplingParams
 from baton.tokenizer import Tokenizer
@@ -352,17 +352,11 @@ def bench_kv(model_dir: Path, args: argparse.Namespace, sizes: Sizes, stream: li
 
 # -- report ------------------------------------------------------------------------------------
 def machine_facts(args: argparse.Namespace, model_desc: str, hf) -> dict:
-    cpu = cpu_name()
-    return {
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "python_version": platform.python_version(),
-        "cpu": cpu,
-        "num_threads": torch.get_num_threads(),
-        "dtype": args.dtype,
-        "model": model_desc,
-        "hf_attn_implementation": hf.config._attn_implementation if hf is not None else None,
-    }
+    return common_machine_facts(
+        args.dtype,
+        model=model_desc,
+        hf_attn_implementation=hf.config._attn_implementation if hf is not None else None,
+    )
 
 
 def verdict(row: dict, key: str) -> str:
