@@ -207,7 +207,7 @@ def _deadlines(args: argparse.Namespace):
     """``Deadlines`` from the ``--*-s`` flags (one per field); ``ValueError`` names a bad one."""
     import dataclasses
 
-    from baton.transfer.worker_base import Deadlines
+    from baton.config import Deadlines
 
     return Deadlines(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Deadlines)})
 
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
-    from baton.transfer.worker_base import Deadlines  # light: no engine or backend imported
+    from baton.config import Deadlines  # light: torch is not imported for --help
 
     for f in dataclasses.fields(Deadlines):
         serve.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default,

@@ -2,12 +2,15 @@
 
 Facts discovered at start-up (pages that fit, the schema hash) go into new objects, never
 back into these. ``EngineConfig.from_kwargs`` maps flat vLLM-style keyword arguments
-(``LLM(model, page_size=32, max_num_seqs=8)``) onto the tree.
+(``LLM(model, page_size=32, max_num_seqs=8)``) onto the tree. ``Deadlines`` are the PD
+workers' waits (read by ``baton.transfer``; here so a CLI can build its flags without
+importing torch).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,3 +107,32 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),
             **parts[""],
         )
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Seconds each wait of a PD pair may last; both sides read the same values."""
+
+    bootstrap_s: float = 30.0
+    """Decode: Hello sent -> HelloAck received; past it ``DecodeClient`` raises."""
+    waiting_for_state_s: float = 60.0
+    """ReserveState sent -> state landed. Decode fails the request past it; prefill drops a
+    room older than this (its decode has given up) instead of computing and pushing it."""
+    abort_grace_s: float = 30.0
+    """Decode: how long a failed request's units stay reserved for prefill to confirm it
+    stopped writing; past it they are freed anyway (a dead prefill never confirms)."""
+    transferring_s: float = 60.0
+    """Prefill: the longest wait for one push batch; past it its rooms fail (without
+    claiming the writes stopped: the backend has no cancel) -- ``PrefillWorker.transfer_s``."""
+    peer_silence_s: float = 10.0
+    """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
+    sent every ``PING_INTERVAL_S``) this long is taken for dead: its requests fail now, not
+    at ``waiting_for_state_s``, so a router can retry them elsewhere."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{f.name} must be a positive number of seconds, got {value!r}")
+            if not math.isfinite(value):
+                raise ValueError(f"{f.name} must be finite (every wait has a deadline): {value}")
