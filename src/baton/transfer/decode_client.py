@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from baton.config import EngineConfig
+from baton.config import Deadlines, EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.memory.allocator import SharedMemoryAllocator
@@ -41,7 +41,6 @@ from baton.transfer.worker_base import (
     IDLE_WAIT_MS,
     MAX_FAILURE_REASONS,
     PING_INTERVAL_S,
-    Deadlines,
     _check_backend,
     _new_backend,
     request_id_of,

@@ -16,10 +16,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from baton.config import Deadlines
 from baton.transfer.channel import ControlClient, wait_any
 from baton.transfer.handshake import PairingError, check_pairing
 from baton.transfer.protocol import Hello, HelloAck, Message, Ping, Pong
-from baton.transfer.worker_base import MAX_MESSAGES_PER_TURN, PING_INTERVAL_S, Deadlines
+from baton.transfer.worker_base import MAX_MESSAGES_PER_TURN, PING_INTERVAL_S
 
 logger = logging.getLogger("baton.transfer")
 

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from baton.config import EngineConfig
+from baton.config import Deadlines, EngineConfig
 from baton.engine import handoff
 from baton.engine.engine import LLMEngine
 from baton.transfer.backends.base import RegionDescriptor
@@ -29,7 +29,6 @@ from baton.transfer.protocol import (
 from baton.transfer.worker_base import (
     IDLE_WAIT_MS,
     MAX_MESSAGES_PER_TURN,
-    Deadlines,
     _check_backend,
     _new_backend,
     request_id_of,

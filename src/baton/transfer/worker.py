@@ -36,7 +36,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from baton.config import EngineConfig
+from baton.config import Deadlines, EngineConfig
 from baton.request import FinishReason, SamplingParams
 from baton.transfer.channel import DEFAULT_HOST
 from baton.transfer.handshake import PairingError
@@ -48,7 +48,6 @@ from baton.transfer.decode_client import DecodeClient
 from baton.transfer.prefill_server import PrefillServer
 from baton.transfer.worker_base import (
     WORKER_BACKENDS,
-    Deadlines,
     request_id_of,
 )
 
