@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.kernels import library
+from baton.kernels.paged_attention import PagedAttentionCall
 from baton.memory.cache import ModelCache
 from baton.memory.pools import RingPool, StatePool
 from baton.model.attention import masked_attention, visibility_mask
@@ -44,19 +46,26 @@ class Segment:
 
 @dataclass
 class _BatchPlan:
-    """Index tensors of the batched path for one pool and one forward."""
+    """Index lists of the batched path for one pool and one forward."""
 
     segments: list[Segment]
+    unit_lists: list[list[int]]
+    """Per segment, the units holding its context (pages in order, or its ring)."""
+    key_base: list[int | None]
+    """Per segment, the position held by row 0 of its first unit (None: a ring)."""
+    firsts: list[int]
+    """Per segment, the lowest visible position."""
     token_index: torch.Tensor  # [T] the segments' tokens in the flattened step
     write_units: torch.Tensor  # [T]
     write_rows: torch.Tensor  # [T]
-    read_units: torch.Tensor  # [B, U] whole units (pages or a ring), padded with unit 0
-    q_index: torch.Tensor  # [B, Q] flattened token of each query (padded with 0)
-    q_valid: torch.Tensor  # [B, Q] bool
-    bias: torch.Tensor  # [B, 1, 1, Q, L] fp32: 0 where visible, -inf elsewhere
+    q_index: list[list[int]]  # [B, Q] flattened token of each query (padded with 0)
     dense: bool
     """The segments are the whole step, back to back, all of one length (a decode or
     verify step): queries, keys and outputs are views of the step's rows, no gathers."""
+    native: PagedAttentionCall | None
+    """The same lists for the C kernel, which reads the pool in place (None: torch only)."""
+    gathered: tuple | None = None
+    """The torch path's tensors (``_gather_plan``), built on its first use."""
 
 
 def _first_visible(seg: Segment, window: int | None) -> int:
@@ -90,70 +99,101 @@ class PagedAttention:
         return plan, others
 
     def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
-        # Reads gather whole units (contiguous rows), not rows: each unit's rows carry a
-        # position (or -1), and the mask keeps exactly the visible ones. Per segment only
-        # Python lists are built; the tensors (and the mask) once for the whole batch.
+        # Per segment only Python lists; tensors once for the whole batch.
         firsts = [_first_visible(s, window) for s in segs]
-        unit_lists, position_lists = [], []
+        unit_lists, key_base = [], []
         for seg, first in zip(segs, firsts, strict=True):
-            units, positions = pool.unit_positions(
-                seg.request_id, first, seg.start + seg.num_tokens
-            )
+            units, base = pool.read_units(seg.request_id, first, seg.start + seg.num_tokens)
             unit_lists.append(units)
-            position_lists.append(positions)
-        num_units = max(len(u) for u in unit_lists)
-        num_keys = num_units * pool.rows
+            key_base.append(base)
         num_queries = max(s.num_tokens for s in segs)
-        read_units = torch.tensor([u + [0] * (num_units - len(u)) for u in unit_lists])
-        key_pos = torch.full((len(segs), num_keys), -1, dtype=torch.long)
         token_index, write_units, write_rows, q_index = [], [], [], []
-        for b, seg in enumerate(segs):
-            key_pos[b, : len(position_lists[b])] = position_lists[b]
+        for seg in segs:
             units, rows = pool.slot_lists(seg.request_id, seg.start, seg.start + seg.num_tokens)
             write_units += units
             write_rows += rows
             tokens = list(range(seg.offset, seg.offset + seg.num_tokens))
             token_index += tokens
             q_index.append(tokens + [0] * (num_queries - seg.num_tokens))
+        dense = all(
+            s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
+        ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
+        native = None
+        if library() is not None:
+            native = PagedAttentionCall(
+                unit_lists,
+                [0 if b is None else b for b in key_base],
+                q_index,
+                [s.start for s in segs],
+                [s.num_tokens for s in segs],
+                firsts,
+                pool.rows,
+                window,
+                is_ring=isinstance(pool, RingPool),
+            )
+        return _BatchPlan(
+            segs,
+            unit_lists,
+            key_base,
+            firsts,
+            torch.tensor(token_index),
+            torch.tensor(write_units),
+            torch.tensor(write_rows),
+            q_index,
+            dense,
+            native,
+        )
+
+    @staticmethod
+    def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
+        """The torch path's tensors: read_units [B, U] (padded with unit 0), q_index [B, Q],
+        q_valid [B, Q], and the fp32 additive mask [B, 1, 1, Q, L] (0 visible, -inf not).
+        Reads gather whole units (contiguous rows); the mask keeps exactly the visible rows."""
+        if plan.gathered is not None:
+            return plan.gathered
+        segs, rows = plan.segments, pool.rows
+        num_units = max(len(u) for u in plan.unit_lists)
+        read_units = torch.tensor([u + [0] * (num_units - len(u)) for u in plan.unit_lists])
+        row = torch.arange(num_units * rows)
+        key_pos = torch.full((len(segs), num_units * rows), -1, dtype=torch.long)
+        for b, (seg, units, base) in enumerate(
+            zip(segs, plan.unit_lists, plan.key_base, strict=True)
+        ):
+            n = len(units) * rows
+            if base is not None:
+                key_pos[b, :n] = base + row[:n]
+            else:  # ring: row r holds the newest position p < end with p % rows == r
+                last = seg.start + seg.num_tokens - 1
+                positions = last - ((last - row[:n]) % rows)
+                key_pos[b, :n] = torch.where(positions >= 0, positions, -1)
+        num_queries = len(plan.q_index[0])
         num_tokens = torch.tensor([s.num_tokens for s in segs])
         q_valid = torch.arange(num_queries)[None, :] < num_tokens[:, None]  # [B, Q]
         q_pos = torch.tensor([s.start for s in segs])[:, None] + torch.arange(num_queries)
         keys, queries = key_pos[:, None, :], q_pos[:, :, None]  # [B, 1, L], [B, Q, 1]
-        visible = (keys <= queries) & (keys >= torch.tensor(firsts)[:, None, None])
+        visible = (keys <= queries) & (keys >= torch.tensor(plan.firsts)[:, None, None])
         if window is not None:
             visible &= keys > queries - window
         visible &= q_valid[:, :, None]
         visible[:, :, 0] |= ~q_valid  # padded queries: anything but NaN
-        dense = all(
-            s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
-        ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-        return _BatchPlan(
-            segs,
-            torch.tensor(token_index),
-            torch.tensor(write_units),
-            torch.tensor(write_rows),
-            read_units,
-            torch.tensor(q_index),
-            q_valid,
-            bias[:, None, None],
-            dense,
-        )
+        plan.gathered = (read_units, torch.tensor(plan.q_index), q_valid, bias[:, None, None])
+        return plan.gathered
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
         pool, local = self.cache.layer_map[layer_id]
         plan, others = self._plan(pool, window)
         if plan is not None and plan.dense:
-            return self._attend_batched(pool, local, plan, q, k, v, None, scale, softcap)
+            return self._attend_batched(pool, local, plan, q, k, v, None, scale, softcap, window)
         out = torch.empty_like(q)
         if plan is not None:
-            self._attend_batched(pool, local, plan, q, k, v, out, scale, softcap)
+            self._attend_batched(pool, local, plan, q, k, v, out, scale, softcap, window)
         for seg in others:
             self._attend_one(pool, local, seg, q, k, v, out, window, scale, softcap)
         return out
 
-    def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap):
+    def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap, window):
         """Write the segments' K/V, attend; into ``out``, or returned when ``plan.dense``."""
         storage = pool.storage
         rows = slice(None) if plan.dense else plan.token_index
@@ -162,24 +202,29 @@ class PagedAttention:
         for seg in plan.segments:
             end = seg.start + seg.num_tokens
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
-        batch, num_units = plan.read_units.shape
+        if plan.native is not None:
+            result = torch.empty_like(q) if plan.dense else out
+            if plan.native(q[0], result[0], storage, local, scale, softcap):
+                return result
+        read_units, q_index, q_valid, bias = self._gather_plan(pool, plan, window)
+        batch, num_units = read_units.shape
         # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.
         shape = (batch, num_units * pool.rows, *storage.shape[-2:])
-        keys = storage[:, local, 0][plan.read_units].view(shape)  # [B, L, kv, D]
-        values = storage[:, local, 1][plan.read_units].view(shape)
+        keys = storage[:, local, 0][read_units].view(shape)  # [B, L, kv, D]
+        values = storage[:, local, 1][read_units].view(shape)
         # [B, Q, heads, D]
-        queries = q[0].reshape(batch, -1, *q.shape[2:]) if plan.dense else q[0, plan.q_index]
+        queries = q[0].reshape(batch, -1, *q.shape[2:]) if plan.dense else q[0, q_index]
         attn = masked_attention(
             queries.transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            plan.bias,
+            bias,
             scale,
             softcap,
         )  # [B, heads, Q, D]
         if plan.dense:
             return attn.transpose(1, 2).reshape(q.shape)
-        out[0, plan.q_index[plan.q_valid]] = attn.transpose(1, 2)[plan.q_valid]
+        out[0, q_index[q_valid]] = attn.transpose(1, 2)[q_valid]
         return out
 
     def _attend_one(self, pool, local, seg, q, k, v, out, window, scale, softcap):

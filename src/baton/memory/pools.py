@@ -125,11 +125,10 @@ class StatePool(ABC):
         """``_slots`` of positions [start, end) as Python lists (cheaper for a few rows)."""
 
     @abstractmethod
-    def unit_positions(
-        self, request_id: str, first: int, end: int
-    ) -> tuple[list[int], torch.Tensor]:
-        """The units holding positions [first, end) and, for every row of those units in
-        order, the position it holds (-1: none); rows outside [first, end) may show up."""
+    def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
+        """The units holding positions [first, end), in order, and the position held by row 0
+        of the first (rows follow consecutively; rows outside [first, end) may show up).
+        None for a ring: its row r holds the newest position p < end with p % rows == r."""
 
     @abstractmethod
     def _store_from(self, start: int, end: int) -> int:
@@ -238,14 +237,10 @@ class PagedPool(StatePool):
         start = logical[0] * self.page_size if logical else 0
         return UnitRange(tuple(table[p] for p in logical), start, end)
 
-    def unit_positions(
-        self, request_id: str, first: int, end: int
-    ) -> tuple[list[int], torch.Tensor]:
+    def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
         table = self.tables[request_id]
         logical = range(first // self.page_size, (end - 1) // self.page_size + 1)
-        units = [table[p] for p in logical]
-        start = logical.start * self.page_size
-        return units, torch.arange(start, start + len(units) * self.page_size)
+        return [table[p] for p in logical], logical.start * self.page_size
 
     def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
         table, size = self.tables[request_id], self.page_size
@@ -328,13 +323,8 @@ class RingPool(StatePool):
         end = self.num_tokens.get(request_id, 0)
         return UnitRange((self.rings[request_id],), max(0, end - self.rows), end)
 
-    def unit_positions(
-        self, request_id: str, first: int, end: int
-    ) -> tuple[list[int], torch.Tensor]:
-        # Row r holds the latest position p < end with p % rows == r (negative: none yet).
-        rows = torch.arange(self.rows)
-        positions = (end - 1) - ((end - 1 - rows) % self.rows)
-        return [self.rings[request_id]], torch.where(positions >= 0, positions, -1)
+    def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
+        return [self.rings[request_id]], None
 
     def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
         assert end - start <= self.rows, f"{self.name}: {end - start} positions > ring"

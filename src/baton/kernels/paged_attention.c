@@ -1,0 +1,337 @@
+/* Attention of short query segments (decode, speculative verification, draft steps) read
+ * straight from a pool's pages or rings: no gathered copy of the context, no padded batch.
+ *
+ * One task per (segment, kv head): the segment's queries of the heads that share the kv head
+ * are scored against every row of the segment's units in one pass (each key row converted
+ * to fp32 once), soft-maxed per query in fp32, and the value rows accumulated the same way.
+ * A row is visible to the query at position p when its position kp (-1: empty) satisfies
+ *     first <= kp <= p   and, with a window W > 0,   kp > p - W.
+ *
+ * Layout, in elements: a key row of unit u, row r, kv head g starts at
+ *     k + u * unit_stride + r * row_stride + g * head_stride   (v alike),
+ * query token t of head h at q + t * q_token_stride + h * q_head_stride, output alike.
+ * Activations are bf16 (is_bf16) or fp32; the arithmetic is fp32 throughout.
+ * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
+ * baton/engine/paged_attention.py, which tests compare it with.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_QUERIES 64 /* queries of one task: segment tokens x heads per kv head */
+
+static inline float load(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
+
+static inline void store(void *base, int64_t i, float f, int is_bf16) {
+    if (is_bf16) { /* round to nearest even, as torch does; NaN stays NaN */
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        if ((bits & 0x7fffffffu) > 0x7f800000u) {
+            ((uint16_t *)base)[i] = (uint16_t)((bits >> 16) | 0x40u);
+            return;
+        }
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
+        return;
+    }
+    ((float *)base)[i] = f;
+}
+
+/* Row of `n` elements to fp32; separate loops per dtype so that each vectorises. */
+static inline void load_row(float *restrict dst, const void *src, int64_t offset, int n,
+                            int is_bf16) {
+    if (is_bf16) {
+        const uint16_t *restrict s = (const uint16_t *)src + offset;
+#pragma omp simd
+        for (int i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)s[i] << 16;
+            float f;
+            memcpy(&f, &bits, sizeof f);
+            dst[i] = f;
+        }
+    } else {
+        memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
+    }
+}
+
+/* exp(x) for x <= 0 (scores minus their maximum) in plain arithmetic so loops over it
+ * vectorise: 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial, relative error ~2e-7.
+ * Below -87 it returns 0. */
+static inline float exp_nonpositive(float x) {
+    if (x < -87.0f) return 0.0f;
+    float n = nearbyintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f +
+                  r * (0.0083333333f + r * 0.0013888889f)))));
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+typedef struct {
+    const void *q;
+    int64_t q_token_stride, q_head_stride;
+    void *out;
+    int64_t out_token_stride, out_head_stride;
+    const void *k, *v;
+    int64_t unit_stride, row_stride, head_stride;
+    const int32_t *units;     /* [batch, max_units] */
+    const int32_t *num_units; /* [batch] units of each segment (the rest is padding) */
+    const int32_t *key_base;  /* [batch] pages: position held by the first unit's row 0 */
+    const int32_t *q_index;   /* [batch, max_q] step token of each query */
+    const int32_t *q_start;   /* [batch] position of the segment's first query */
+    const int32_t *q_count;   /* [batch] queries of the segment */
+    const int32_t *first;     /* [batch] lowest visible position */
+    int32_t max_units, rows, max_q, heads, kv_heads, head_dim, window;
+    int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
+    float scale, softcap;
+    int32_t is_bf16;
+} Args;
+
+#define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
+
+typedef struct { /* one block of key rows of one task */
+    int64_t at[BLOCK];     /* element offset of each row's kv head (padding repeats row 0) */
+    int32_t pos[BLOCK];    /* position held, -1: empty or padding */
+} Block;
+
+static inline int visible(const Args *a, int b, int kp, int p) {
+    return kp >= 0 && kp >= a->first[b] && kp <= p && !(a->window > 0 && kp <= p - a->window);
+}
+
+/* scores[kk] = scale * q . k_kk for the block, -INFINITY where not visible (portable C). */
+static inline void score_block(const Args *a, int b, const Block *blk, const float *q, int p,
+                               float *row, float *scores, int d) {
+    for (int kk = 0; kk < BLOCK; kk++) {
+        if (!visible(a, b, blk->pos[kk], p)) {
+            scores[kk] = -INFINITY;
+            continue;
+        }
+        load_row(row, a->k, blk->at[kk], d, a->is_bf16);
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int e = 0; e < d; e++) dot += q[e] * row[e];
+        scores[kk] = dot * a->scale;
+    }
+}
+
+/* acc[e] += sum_kk probs[kk] * v_kk[e] (portable C); rows: the block's values in fp32. */
+static inline void accumulate_block(const float *probs, const float *rows, float *acc, int d) {
+    for (int kk = 0; kk < BLOCK; kk++) {
+        if (probs[kk] == 0.0f) continue;
+#pragma omp simd
+        for (int e = 0; e < d; e++) acc[e] += probs[kk] * rows[(int64_t)kk * d + e];
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAS_BF16_PATH 1
+
+/* r[k] = sum of the lanes of v[k], k < 16: 45 shuffles and adds instead of 16 reductions. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 w[8], x[4];
+    for (int k = 0; k < 8; k++) /* per 128-bit lane: (a0+a2, b0+b2, a1+a3, b1+b3) */
+        w[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]),
+                             _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) /* per 128-bit lane: the lane sums of v[4k .. 4k+3] */
+        x[k] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(w[2 * k], w[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 z0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 z1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(x[2], x[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* score_block for bf16 with d % 32 == 0: bf16 pair products summed in fp32 (vdpbf16ps). */
+static inline void score_block_bf16(const Args *a, int b, const Block *blk, const uint16_t *q,
+                                    int p, float *scores, int d) {
+    __m512 part[BLOCK];
+    for (int kk = 0; kk < BLOCK; kk++) {
+        const uint16_t *k = (const uint16_t *)a->k + blk->at[kk];
+        __m512 acc = _mm512_setzero_ps();
+        for (int e = 0; e < d; e += 32)
+            acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e),
+                                   (__m512bh)_mm512_loadu_si512(k + e));
+        part[kk] = acc;
+    }
+    __m512 s = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(a->scale));
+    __m512i pos = _mm512_loadu_si512(blk->pos);
+    int lo = a->first[b] > 0 ? a->first[b] : 0;
+    __mmask16 keep = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(lo)) &
+                     _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(p));
+    if (a->window > 0) keep &= _mm512_cmpgt_epi32_mask(pos, _mm512_set1_epi32(p - a->window));
+    _mm512_storeu_ps(scores, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
+}
+
+/* load_row for bf16 with d % 16 == 0 (gcc leaves the loop scalar inside the block loop). */
+static inline void load_row_bf16(float *dst, const uint16_t *src, int d) {
+    for (int e = 0; e < d; e += 16) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + e)));
+        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+}
+
+/* accumulate_block with d % 16 == 0, d <= 256: the accumulator stays in registers. */
+static inline void accumulate_block_avx512(const float *probs, const float *rows, float *acc,
+                                           int d) {
+    __m512 r[16];
+    for (int c = 0; c < d / 16; c++) r[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int kk = 0; kk < BLOCK; kk++) {
+        if (probs[kk] == 0.0f) continue;
+        __m512 pk = _mm512_set1_ps(probs[kk]);
+        for (int c = 0; c < d / 16; c++)
+            r[c] = _mm512_fmadd_ps(pk, _mm512_loadu_ps(rows + (int64_t)kk * d + 16 * c), r[c]);
+    }
+    for (int c = 0; c < d / 16; c++) _mm512_storeu_ps(acc + 16 * c, r[c]);
+}
+#else
+#define HAS_BF16_PATH 0
+#endif
+
+/* Position held by row j of a segment's units: consecutive from key_base for pages; for a
+ * ring, the newest p < end (the segment's end) with p % rows == j, -1 if none yet. */
+static inline int row_position(const Args *a, int b, int j) {
+    if (!a->is_ring) return a->key_base[b] + j;
+    const int last = a->q_start[b] + a->q_count[b] - 1;
+    const int back = ((last - j) % a->rows + a->rows) % a->rows;
+    return last - back >= 0 ? last - back : -1;
+}
+
+static inline void fill_block(const Args *a, int b, int g, int j0, int num_keys, Block *blk) {
+    const int32_t *units = a->units + (int64_t)b * a->max_units;
+    for (int kk = 0; kk < BLOCK; kk++) {
+        const int j = j0 + kk < num_keys ? j0 + kk : j0;
+        blk->at[kk] = units[j / a->rows] * a->unit_stride + (int64_t)(j % a->rows) * a->row_stride +
+                      (int64_t)g * a->head_stride;
+        blk->pos[kk] = j0 + kk < num_keys ? row_position(a, b, j) : -1;
+    }
+}
+
+/* Scratch of one thread, in floats: queries and accumulators, one block of rows, scores. */
+static size_t scratch_floats(int head_dim, int max_keys) {
+    const size_t padded_keys = ((size_t)max_keys + BLOCK - 1) / BLOCK * BLOCK;
+    return (size_t)MAX_QUERIES * head_dim * 2 + (size_t)BLOCK * head_dim +
+           (size_t)MAX_QUERIES * (padded_keys > 0 ? padded_keys : BLOCK);
+}
+
+static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g,
+                                                          float *scratch, int max_keys,
+                                                          const int d) {
+    const int rep = a->heads / a->kv_heads, nt = a->q_count[b];
+    const int nq = nt * rep; /* query i: token i / rep, head g * rep + i % rep */
+    const int num_keys = a->num_units[b] * a->rows;
+    const int padded = (num_keys + BLOCK - 1) / BLOCK * BLOCK;
+    const int stride = (max_keys + BLOCK - 1) / BLOCK * BLOCK; /* between queries' scores */
+    const int32_t *q_index = a->q_index + (int64_t)b * a->max_q;
+    float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
+    float *scores = rows + (size_t)BLOCK * d;
+    int64_t q_at[MAX_QUERIES];
+    for (int i = 0; i < nq; i++) {
+        q_at[i] = q_index[i / rep] * a->q_token_stride +
+                  (int64_t)(g * rep + i % rep) * a->q_head_stride;
+        load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
+    }
+    const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
+    Block blk;
+    for (int j0 = 0; j0 < padded; j0 += BLOCK) {
+        fill_block(a, b, g, j0, num_keys, &blk);
+        for (int i = 0; i < nq; i++) {
+            const int p = a->q_start[b] + i / rep;
+            float *s = scores + (int64_t)i * stride + j0;
+#if HAS_BF16_PATH
+            if (fast) {
+                score_block_bf16(a, b, &blk, (const uint16_t *)a->q + q_at[i], p, s, d);
+                continue;
+            }
+#endif
+            score_block(a, b, &blk, qf + (int64_t)i * d, p, rows, s, d);
+        }
+    }
+    /* Softmax numerators in place (soft-capped first where the model says so). */
+    float sums[MAX_QUERIES];
+    for (int i = 0; i < nq; i++) {
+        float *s = scores + (int64_t)i * stride;
+        if (a->softcap > 0.0f)
+            for (int j = 0; j < padded; j++)
+                if (s[j] != -INFINITY) s[j] = tanhf(s[j] / a->softcap) * a->softcap;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (int j = 0; j < padded; j++) m = s[j] > m ? s[j] : m;
+        float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int j = 0; j < padded; j++) {
+            float e = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - m);
+            s[j] = e;
+            total += e;
+        }
+        sums[i] = total;
+    }
+    memset(acc, 0, (size_t)nq * d * sizeof(float));
+    for (int j0 = 0; j0 < padded; j0 += BLOCK) {
+        fill_block(a, b, g, j0, num_keys, &blk);
+        for (int kk = 0; kk < BLOCK; kk++) { /* padding rows are read, never weighed */
+#if HAS_BF16_PATH
+            if (fast) {
+                load_row_bf16(rows + (int64_t)kk * d, (const uint16_t *)a->v + blk.at[kk], d);
+                continue;
+            }
+#endif
+            load_row(rows + (int64_t)kk * d, a->v, blk.at[kk], d, a->is_bf16);
+        }
+        for (int i = 0; i < nq; i++) {
+            const float *probs = scores + (int64_t)i * stride + j0;
+#if HAS_BF16_PATH
+            if (d % 16 == 0 && d <= 256) {
+                accumulate_block_avx512(probs, rows, acc + (int64_t)i * d, d);
+                continue;
+            }
+#endif
+            accumulate_block(probs, rows, acc + (int64_t)i * d, d);
+        }
+    }
+    for (int i = 0; i < nq; i++) {
+        const float inv = 1.0f / sums[i];
+        int64_t at = q_index[i / rep] * a->out_token_stride +
+                     (int64_t)(g * rep + i % rep) * a->out_head_stride;
+        for (int e = 0; e < d; e++) store(a->out, at + e, acc[(int64_t)i * d + e] * inv, a->is_bf16);
+    }
+}
+
+/* Returns 0, or -1 when a size is beyond this kernel or memory is short (the caller then
+ * takes the torch path). */
+int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
+    const int rep = a->heads / a->kv_heads;
+    if (a->max_q * rep > MAX_QUERIES || num_threads < 1) return -1;
+    const int max_keys = a->max_units * a->rows;
+    const size_t per_thread = scratch_floats(a->head_dim, max_keys);
+    float *buffers = malloc(per_thread * num_threads * sizeof(float));
+    if (buffers == NULL) return -1;
+    const int tasks = batch * a->kv_heads;
+#pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
+    for (int t = 0; t < tasks; t++) {
+        float *scratch = buffers + per_thread * omp_get_thread_num();
+        const int b = t / a->kv_heads, g = t % a->kv_heads;
+        if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
+            one_task(a, b, g, scratch, max_keys, 64);
+        else if (a->head_dim == 128)
+            one_task(a, b, g, scratch, max_keys, 128);
+        else
+            one_task(a, b, g, scratch, max_keys, a->head_dim);
+    }
+    free(buffers);
+    return 0;
+}

@@ -1,0 +1,127 @@
+"""Python side of ``paged_attention.c``: one call attends a batch of short segments.
+
+``PagedAttentionCall`` is built once per pool and forward from the batch plan's index lists
+(int32 tensors it keeps alive) and run once per layer with that layer's q, output and pool
+storage. Who calls it: ``baton.engine.paged_attention``, whose torch path is the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from baton.kernels import library
+
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+
+
+class _Args(ctypes.Structure):
+    # Field for field the ``Args`` struct of paged_attention.c.
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("q_token_stride", ctypes.c_int64),
+        ("q_head_stride", ctypes.c_int64),
+        ("out", ctypes.c_void_p),
+        ("out_token_stride", ctypes.c_int64),
+        ("out_head_stride", ctypes.c_int64),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("unit_stride", ctypes.c_int64),
+        ("row_stride", ctypes.c_int64),
+        ("head_stride", ctypes.c_int64),
+        ("units", ctypes.c_void_p),
+        ("num_units", ctypes.c_void_p),
+        ("key_base", ctypes.c_void_p),
+        ("q_index", ctypes.c_void_p),
+        ("q_start", ctypes.c_void_p),
+        ("q_count", ctypes.c_void_p),
+        ("first", ctypes.c_void_p),
+        ("max_units", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("max_q", ctypes.c_int32),
+        ("heads", ctypes.c_int32),
+        ("kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32),
+        ("window", ctypes.c_int32),
+        ("is_ring", ctypes.c_int32),
+        ("scale", ctypes.c_float),
+        ("softcap", ctypes.c_float),
+        ("is_bf16", ctypes.c_int32),
+    ]
+
+
+class PagedAttentionCall:
+    """The segments' index lists, ready for the kernel.
+
+    unit_lists: per segment the units holding its context in order; key_base: per segment
+    the position held by row 0 of its first unit (pages; ignored when ``is_ring``); q_index:
+    [B, Q] step token of each query (padded); q_start, num_queries, first: per segment the
+    position of its first query, its queries, its lowest visible position.
+    """
+
+    def __init__(
+        self,
+        unit_lists: list[list[int]],
+        key_base: list[int],
+        q_index: list[list[int]],
+        q_start: list[int],
+        num_queries: list[int],
+        first: list[int],
+        rows: int,
+        window: int | None,
+        is_ring: bool,
+    ) -> None:
+        max_units = max(map(len, unit_lists))
+        units = [u + [0] * (max_units - len(u)) for u in unit_lists]
+        num_units = [len(u) for u in unit_lists]
+        lists = dict(
+            units=units,
+            num_units=num_units,
+            key_base=key_base,
+            q_index=q_index,
+            q_start=q_start,
+            q_count=num_queries,
+            first=first,
+        )
+        self._keep = {name: torch.tensor(v, dtype=torch.int32) for name, v in lists.items()}
+        self.batch = len(num_units)
+        args = _Args()
+        for name, tensor in self._keep.items():
+            setattr(args, name, tensor.data_ptr())
+        args.max_units, args.rows, args.max_q = max_units, rows, len(q_index[0])
+        args.window, args.is_ring = window or 0, int(is_ring)
+        self.args = args
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        storage: torch.Tensor,
+        local: int,
+        scale: float,
+        softcap: float | None,
+    ) -> bool:
+        """q, out: [N, heads, D] (rows of the step's tokens; last dim contiguous); storage:
+        [units, layers, 2, rows, kv_heads, D]. Writes the segments' queries' rows of ``out``;
+        False (nothing written) when the kernel cannot take this call."""
+        lib = library()
+        if (
+            lib is None
+            or q.dtype not in DTYPES
+            or not (q.dtype == out.dtype == storage.dtype)
+            or q.stride(-1) != 1
+            or out.stride(-1) != 1
+            or not storage.is_contiguous()
+        ):
+            return False
+        a = self.args
+        keys = storage[:, local, 0]
+        a.q, a.q_token_stride, a.q_head_stride = q.data_ptr(), q.stride(0), q.stride(1)
+        a.out, a.out_token_stride, a.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)
+        a.k, a.v = keys.data_ptr(), storage[:, local, 1].data_ptr()
+        a.unit_stride, a.row_stride, a.head_stride = keys.stride(0), keys.stride(1), keys.stride(2)
+        a.heads, a.kv_heads, a.head_dim = q.shape[1], storage.shape[-2], q.shape[2]
+        a.scale, a.softcap = scale, softcap or 0.0
+        a.is_bf16 = DTYPES[q.dtype]
+        return lib.baton_paged_attention(ctypes.byref(a), self.batch, torch.get_num_threads()) == 0
