@@ -1,8 +1,8 @@
 """The C attention kernel (baton/kernels/paged_attention.c) against the torch path and a
 float64 reference computed position by position from the pool.
 
-Segments are mixed the way steps mix them: decode (1 token), verification (up to 8), a
-prefill chunk (> 8 tokens, per-segment path) that makes the batch non-dense, and a segment
+Segments are mixed the way steps mix them: decode (1 token), verification (up to 8), two
+prefill chunks (11 and 37 tokens: several query tiles) that make the batch non-dense, a segment
 with a floor (the draft-state ablation). Pools: full pages, sliding pages, rings.
 """
 
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import baton.engine.paged_attention as pa
+import baton.kernels.paged_attention as kernel
 from baton.engine.paged_attention import PagedAttention, Segment
 from baton.kernels import library
 from baton.memory import PagedPool, RingPool, StateRegistry
@@ -22,6 +22,7 @@ from baton.memory import PagedPool, RingPool, StateRegistry
 pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: kernels are off")
 
 WINDOW, PAGE, SLACK = 12, 4, 8
+SEED = 0
 
 
 def _pool(kind: str, dtype: torch.dtype, kv_heads: int, head_dim: int):
@@ -34,7 +35,7 @@ def _pool(kind: str, dtype: torch.dtype, kv_heads: int, head_dim: int):
 
 
 def _segments(rng: random.Random, with_prefill: bool) -> list[Segment]:
-    lengths = [1, 4, 4, 8, 3, 1] + ([11] if with_prefill else [])
+    lengths = [1, 4, 4, 8, 3, 1] + ([11, 37] if with_prefill else [])
     segments, offset = [], 0
     for i, n in enumerate(lengths):
         start = rng.randint(0, 40)
@@ -50,8 +51,7 @@ def _reference(pool, seg, q, k_all, v_all, window, scale, softcap):
     rep = q.shape[1] // k_all.shape[1]
     for t in range(seg.num_tokens):
         p = seg.start + t
-        lo = max(seg.floor, 0 if window is None else p - window + 1, 0)
-        lo = min(lo, seg.start)
+        lo = max(0 if window is None else p - window + 1, min(seg.floor, seg.start), 0)
         keys, values = k_all[lo : p + 1].double(), v_all[lo : p + 1].double()  # [n, kv, D]
         for h in range(q.shape[1]):
             s = keys[:, h // rep] @ q[t, h].double() * scale
@@ -75,7 +75,7 @@ def _reference(pool, seg, q, k_all, v_all, window, scale, softcap):
 def test_kernel_matches_torch_path_and_reference(
     kind, dtype, heads, kv_heads, head_dim, softcap, with_prefill, monkeypatch
 ):
-    rng = random.Random(hash((kind, heads, head_dim, with_prefill)) % 1000)
+    rng = random.Random(f"{kind}-{heads}-{head_dim}-{with_prefill}-{SEED}")
     torch.manual_seed(rng.randint(0, 1000))
     pool, window = _pool(kind, dtype, kv_heads, head_dim)
     segments = _segments(rng, with_prefill)
@@ -102,10 +102,11 @@ def test_kernel_matches_torch_path_and_reference(
     before = pool.storage.clone()  # a prefill chunk overwrites ring rows it has read
     native = PagedAttention(cache, segments).attend(7, q, k, v, window, scale, softcap)
     pool.storage.copy_(before)
-    monkeypatch.setattr(pa, "library", lambda: None)
+    monkeypatch.setattr(kernel, "library", lambda: None)
     torch_path = PagedAttention(cache, segments).attend(7, q, k, v, window, scale, softcap)
 
-    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    # bf16: outputs round to 2^-8 relative; torch's SDPA (the per-segment path) rounds inside.
+    tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(native.float(), torch_path.float(), **tol)
     for seg in segments:
         rows = slice(seg.offset, seg.offset + seg.num_tokens)

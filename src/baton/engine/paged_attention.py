@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.kernels import library
 from baton.kernels.paged_attention import PagedAttentionCall
 from baton.memory.cache import ModelCache
 from baton.memory.pools import RingPool, StatePool
@@ -58,7 +57,6 @@ class _BatchPlan:
     token_index: torch.Tensor  # [T] the segments' tokens in the flattened step
     write_units: torch.Tensor  # [T]
     write_rows: torch.Tensor  # [T]
-    q_index: list[list[int]]  # [B, Q] flattened token of each query (padded with 0)
     dense: bool
     """The segments are the whole step, back to back, all of one length (a decode or
     verify step): queries, keys and outputs are views of the step's rows, no gathers."""
@@ -83,11 +81,10 @@ class PagedAttention:
         self._one: dict[tuple[str, Segment], tuple] = {}
 
     def _is_batched(self, pool: StatePool, seg: Segment, window: int | None) -> bool:
-        if seg.num_tokens > BATCHED_MAX_TOKENS:
+        # Any length for the kernel; the torch path pads every segment to the longest.
+        if seg.num_tokens > BATCHED_MAX_TOKENS and not PagedAttentionCall.supports(pool.storage):
             return False
-        if isinstance(pool, RingPool):  # writing first must not overwrite a visible row
-            return window is not None and seg.num_tokens <= pool.rows - window + 1
-        return True
+        return pool.keeps_visible(seg.start, seg.start + seg.num_tokens, window)
 
     def _plan(self, pool: StatePool, window: int | None):
         if pool.name in self._plans:
@@ -107,23 +104,21 @@ class PagedAttention:
             unit_lists.append(units)
             key_base.append(base)
         num_queries = max(s.num_tokens for s in segs)
-        token_index, write_units, write_rows, q_index = [], [], [], []
+        token_index, write_units, write_rows = [], [], []
         for seg in segs:
             units, rows = pool.slot_lists(seg.request_id, seg.start, seg.start + seg.num_tokens)
             write_units += units
             write_rows += rows
-            tokens = list(range(seg.offset, seg.offset + seg.num_tokens))
-            token_index += tokens
-            q_index.append(tokens + [0] * (num_queries - seg.num_tokens))
+            token_index += range(seg.offset, seg.offset + seg.num_tokens)
         dense = all(
             s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
         ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
         native = None
-        if library() is not None:
+        if PagedAttentionCall.supports(pool.storage):
             native = PagedAttentionCall(
                 unit_lists,
                 [0 if b is None else b for b in key_base],
-                q_index,
+                [s.offset for s in segs],
                 [s.start for s in segs],
                 [s.num_tokens for s in segs],
                 firsts,
@@ -139,7 +134,6 @@ class PagedAttention:
             torch.tensor(token_index),
             torch.tensor(write_units),
             torch.tensor(write_rows),
-            q_index,
             dense,
             native,
         )
@@ -166,7 +160,11 @@ class PagedAttention:
                 last = seg.start + seg.num_tokens - 1
                 positions = last - ((last - row[:n]) % rows)
                 key_pos[b, :n] = torch.where(positions >= 0, positions, -1)
-        num_queries = len(plan.q_index[0])
+        num_queries = max(s.num_tokens for s in segs)
+        q_index = [
+            [*range(s.offset, s.offset + s.num_tokens)] + [0] * (num_queries - s.num_tokens)
+            for s in segs
+        ]
         num_tokens = torch.tensor([s.num_tokens for s in segs])
         q_valid = torch.arange(num_queries)[None, :] < num_tokens[:, None]  # [B, Q]
         q_pos = torch.tensor([s.start for s in segs])[:, None] + torch.arange(num_queries)
@@ -177,7 +175,7 @@ class PagedAttention:
         visible &= q_valid[:, :, None]
         visible[:, :, 0] |= ~q_valid  # padded queries: anything but NaN
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-        plan.gathered = (read_units, torch.tensor(plan.q_index), q_valid, bias[:, None, None])
+        plan.gathered = (read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
         return plan.gathered
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
@@ -204,8 +202,8 @@ class PagedAttention:
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
         if plan.native is not None:
             result = torch.empty_like(q) if plan.dense else out
-            if plan.native(q[0], result[0], storage, local, scale, softcap):
-                return result
+            plan.native(q[0], result[0], storage, local, scale, softcap)
+            return result
         read_units, q_index, q_valid, bias = self._gather_plan(pool, plan, window)
         batch, num_units = read_units.shape
         # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.

@@ -1,15 +1,17 @@
-/* Attention of short query segments (decode, speculative verification, draft steps) read
- * straight from a pool's pages or rings: no gathered copy of the context, no padded batch.
+/* Attention of a step's segments (decode, speculative verification, draft steps, prefill
+ * chunks) read straight from a pool's pages or rings: no gathered copy, no padded batch.
  *
- * One task per (segment, kv head): the segment's queries of the heads that share the kv head
- * are scored against every row of the segment's units in one pass (each key row converted
+ * One task per (tile of a segment's queries, kv head): the tile's queries of the heads that
+ * share the kv head are scored against the rows they can see in one pass (each key row converted
  * to fp32 once), soft-maxed per query in fp32, and the value rows accumulated the same way.
  * A row is visible to the query at position p when its position kp (-1: empty) satisfies
  *     first <= kp <= p   and, with a window W > 0,   kp > p - W.
  *
  * Layout, in elements: a key row of unit u, row r, kv head g starts at
  *     k + u * unit_stride + r * row_stride + g * head_stride   (v alike),
- * query token t of head h at q + t * q_token_stride + h * q_head_stride, output alike.
+ * query token t of head h at q + t * q_token_stride + h * q_head_stride, output alike; a
+ * segment's queries are consecutive tokens. Long segments (prefill chunks) are split into
+ * tiles of queries, each reading only the rows it can see.
  * Activations are bf16 (is_bf16) or fp32; the arithmetic is fp32 throughout.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
  * baton/engine/paged_attention.py, which tests compare it with.
@@ -20,7 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_QUERIES 64 /* queries of one task: segment tokens x heads per kv head */
+#define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 
 static inline float load(const void *base, int64_t i, int is_bf16) {
     if (is_bf16) {
@@ -89,11 +91,11 @@ typedef struct {
     const int32_t *units;     /* [batch, max_units] */
     const int32_t *num_units; /* [batch] units of each segment (the rest is padding) */
     const int32_t *key_base;  /* [batch] pages: position held by the first unit's row 0 */
-    const int32_t *q_index;   /* [batch, max_q] step token of each query */
+    const int32_t *q_offset;  /* [batch] step token of each segment's first query */
     const int32_t *q_start;   /* [batch] position of the segment's first query */
     const int32_t *q_count;   /* [batch] queries of the segment */
     const int32_t *first;     /* [batch] lowest visible position */
-    int32_t max_units, rows, max_q, heads, kv_heads, head_dim, window;
+    int32_t max_units, rows, heads, kv_heads, head_dim, window;
     int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
     float scale, softcap;
     int32_t is_bf16;
@@ -211,46 +213,48 @@ static inline int row_position(const Args *a, int b, int j) {
     return last - back >= 0 ? last - back : -1;
 }
 
-static inline void fill_block(const Args *a, int b, int g, int j0, int num_keys, Block *blk) {
+/* The block of rows j0 .. j0+BLOCK-1; rows at or past `j_end` are padding. */
+static inline void fill_block(const Args *a, int b, int g, int j0, int j_end, Block *blk) {
     const int32_t *units = a->units + (int64_t)b * a->max_units;
     for (int kk = 0; kk < BLOCK; kk++) {
-        const int j = j0 + kk < num_keys ? j0 + kk : j0;
+        const int j = j0 + kk < j_end ? j0 + kk : j0;
         blk->at[kk] = units[j / a->rows] * a->unit_stride + (int64_t)(j % a->rows) * a->row_stride +
                       (int64_t)g * a->head_stride;
-        blk->pos[kk] = j0 + kk < num_keys ? row_position(a, b, j) : -1;
+        blk->pos[kk] = j0 + kk < j_end ? row_position(a, b, j) : -1;
     }
 }
 
-/* Scratch of one thread, in floats: queries and accumulators, one block of rows, scores. */
-static size_t scratch_floats(int head_dim, int max_keys) {
-    const size_t padded_keys = ((size_t)max_keys + BLOCK - 1) / BLOCK * BLOCK;
-    return (size_t)MAX_QUERIES * head_dim * 2 + (size_t)BLOCK * head_dim +
-           (size_t)MAX_QUERIES * (padded_keys > 0 ? padded_keys : BLOCK);
-}
-
-static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g,
-                                                          float *scratch, int max_keys,
+/* Queries of tokens [t0, t1) of segment b, heads of kv head g. */
+static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g, int t0,
+                                                          int t1, float *scratch, int stride,
                                                           const int d) {
-    const int rep = a->heads / a->kv_heads, nt = a->q_count[b];
-    const int nq = nt * rep; /* query i: token i / rep, head g * rep + i % rep */
-    const int num_keys = a->num_units[b] * a->rows;
-    const int padded = (num_keys + BLOCK - 1) / BLOCK * BLOCK;
-    const int stride = (max_keys + BLOCK - 1) / BLOCK * BLOCK; /* between queries' scores */
-    const int32_t *q_index = a->q_index + (int64_t)b * a->max_q;
+    const int rep = a->heads / a->kv_heads;
+    const int nq = (t1 - t0) * rep; /* query i: token t0 + i / rep, head g * rep + i % rep */
+    /* Rows worth reading: pages hold consecutive positions from key_base, so the rows the
+     * tile can see form one range; a ring is read whole. */
+    int j_lo = 0, j_hi = a->num_units[b] * a->rows;
+    if (!a->is_ring) {
+        const int p_first = a->q_start[b] + t0, p_last = a->q_start[b] + t1 - 1;
+        int lo = a->first[b];
+        if (a->window > 0 && p_first - a->window + 1 > lo) lo = p_first - a->window + 1;
+        if (lo - a->key_base[b] > j_lo) j_lo = lo - a->key_base[b];
+        if (p_last - a->key_base[b] + 1 < j_hi) j_hi = p_last - a->key_base[b] + 1;
+    }
+    const int padded = j_hi > j_lo ? (j_hi - j_lo + BLOCK - 1) / BLOCK * BLOCK : 0;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
     int64_t q_at[MAX_QUERIES];
     for (int i = 0; i < nq; i++) {
-        q_at[i] = q_index[i / rep] * a->q_token_stride +
+        q_at[i] = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->q_token_stride +
                   (int64_t)(g * rep + i % rep) * a->q_head_stride;
         load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
     }
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
     Block blk;
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, j0, num_keys, &blk);
+        fill_block(a, b, g, j_lo + j0, j_hi, &blk);
         for (int i = 0; i < nq; i++) {
-            const int p = a->q_start[b] + i / rep;
+            const int p = a->q_start[b] + t0 + i / rep;
             float *s = scores + (int64_t)i * stride + j0;
 #if HAS_BF16_PATH
             if (fast) {
@@ -282,7 +286,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, j0, num_keys, &blk);
+        fill_block(a, b, g, j_lo + j0, j_hi, &blk);
         for (int kk = 0; kk < BLOCK; kk++) { /* padding rows are read, never weighed */
 #if HAS_BF16_PATH
             if (fast) {
@@ -305,7 +309,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
     for (int i = 0; i < nq; i++) {
         const float inv = 1.0f / sums[i];
-        int64_t at = q_index[i / rep] * a->out_token_stride +
+        int64_t at = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->out_token_stride +
                      (int64_t)(g * rep + i % rep) * a->out_head_stride;
         for (int e = 0; e < d; e++) store(a->out, at + e, acc[(int64_t)i * d + e] * inv, a->is_bf16);
     }
@@ -315,23 +319,42 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
  * takes the torch path). */
 int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
     const int rep = a->heads / a->kv_heads;
-    if (a->max_q * rep > MAX_QUERIES || num_threads < 1) return -1;
+    if (rep > MAX_QUERIES || num_threads < 1) return -1;
+    const int tile = MAX_QUERIES / rep; /* tokens per task */
     const int max_keys = a->max_units * a->rows;
-    const size_t per_thread = scratch_floats(a->head_dim, max_keys);
+    const int stride = (max_keys + BLOCK - 1) / BLOCK * BLOCK + BLOCK; /* scores per query */
+    const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
+                              (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride;
+    /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
+    int num_tiles = 0;
+    for (int b = 0; b < batch; b++) num_tiles += (a->q_count[b] + tile - 1) / tile;
+    int32_t *tiles = malloc(sizeof(int32_t) * 2 * (num_tiles > 0 ? num_tiles : 1));
     float *buffers = malloc(per_thread * num_threads * sizeof(float));
-    if (buffers == NULL) return -1;
-    const int tasks = batch * a->kv_heads;
+    if (tiles == NULL || buffers == NULL) {
+        free(tiles);
+        free(buffers);
+        return -1;
+    }
+    for (int b = 0, n = 0; b < batch; b++)
+        for (int t0 = 0; t0 < a->q_count[b]; t0 += tile, n++) {
+            tiles[2 * n] = b;
+            tiles[2 * n + 1] = t0;
+        }
+    const int tasks = num_tiles * a->kv_heads;
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
     for (int t = 0; t < tasks; t++) {
         float *scratch = buffers + per_thread * omp_get_thread_num();
-        const int b = t / a->kv_heads, g = t % a->kv_heads;
+        const int b = tiles[2 * (t / a->kv_heads)], t0 = tiles[2 * (t / a->kv_heads) + 1];
+        const int t1 = t0 + tile < a->q_count[b] ? t0 + tile : a->q_count[b];
+        const int g = t % a->kv_heads;
         if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
-            one_task(a, b, g, scratch, max_keys, 64);
+            one_task(a, b, g, t0, t1, scratch, stride, 64);
         else if (a->head_dim == 128)
-            one_task(a, b, g, scratch, max_keys, 128);
+            one_task(a, b, g, t0, t1, scratch, stride, 128);
         else
-            one_task(a, b, g, scratch, max_keys, a->head_dim);
+            one_task(a, b, g, t0, t1, scratch, stride, a->head_dim);
     }
+    free(tiles);
     free(buffers);
     return 0;
 }

@@ -33,13 +33,12 @@ class _Args(ctypes.Structure):
         ("units", ctypes.c_void_p),
         ("num_units", ctypes.c_void_p),
         ("key_base", ctypes.c_void_p),
-        ("q_index", ctypes.c_void_p),
+        ("q_offset", ctypes.c_void_p),
         ("q_start", ctypes.c_void_p),
         ("q_count", ctypes.c_void_p),
         ("first", ctypes.c_void_p),
         ("max_units", ctypes.c_int32),
         ("rows", ctypes.c_int32),
-        ("max_q", ctypes.c_int32),
         ("heads", ctypes.c_int32),
         ("kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32),
@@ -55,16 +54,16 @@ class PagedAttentionCall:
     """The segments' index lists, ready for the kernel.
 
     unit_lists: per segment the units holding its context in order; key_base: per segment
-    the position held by row 0 of its first unit (pages; ignored when ``is_ring``); q_index:
-    [B, Q] step token of each query (padded); q_start, num_queries, first: per segment the
-    position of its first query, its queries, its lowest visible position.
+    the position held by row 0 of its first unit (pages; ignored when ``is_ring``); q_offset,
+    q_start, num_queries, first: per segment the step token of its first query (its queries
+    are consecutive), that query's position, its queries, its lowest visible position.
     """
 
     def __init__(
         self,
         unit_lists: list[list[int]],
         key_base: list[int],
-        q_index: list[list[int]],
+        q_offset: list[int],
         q_start: list[int],
         num_queries: list[int],
         first: list[int],
@@ -79,7 +78,7 @@ class PagedAttentionCall:
             units=units,
             num_units=num_units,
             key_base=key_base,
-            q_index=q_index,
+            q_offset=q_offset,
             q_start=q_start,
             q_count=num_queries,
             first=first,
@@ -89,9 +88,14 @@ class PagedAttentionCall:
         args = _Args()
         for name, tensor in self._keep.items():
             setattr(args, name, tensor.data_ptr())
-        args.max_units, args.rows, args.max_q = max_units, rows, len(q_index[0])
+        args.max_units, args.rows = max_units, rows
         args.window, args.is_ring = window or 0, int(is_ring)
         self.args = args
+
+    @staticmethod
+    def supports(storage: torch.Tensor) -> bool:
+        """Whether the kernel can read this pool (and attend the model's activations)."""
+        return library() is not None and storage.dtype in DTYPES and storage.is_contiguous()
 
     def __call__(
         self,
@@ -101,20 +105,11 @@ class PagedAttentionCall:
         local: int,
         scale: float,
         softcap: float | None,
-    ) -> bool:
+    ) -> None:
         """q, out: [N, heads, D] (rows of the step's tokens; last dim contiguous); storage:
-        [units, layers, 2, rows, kv_heads, D]. Writes the segments' queries' rows of ``out``;
-        False (nothing written) when the kernel cannot take this call."""
-        lib = library()
-        if (
-            lib is None
-            or q.dtype not in DTYPES
-            or not (q.dtype == out.dtype == storage.dtype)
-            or q.stride(-1) != 1
-            or out.stride(-1) != 1
-            or not storage.is_contiguous()
-        ):
-            return False
+        [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``. Writes the segments'
+        queries' rows of ``out``."""
+        assert q.dtype == out.dtype == storage.dtype and q.stride(-1) == out.stride(-1) == 1
         a = self.args
         keys = storage[:, local, 0]
         a.q, a.q_token_stride, a.q_head_stride = q.data_ptr(), q.stride(0), q.stride(1)
@@ -124,4 +119,7 @@ class PagedAttentionCall:
         a.heads, a.kv_heads, a.head_dim = q.shape[1], storage.shape[-2], q.shape[2]
         a.scale, a.softcap = scale, softcap or 0.0
         a.is_bf16 = DTYPES[q.dtype]
-        return lib.baton_paged_attention(ctypes.byref(a), self.batch, torch.get_num_threads()) == 0
+        num_threads = torch.get_num_threads()
+        status = library().baton_paged_attention(ctypes.byref(a), self.batch, num_threads)
+        if status != 0:
+            raise MemoryError(f"paged attention kernel: no scratch memory (status {status})")

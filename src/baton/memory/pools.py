@@ -134,6 +134,11 @@ class StatePool(ABC):
     def _store_from(self, start: int, end: int) -> int:
         """First position of [start, end) worth storing."""
 
+    @abstractmethod
+    def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
+        """Whether, once positions [start, end) are written, the pool still holds every
+        position their queries see (then a step may write first and read after)."""
+
     def read(
         self, layer: int, request_id: str, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,6 +197,9 @@ class PagedPool(StatePool):
 
     def _store_from(self, start: int, end: int) -> int:
         return start if self.keep is None else max(start, end - self.keep)
+
+    def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
+        return self._store_from(start, end) == start  # pages are never overwritten
 
     def _needed_pages(self, request_id: str, start: int, end: int) -> range:
         first = self._store_from(start, end)
@@ -292,6 +300,10 @@ class RingPool(StatePool):
 
     def _store_from(self, start: int, end: int) -> int:
         return max(start, end - self.rows)
+
+    def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
+        # Writing overwrites positions < end - rows; the first query sees from start - W + 1.
+        return window is not None and end - start <= self.rows - window + 1
 
     def num_new_units(self, request_id: str, start: int, end: int) -> int:
         return 0 if request_id in self.rings else 1

@@ -244,8 +244,9 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # x: [B, T, hidden]
+        """x: [B, T, hidden] -> the attention output, plus ``residual`` when given."""
         lead = x.shape[:-1]
         if self._qkv is not None:
             q, k, v = self._fused_qkv(x, rotary)
@@ -253,7 +254,10 @@ class Attention(nn.Module):
             q, k, v = self._qkv_rotated(x, rotary)
         out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
         out = out.reshape(*lead, self.num_heads * self.head_dim)
-        return self._o(out) if self._o is not None else self.o_proj(out)
+        if self._o is not None:
+            return self._o(out) if residual is None else self._o.add(out, residual)
+        out = self.o_proj(out)
+        return out if residual is None else residual + out
 
     def _fused_qkv(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v from one matmul; q and k normed (Qwen3) and rotated together."""

@@ -44,13 +44,14 @@ class DecoderLayer(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn)
         if self.sandwich_norm:
+            h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn)
             x = x + self.post_attention_layernorm(h)
             h = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(h)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # The residual adds happen inside the output matmuls (one rounding, no extra pass).
+        x = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, residual=x)
+        return self.mlp(self.post_attention_layernorm(x), residual=x)
 
 
 class DecoderModel(nn.Module):
