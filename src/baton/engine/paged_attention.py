@@ -7,13 +7,17 @@ contiguous segment of it. A query at position p of a layer with window W sees ke
     segment: positions [start, start+n)
     context: [max(0, start-W+1), start) from the pool   +   [start, start+n) fresh
 
-Short segments (decode steps, speculative verification) take the batched path: their
-fresh keys/values are written to the pool first, then every segment's whole context is
-gathered into one padded batch and attended with one call -- safe because writing
-positions [start, start+n) overwrites nothing a query of the step can see (a ring keeps
-``window + slack`` rows). Long segments (prefill chunks) take the per-segment path, which
-reads the cached context *before* writing, so a chunk longer than a ring still works. The
-slot indices of a pool are computed once per forward and shared by all of its layers.
+With the C kernel (``baton.kernels.paged_attention``, bf16/fp32 on CPU) every segment of a
+pool goes in one call that reads the context from the pool and the segment's own keys and
+values from the step's tensors; the step's K/V are stored afterwards (only what the pool
+keeps: a ring or a sliding pool stores a chunk's tail). Without it, the torch path -- the
+reference the kernel is tested against: short segments (decode steps, verification) are
+written to the pool first, then every segment's whole context is gathered into one padded
+batch and attended with one call -- safe when writing overwrites nothing a query of the
+step can see (``StatePool.keeps_visible``: a ring keeps ``window + slack`` rows). Other
+segments (prefill chunks) take the per-segment path, which reads the cached context
+*before* writing, so a chunk longer than a ring still works. The slot indices of a pool
+are computed once per forward and shared by all of its layers.
 """
 
 from __future__ import annotations
@@ -81,10 +85,12 @@ class PagedAttention:
         self._one: dict[tuple[str, Segment], tuple] = {}
 
     def _is_batched(self, pool: StatePool, seg: Segment, window: int | None) -> bool:
-        # Any length for the kernel; the torch path pads every segment to the longest.
-        if seg.num_tokens > BATCHED_MAX_TOKENS and not PagedAttentionCall.supports(pool.storage):
-            return False
-        return pool.keeps_visible(seg.start, seg.start + seg.num_tokens, window)
+        if PagedAttentionCall.supports(pool.storage):
+            return True  # the kernel reads the step's own K/V beside the pool's: any segment
+        # The torch path writes first, then pads every segment to the longest.
+        return seg.num_tokens <= BATCHED_MAX_TOKENS and pool.keeps_visible(
+            seg.start, seg.start + seg.num_tokens, window
+        )
 
     def _plan(self, pool: StatePool, window: int | None):
         if pool.name in self._plans:
@@ -98,24 +104,29 @@ class PagedAttention:
     def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
         # Per segment only Python lists; tensors once for the whole batch.
         firsts = [_first_visible(s, window) for s in segs]
+        # The kernel reads the pool before the step's K/V are stored; the torch path after.
+        native = PagedAttentionCall.supports(pool.storage)
         unit_lists, key_base = [], []
         for seg, first in zip(segs, firsts, strict=True):
-            units, base = pool.read_units(seg.request_id, first, seg.start + seg.num_tokens)
+            end = seg.start if native else seg.start + seg.num_tokens
+            units, base = pool.read_units(seg.request_id, first, end)
             unit_lists.append(units)
             key_base.append(base)
         num_queries = max(s.num_tokens for s in segs)
         token_index, write_units, write_rows = [], [], []
-        for seg in segs:
-            units, rows = pool.slot_lists(seg.request_id, seg.start, seg.start + seg.num_tokens)
+        for seg in segs:  # what is worth storing: a ring or a sliding pool keeps a tail only
+            end = seg.start + seg.num_tokens
+            store = pool._store_from(seg.start, end)
+            units, rows = pool.slot_lists(seg.request_id, store, end)
             write_units += units
             write_rows += rows
-            token_index += range(seg.offset, seg.offset + seg.num_tokens)
+            token_index += range(seg.offset + store - seg.start, seg.offset + seg.num_tokens)
         dense = all(
             s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
         ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
-        native = None
-        if PagedAttentionCall.supports(pool.storage):
-            native = PagedAttentionCall(
+        call = None
+        if native:
+            call = PagedAttentionCall(
                 unit_lists,
                 [0 if b is None else b for b in key_base],
                 [s.offset for s in segs],
@@ -135,7 +146,7 @@ class PagedAttention:
             torch.tensor(write_units),
             torch.tensor(write_rows),
             dense,
-            native,
+            call,
         )
 
     @staticmethod
@@ -192,19 +203,15 @@ class PagedAttention:
         return out
 
     def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap, window):
-        """Write the segments' K/V, attend; into ``out``, or returned when ``plan.dense``."""
-        storage = pool.storage
-        rows = slice(None) if plan.dense else plan.token_index
-        storage[plan.write_units, local, 0, plan.write_rows] = k[0, rows]
-        storage[plan.write_units, local, 1, plan.write_rows] = v[0, rows]
-        for seg in plan.segments:
-            end = seg.start + seg.num_tokens
-            pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
-        if plan.native is not None:
+        """Attend and store the segments' K/V; into ``out``, or returned when ``plan.dense``."""
+        if plan.native is not None:  # reads the pool before the step's K/V are stored
             result = torch.empty_like(q) if plan.dense else out
-            plan.native(q[0], result[0], storage, local, scale, softcap)
+            plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
+            self._store(pool, local, plan, k, v)
             return result
+        self._store(pool, local, plan, k, v)
         read_units, q_index, q_valid, bias = self._gather_plan(pool, plan, window)
+        storage = pool.storage
         batch, num_units = read_units.shape
         # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.
         shape = (batch, num_units * pool.rows, *storage.shape[-2:])
@@ -224,6 +231,15 @@ class PagedAttention:
             return attn.transpose(1, 2).reshape(q.shape)
         out[0, q_index[q_valid]] = attn.transpose(1, 2)[q_valid]
         return out
+
+    @staticmethod
+    def _store(pool: StatePool, local: int, plan: _BatchPlan, k, v) -> None:
+        storage, rows = pool.storage, plan.token_index
+        storage[plan.write_units, local, 0, plan.write_rows] = k[0, rows]
+        storage[plan.write_units, local, 1, plan.write_rows] = v[0, rows]
+        for seg in plan.segments:
+            end = seg.start + seg.num_tokens
+            pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
 
     def _attend_one(self, pool, local, seg, q, k, v, out, window, scale, softcap):
         rows = slice(seg.offset, seg.offset + seg.num_tokens)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c",)
+SOURCES = ("paged_attention.c", "norm.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 
 
@@ -89,6 +89,12 @@ def library() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("native kernels failed to build or load, torch paths are used: %s", detail)
         return None
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     lib.baton_paged_attention.restype = ctypes.c_int
-    lib.baton_paged_attention.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+    lib.baton_paged_attention.argtypes = [ptr, i32, i32]
+    rows = [ptr, i64, i64, i64, i64, ptr, i64]  # x, outer, outer/inner stride, weight
+    lib.baton_rms_norm.restype = None
+    lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32]
+    lib.baton_rms_norm_rotary.restype = None
+    lib.baton_rms_norm_rotary.argtypes = [*rows, ptr, ptr, i64, ptr, i32, f32, i32, i32]
     return lib

@@ -1,18 +1,22 @@
 /* Attention of a step's segments (decode, speculative verification, draft steps, prefill
- * chunks) read straight from a pool's pages or rings: no gathered copy, no padded batch.
+ * chunks) read in place: context from the pool's pages or ring, the segment's own keys and
+ * values from the step's tensors. No gathered copy, no padded batch, no write before read
+ * (so a chunk longer than a ring is fine: the caller stores the step's K/V afterwards).
  *
  * One task per (tile of a segment's queries, kv head): the tile's queries of the heads that
- * share the kv head are scored against the rows they can see in one pass (each key row converted
- * to fp32 once), soft-maxed per query in fp32, and the value rows accumulated the same way.
- * A row is visible to the query at position p when its position kp (-1: empty) satisfies
- *     first <= kp <= p   and, with a window W > 0,   kp > p - W.
- *
- * Layout, in elements: a key row of unit u, row r, kv head g starts at
- *     k + u * unit_stride + r * row_stride + g * head_stride   (v alike),
- * query token t of head h at q + t * q_token_stride + h * q_head_stride, output alike; a
- * segment's queries are consecutive tokens. Long segments (prefill chunks) are split into
- * tiles of queries, each reading only the rows it can see.
- * Activations are bf16 (is_bf16) or fp32; the arithmetic is fp32 throughout.
+ * share the kv head are scored against the positions they can see in one pass (each key
+ * row converted to fp32 once), soft-maxed per query in fp32, the value rows accumulated the
+ * same way. The query at position p of segment b sees positions
+ *     max(first[b], p - W + 1) .. p          (W: the window; none: no lower bound but first)
+ * Position kp of the segment lives at
+ *     kp >= q_start[b]:  fresh token q_offset[b] + kp - q_start[b]      (this step's K/V)
+ *     pages:             unit units[b][(kp - key_base[b]) / rows], row (kp - key_base[b]) % rows
+ *     ring:              unit units[b][0], row kp % rows
+ * Layout, in elements: pool row (unit u, row r, kv head g) at k + u * unit_stride +
+ * r * row_stride + g * head_stride (v alike); fresh token t, kv head g at fresh_k +
+ * t * fk_token_stride + g * fk_head_stride (fresh_v with its own strides); query token t,
+ * head h at q + t * q_token_stride + h * q_head_stride, output alike. A segment's tokens are
+ * consecutive in the step. Activations are bf16 (is_bf16) or fp32; arithmetic is fp32.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
  * baton/engine/paged_attention.py, which tests compare it with.
  */
@@ -23,16 +27,6 @@
 #include <string.h>
 
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
-
-static inline float load(const void *base, int64_t i, int is_bf16) {
-    if (is_bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)base)[i];
-}
 
 static inline void store(void *base, int64_t i, float f, int is_bf16) {
     if (is_bf16) { /* round to nearest even, as torch does; NaN stays NaN */
@@ -86,8 +80,10 @@ typedef struct {
     int64_t q_token_stride, q_head_stride;
     void *out;
     int64_t out_token_stride, out_head_stride;
-    const void *k, *v;
+    const void *k, *v; /* the pool's rows of this layer */
     int64_t unit_stride, row_stride, head_stride;
+    const void *fresh_k, *fresh_v; /* the step's own keys and values */
+    int64_t fk_token_stride, fk_head_stride, fv_token_stride, fv_head_stride;
     const int32_t *units;     /* [batch, max_units] */
     const int32_t *num_units; /* [batch] units of each segment (the rest is padding) */
     const int32_t *key_base;  /* [batch] pages: position held by the first unit's row 0 */
@@ -103,9 +99,9 @@ typedef struct {
 
 #define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
 
-typedef struct { /* one block of key rows of one task */
-    int64_t at[BLOCK];     /* element offset of each row's kv head (padding repeats row 0) */
-    int32_t pos[BLOCK];    /* position held, -1: empty or padding */
+typedef struct { /* one block of key positions of one task */
+    const void *k[BLOCK], *v[BLOCK]; /* each row's first element (padding repeats row 0) */
+    int32_t pos[BLOCK];              /* position, -1: padding */
 } Block;
 
 static inline int visible(const Args *a, int b, int kp, int p) {
@@ -120,7 +116,7 @@ static inline void score_block(const Args *a, int b, const Block *blk, const flo
             scores[kk] = -INFINITY;
             continue;
         }
-        load_row(row, a->k, blk->at[kk], d, a->is_bf16);
+        load_row(row, blk->k[kk], 0, d, a->is_bf16);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int e = 0; e < d; e++) dot += q[e] * row[e];
@@ -163,7 +159,7 @@ static inline void score_block_bf16(const Args *a, int b, const Block *blk, cons
                                     int p, float *scores, int d) {
     __m512 part[BLOCK];
     for (int kk = 0; kk < BLOCK; kk++) {
-        const uint16_t *k = (const uint16_t *)a->k + blk->at[kk];
+        const uint16_t *k = (const uint16_t *)blk->k[kk];
         __m512 acc = _mm512_setzero_ps();
         for (int e = 0; e < d; e += 32)
             acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + e),
@@ -204,23 +200,29 @@ static inline void accumulate_block_avx512(const float *probs, const float *rows
 #define HAS_BF16_PATH 0
 #endif
 
-/* Position held by row j of a segment's units: consecutive from key_base for pages; for a
- * ring, the newest p < end (the segment's end) with p % rows == j, -1 if none yet. */
-static inline int row_position(const Args *a, int b, int j) {
-    if (!a->is_ring) return a->key_base[b] + j;
-    const int last = a->q_start[b] + a->q_count[b] - 1;
-    const int back = ((last - j) % a->rows + a->rows) % a->rows;
-    return last - back >= 0 ? last - back : -1;
+/* Where position kp of segment b lives (see the top of the file): its key and value rows. */
+static inline void locate(const Args *a, int b, int g, int kp, const void **k, const void **v) {
+    const int size = a->is_bf16 ? 2 : 4;
+    if (kp >= a->q_start[b]) {
+        const int64_t t = a->q_offset[b] + kp - a->q_start[b];
+        *k = (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size;
+        *v = (const char *)a->fresh_v + (t * a->fv_token_stride + g * a->fv_head_stride) * size;
+        return;
+    }
+    const int32_t *units = a->units + (int64_t)b * a->max_units;
+    const int j = a->is_ring ? kp % a->rows : kp - a->key_base[b];
+    const int64_t at = (int64_t)units[a->is_ring ? 0 : j / a->rows] * a->unit_stride +
+                       (int64_t)(j % a->rows) * a->row_stride + (int64_t)g * a->head_stride;
+    *k = (const char *)a->k + at * size;
+    *v = (const char *)a->v + at * size;
 }
 
-/* The block of rows j0 .. j0+BLOCK-1; rows at or past `j_end` are padding. */
-static inline void fill_block(const Args *a, int b, int g, int j0, int j_end, Block *blk) {
-    const int32_t *units = a->units + (int64_t)b * a->max_units;
+/* The block of positions p0 .. p0+BLOCK-1; those past `p_end` are padding. */
+static inline void fill_block(const Args *a, int b, int g, int p0, int p_end, Block *blk) {
     for (int kk = 0; kk < BLOCK; kk++) {
-        const int j = j0 + kk < j_end ? j0 + kk : j0;
-        blk->at[kk] = units[j / a->rows] * a->unit_stride + (int64_t)(j % a->rows) * a->row_stride +
-                      (int64_t)g * a->head_stride;
-        blk->pos[kk] = j0 + kk < j_end ? row_position(a, b, j) : -1;
+        const int kp = p0 + kk <= p_end ? p0 + kk : p0;
+        locate(a, b, g, kp, &blk->k[kk], &blk->v[kk]);
+        blk->pos[kk] = p0 + kk <= p_end ? kp : -1;
     }
 }
 
@@ -230,17 +232,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
                                                           const int d) {
     const int rep = a->heads / a->kv_heads;
     const int nq = (t1 - t0) * rep; /* query i: token t0 + i / rep, head g * rep + i % rep */
-    /* Rows worth reading: pages hold consecutive positions from key_base, so the rows the
-     * tile can see form one range; a ring is read whole. */
-    int j_lo = 0, j_hi = a->num_units[b] * a->rows;
-    if (!a->is_ring) {
-        const int p_first = a->q_start[b] + t0, p_last = a->q_start[b] + t1 - 1;
-        int lo = a->first[b];
-        if (a->window > 0 && p_first - a->window + 1 > lo) lo = p_first - a->window + 1;
-        if (lo - a->key_base[b] > j_lo) j_lo = lo - a->key_base[b];
-        if (p_last - a->key_base[b] + 1 < j_hi) j_hi = p_last - a->key_base[b] + 1;
-    }
-    const int padded = j_hi > j_lo ? (j_hi - j_lo + BLOCK - 1) / BLOCK * BLOCK : 0;
+    /* Positions the tile can see: from its first query's lowest to its last query. */
+    const int p_first = a->q_start[b] + t0, p_last = a->q_start[b] + t1 - 1;
+    int lo = a->first[b];
+    if (a->window > 0 && p_first - a->window + 1 > lo) lo = p_first - a->window + 1;
+    const int padded = (p_last - lo + 1 + BLOCK - 1) / BLOCK * BLOCK;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
     int64_t q_at[MAX_QUERIES];
@@ -252,7 +248,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
     Block blk;
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, j_lo + j0, j_hi, &blk);
+        fill_block(a, b, g, lo + j0, p_last, &blk);
         for (int i = 0; i < nq; i++) {
             const int p = a->q_start[b] + t0 + i / rep;
             float *s = scores + (int64_t)i * stride + j0;
@@ -286,15 +282,15 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, j_lo + j0, j_hi, &blk);
+        fill_block(a, b, g, lo + j0, p_last, &blk);
         for (int kk = 0; kk < BLOCK; kk++) { /* padding rows are read, never weighed */
 #if HAS_BF16_PATH
             if (fast) {
-                load_row_bf16(rows + (int64_t)kk * d, (const uint16_t *)a->v + blk.at[kk], d);
+                load_row_bf16(rows + (int64_t)kk * d, (const uint16_t *)blk.v[kk], d);
                 continue;
             }
 #endif
-            load_row(rows + (int64_t)kk * d, a->v, blk.at[kk], d, a->is_bf16);
+            load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, a->is_bf16);
         }
         for (int i = 0; i < nq; i++) {
             const float *probs = scores + (int64_t)i * stride + j0;
@@ -321,8 +317,13 @@ int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
     const int rep = a->heads / a->kv_heads;
     if (rep > MAX_QUERIES || num_threads < 1) return -1;
     const int tile = MAX_QUERIES / rep; /* tokens per task */
-    const int max_keys = a->max_units * a->rows;
-    const int stride = (max_keys + BLOCK - 1) / BLOCK * BLOCK + BLOCK; /* scores per query */
+    int span = 1; /* most positions one tile sees */
+    for (int b = 0; b < batch; b++) {
+        int n = a->q_start[b] + a->q_count[b] - a->first[b];
+        if (a->window > 0 && n > a->window + tile - 1) n = a->window + tile - 1;
+        span = n > span ? n : span;
+    }
+    const int stride = (span + BLOCK - 1) / BLOCK * BLOCK; /* scores per query */
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
                               (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride;
     /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */

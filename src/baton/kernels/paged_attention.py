@@ -30,6 +30,12 @@ class _Args(ctypes.Structure):
         ("unit_stride", ctypes.c_int64),
         ("row_stride", ctypes.c_int64),
         ("head_stride", ctypes.c_int64),
+        ("fresh_k", ctypes.c_void_p),
+        ("fresh_v", ctypes.c_void_p),
+        ("fk_token_stride", ctypes.c_int64),
+        ("fk_head_stride", ctypes.c_int64),
+        ("fv_token_stride", ctypes.c_int64),
+        ("fv_head_stride", ctypes.c_int64),
         ("units", ctypes.c_void_p),
         ("num_units", ctypes.c_void_p),
         ("key_base", ctypes.c_void_p),
@@ -100,17 +106,21 @@ class PagedAttentionCall:
     def __call__(
         self,
         q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         out: torch.Tensor,
         storage: torch.Tensor,
         local: int,
         scale: float,
         softcap: float | None,
     ) -> None:
-        """q, out: [N, heads, D] (rows of the step's tokens; last dim contiguous); storage:
-        [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``. Writes the segments'
-        queries' rows of ``out``."""
-        assert q.dtype == out.dtype == storage.dtype and q.stride(-1) == out.stride(-1) == 1
+        """q, out: [N, heads, D] and k, v: [N, kv_heads, D], the step's rows (last dim
+        contiguous); storage: [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``,
+        holding every position before each segment. Writes the segments' rows of ``out``."""
+        assert all(t.dtype == storage.dtype and t.stride(-1) == 1 for t in (q, k, v, out))
         a = self.args
+        a.fresh_k, a.fk_token_stride, a.fk_head_stride = k.data_ptr(), k.stride(0), k.stride(1)
+        a.fresh_v, a.fv_token_stride, a.fv_head_stride = v.data_ptr(), v.stride(0), v.stride(1)
         keys = storage[:, local, 0]
         a.q, a.q_token_stride, a.q_head_stride = q.data_ptr(), q.stride(0), q.stride(1)
         a.out, a.out_token_stride, a.out_head_stride = out.data_ptr(), out.stride(0), out.stride(1)

@@ -248,7 +248,7 @@ class PagedPool(StatePool):
     def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
         table = self.tables[request_id]
         logical = range(first // self.page_size, (end - 1) // self.page_size + 1)
-        return [table[p] for p in logical], logical.start * self.page_size
+        return [table[p] for p in logical if first < end], logical.start * self.page_size
 
     def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
         table, size = self.tables[request_id], self.page_size

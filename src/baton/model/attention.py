@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kernels.norm import rms_norm_rotary
 from baton.model.layers import FrozenLinear, RMSNorm, RotaryEmbedding, apply_rotary
 from baton.model.spec import ModelSpec
 
@@ -267,6 +268,10 @@ class Attention(nn.Module):
         v = qkv[..., (heads + kv_heads) * d :].unflatten(-1, (kv_heads, d))
         if self._qk_norm is not None:
             weight, eps = self._qk_norm
+            fused = rms_norm_rotary(qk, weight, eps, *rotary)  # one pass, where it can
+            if fused is not None:
+                q, k = fused.split((heads, kv_heads), dim=-2)
+                return q, k, v
             qk = weight * F.rms_norm(qk.float(), (d,), eps=eps).to(qk.dtype)
         elif self.q_norm is not None:
             q, k = qk.split((heads, kv_heads), dim=-2)

@@ -1,0 +1,114 @@
+/* RMSNorm, and Qwen3's per-head q/k norm followed by rotary, each in one pass over memory.
+ *
+ * The torch path they replace (baton/model/layers.py, attention.py) runs five to nine
+ * elementwise kernels, each a pass over the activations; these do the same arithmetic in
+ * the same order, rounding to the activation dtype exactly where torch does:
+ *
+ *   h   = x * rsqrt(mean(x^2) + eps)            fp32 (x converted from bf16)
+ *   out = round(w * round(h))                   Llama / Qwen weight, or
+ *   out = round(h * (offset + w))               Gemma's (1 + w), all in fp32
+ *   rot = round(round(n * cos) + round(rotate_half(n) * sin))     rotary of a normed head
+ *
+ * `round` is round-to-nearest-even to bf16 (identity for fp32). The one difference: the sum
+ * of squares is added up in another order than torch's, so h may differ in its last bit.
+ * Rows: `outer` groups of `inner` rows; row (o, i) starts at x + o * outer_stride +
+ * i * inner_stride (elements), `dim` contiguous elements. Output rows are contiguous.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float to_f32(const void *base, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
+        float f;
+        memcpy(&f, &bits, sizeof f);
+        return f;
+    }
+    return ((const float *)base)[i];
+}
+
+static inline float round_to(float f, int is_bf16) {
+    if (!is_bf16) return f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f; /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void put(void *base, int64_t i, float f, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16); /* f is already rounded */
+    } else {
+        ((float *)base)[i] = f;
+    }
+}
+
+/* The normed row (weight applied, rounded) into `row` (fp32 values of dtype). */
+static inline void norm_row(const void *x, int64_t at, const void *weight, int64_t w_at,
+                            int dim, float eps, float offset, int is_bf16, float *row) {
+    float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+    for (int e = 0; e < dim; e++) {
+        const float v = to_f32(x, at + e, is_bf16);
+        row[e] = v;
+        squares += v * v;
+    }
+    const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
+    if (offset != 0.0f) {
+#pragma omp simd
+        for (int e = 0; e < dim; e++)
+            row[e] = round_to(row[e] * rstd * (offset + to_f32(weight, w_at + e, is_bf16)),
+                              is_bf16);
+    } else {
+#pragma omp simd
+        for (int e = 0; e < dim; e++)
+            row[e] = round_to(to_f32(weight, w_at + e, is_bf16) *
+                                  round_to(row[e] * rstd, is_bf16),
+                              is_bf16);
+    }
+}
+
+/* out[o, i, :] = norm(x[o, i, :]) * weight[i or 0, :]; weight_inner_stride 0 shares one row. */
+void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                    int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                    void *out, int dim, float eps, float offset, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
+    for (int64_t r = 0; r < outer * inner; r++) {
+        float row[4096];
+        const int64_t o = r / inner, i = r % inner;
+        if (dim > 4096) continue; /* the caller checks; never here */
+        norm_row(x, o * outer_stride + i * inner_stride, weight, i * weight_inner_stride, dim,
+                 eps, offset, is_bf16, row);
+        for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], is_bf16);
+    }
+}
+
+/* The q/k heads of x (as baton_rms_norm, per-head weight rows) normed, then rotated:
+ * cos/sin are [outer, dim] rows of the token's table (rotate_half layout). */
+void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                           int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                           const void *cos, const void *sin, int64_t table_stride, void *out,
+                           int dim, float eps, int is_bf16, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
+    for (int64_t r = 0; r < outer * inner; r++) {
+        float row[4096];
+        const int64_t o = r / inner, i = r % inner;
+        const int half = dim / 2;
+        if (dim > 4096) continue; /* the caller checks; never here */
+        norm_row(x, o * outer_stride + i * inner_stride, weight, i * weight_inner_stride, dim,
+                 eps, 0.0f, is_bf16, row);
+        const int64_t t = o * table_stride;
+        for (int e = 0; e < dim; e++) {
+            const float rotated = e < half ? -row[e + half] : row[e - half];
+            const float a = round_to(row[e] * to_f32(cos, t + e, is_bf16), is_bf16);
+            const float b = round_to(rotated * to_f32(sin, t + e, is_bf16), is_bf16);
+            put(out, r * dim + e, round_to(a + b, is_bf16), is_bf16);
+        }
+    }
+}

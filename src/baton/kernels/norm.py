@@ -1,0 +1,91 @@
+"""Python side of ``norm.c``: RMSNorm and Qwen3's q/k norm + rotary in one pass each.
+
+Each function returns None when the kernel cannot take the call (no kernels, another dtype,
+a layout it does not read, autograd wanting a graph); the caller then runs its torch code,
+which stays the reference (tests compare the two). Who calls them: ``baton.model.layers``
+(``RMSNorm``) and ``baton.model.attention`` (the fused q/k path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from baton.kernels import library
+
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+MAX_DIM = 4096  # the kernel's row buffer
+
+
+def _usable(*tensors: torch.Tensor) -> bool:
+    first = tensors[0]
+    return (
+        library() is not None
+        and first.dtype in DTYPES
+        and all(t.dtype == first.dtype and t.device.type == "cpu" for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and first.shape[-1] <= MAX_DIM
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> torch.Tensor | None:
+    """[..., dim] -> [..., dim]: ``RMSNorm.forward`` (weight [dim] in x's dtype)."""
+    if not (_usable(x, weight) and x.is_contiguous() and weight.is_contiguous()):
+        return None
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    library().baton_rms_norm(
+        x.data_ptr(),
+        x.numel() // dim,
+        dim,
+        1,
+        0,
+        weight.data_ptr(),
+        0,
+        out.data_ptr(),
+        dim,
+        eps,
+        offset,
+        DTYPES[x.dtype],
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def rms_norm_rotary(
+    heads: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor | None:
+    """heads: [B, T, n, D] (rows of D contiguous, tokens evenly strided), weight: [n, D] per
+    head, cos/sin: [B, T, 1, D] -> new [B, T, n, D]: per-head RMSNorm times weight, rotated."""
+    b, t, n, d = heads.shape
+    if not (
+        _usable(heads, weight, cos, sin)
+        and heads.stride(-1) == 1
+        and heads.stride(0) == t * heads.stride(1)
+        and weight.is_contiguous()
+        and weight.shape == (n, d)
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and cos.shape == sin.shape == (b, t, 1, d)
+    ):
+        return None
+    out = torch.empty(heads.shape, dtype=heads.dtype)
+    library().baton_rms_norm_rotary(
+        heads.data_ptr(),
+        b * t,
+        heads.stride(1),
+        n,
+        heads.stride(2),
+        weight.data_ptr(),
+        d,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        d,
+        out.data_ptr(),
+        d,
+        eps,
+        DTYPES[heads.dtype],
+        torch.get_num_threads(),
+    )
+    return out
