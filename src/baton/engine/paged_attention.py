@@ -58,9 +58,9 @@ class _BatchPlan:
     """Per segment, the position held by row 0 of its first unit (None: a ring)."""
     firsts: list[int]
     """Per segment, the lowest visible position."""
-    token_index: torch.Tensor  # [T] the segments' tokens in the flattened step
-    write_units: torch.Tensor  # [T]
-    write_rows: torch.Tensor  # [T]
+    token_index: list[int]  # [T] the segments' stored tokens in the flattened step
+    write_units: list[int]  # [T] where each goes
+    write_rows: list[int]  # [T]
     dense: bool
     """The segments are the whole step, back to back, all of one length (a decode or
     verify step): queries, keys and outputs are views of the step's rows, no gathers."""
@@ -133,6 +133,9 @@ class PagedAttention:
                 [s.start for s in segs],
                 [s.num_tokens for s in segs],
                 firsts,
+                token_index,
+                write_units,
+                write_rows,
                 pool.rows,
                 window,
                 is_ring=isinstance(pool, RingPool),
@@ -142,9 +145,9 @@ class PagedAttention:
             unit_lists,
             key_base,
             firsts,
-            torch.tensor(token_index),
-            torch.tensor(write_units),
-            torch.tensor(write_rows),
+            token_index,
+            write_units,
+            write_rows,
             dense,
             call,
         )
@@ -204,10 +207,10 @@ class PagedAttention:
 
     def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap, window):
         """Attend and store the segments' K/V; into ``out``, or returned when ``plan.dense``."""
-        if plan.native is not None:  # reads the pool before the step's K/V are stored
+        if plan.native is not None:  # reads the pool, then stores the step's K/V in it
             result = torch.empty_like(q) if plan.dense else out
             plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
-            self._store(pool, local, plan, k, v)
+            self._count(pool, plan)
             return result
         self._store(pool, local, plan, k, v)
         read_units, q_index, q_valid, bias = self._gather_plan(pool, plan, window)
@@ -234,9 +237,14 @@ class PagedAttention:
 
     @staticmethod
     def _store(pool: StatePool, local: int, plan: _BatchPlan, k, v) -> None:
-        storage, rows = pool.storage, plan.token_index
-        storage[plan.write_units, local, 0, plan.write_rows] = k[0, rows]
-        storage[plan.write_units, local, 1, plan.write_rows] = v[0, rows]
+        storage, rows = pool.storage, torch.tensor(plan.token_index, dtype=torch.long)
+        units, slots = torch.tensor(plan.write_units), torch.tensor(plan.write_rows)
+        storage[units, local, 0, slots] = k[0, rows]
+        storage[units, local, 1, slots] = v[0, rows]
+        PagedAttention._count(pool, plan)
+
+    @staticmethod
+    def _count(pool: StatePool, plan: _BatchPlan) -> None:
         for seg in plan.segments:
             end = seg.start + seg.num_tokens
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)

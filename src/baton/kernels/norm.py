@@ -18,13 +18,11 @@ MAX_DIM = 4096  # the kernel's row buffer
 
 def _usable(*tensors: torch.Tensor) -> bool:
     first = tensors[0]
-    return (
-        library() is not None
-        and first.dtype in DTYPES
-        and all(t.dtype == first.dtype and t.device.type == "cpu" for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-        and first.shape[-1] <= MAX_DIM
-    )
+    if library() is None or first.dtype not in DTYPES or first.shape[-1] > MAX_DIM:
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # autograd wants the torch graph
+    return all(t.dtype == first.dtype and t.device.type == "cpu" for t in tensors)
 
 
 def rms_norm(

@@ -1,7 +1,8 @@
 /* Attention of a step's segments (decode, speculative verification, draft steps, prefill
  * chunks) read in place: context from the pool's pages or ring, the segment's own keys and
  * values from the step's tensors. No gathered copy, no padded batch, no write before read
- * (so a chunk longer than a ring is fine: the caller stores the step's K/V afterwards).
+ * (so a chunk longer than a ring is fine); then the kept rows of the step's K/V (store_*:
+ * token, unit, row) are copied into the pool.
  *
  * One task per (tile of a segment's queries, kv head): the tile's queries of the heads that
  * share the kv head are scored against the positions they can see in one pass (each key
@@ -80,7 +81,7 @@ typedef struct {
     int64_t q_token_stride, q_head_stride;
     void *out;
     int64_t out_token_stride, out_head_stride;
-    const void *k, *v; /* the pool's rows of this layer */
+    void *k, *v; /* the pool's rows of this layer */
     int64_t unit_stride, row_stride, head_stride;
     const void *fresh_k, *fresh_v; /* the step's own keys and values */
     int64_t fk_token_stride, fk_head_stride, fv_token_stride, fv_head_stride;
@@ -91,6 +92,8 @@ typedef struct {
     const int32_t *q_start;   /* [batch] position of the segment's first query */
     const int32_t *q_count;   /* [batch] queries of the segment */
     const int32_t *first;     /* [batch] lowest visible position */
+    const int32_t *store_token, *store_unit, *store_row; /* [num_stores] fresh rows kept */
+    int32_t num_stores;
     int32_t max_units, rows, heads, kv_heads, head_dim, window;
     int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
     float scale, softcap;
@@ -357,5 +360,21 @@ int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
     }
     free(tiles);
     free(buffers);
+    /* Then the step's K/V go into the pool (after every read: a ring row may be both). */
+    const size_t row_bytes = (size_t)a->head_dim * (a->is_bf16 ? 2 : 4);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (a->num_stores > 256)
+    for (int n = 0; n < a->num_stores; n++)
+        for (int g = 0; g < a->kv_heads; g++) {
+            const int64_t t = a->store_token[n];
+            const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
+                               (int64_t)a->store_row[n] * a->row_stride + (int64_t)g * a->head_stride;
+            const size_t size = a->is_bf16 ? 2 : 4;
+            memcpy((char *)a->k + at * size,
+                   (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size,
+                   row_bytes);
+            memcpy((char *)a->v + at * size,
+                   (const char *)a->fresh_v + (t * a->fv_token_stride + g * a->fv_head_stride) * size,
+                   row_bytes);
+        }
     return 0;
 }

@@ -43,6 +43,10 @@ class _Args(ctypes.Structure):
         ("q_start", ctypes.c_void_p),
         ("q_count", ctypes.c_void_p),
         ("first", ctypes.c_void_p),
+        ("store_token", ctypes.c_void_p),
+        ("store_unit", ctypes.c_void_p),
+        ("store_row", ctypes.c_void_p),
+        ("num_stores", ctypes.c_int32),
         ("max_units", ctypes.c_int32),
         ("rows", ctypes.c_int32),
         ("heads", ctypes.c_int32),
@@ -62,7 +66,8 @@ class PagedAttentionCall:
     unit_lists: per segment the units holding its context in order; key_base: per segment
     the position held by row 0 of its first unit (pages; ignored when ``is_ring``); q_offset,
     q_start, num_queries, first: per segment the step token of its first query (its queries
-    are consecutive), that query's position, its queries, its lowest visible position.
+    are consecutive), that query's position, its queries, its lowest visible position;
+    store_token, store_unit, store_row: where each kept row of the step's K/V goes.
     """
 
     def __init__(
@@ -73,6 +78,9 @@ class PagedAttentionCall:
         q_start: list[int],
         num_queries: list[int],
         first: list[int],
+        store_token: list[int],
+        store_unit: list[int],
+        store_row: list[int],
         rows: int,
         window: int | None,
         is_ring: bool,
@@ -88,13 +96,16 @@ class PagedAttentionCall:
             q_start=q_start,
             q_count=num_queries,
             first=first,
+            store_token=store_token,
+            store_unit=store_unit,
+            store_row=store_row,
         )
         self._keep = {name: torch.tensor(v, dtype=torch.int32) for name, v in lists.items()}
         self.batch = len(num_units)
         args = _Args()
         for name, tensor in self._keep.items():
             setattr(args, name, tensor.data_ptr())
-        args.max_units, args.rows = max_units, rows
+        args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
         args.window, args.is_ring = window or 0, int(is_ring)
         self.args = args
 
@@ -116,7 +127,8 @@ class PagedAttentionCall:
     ) -> None:
         """q, out: [N, heads, D] and k, v: [N, kv_heads, D], the step's rows (last dim
         contiguous); storage: [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``,
-        holding every position before each segment. Writes the segments' rows of ``out``."""
+        holding every position before each segment. Writes the segments' rows of ``out``, then
+        stores the kept rows of k, v in the pool."""
         assert all(t.dtype == storage.dtype and t.stride(-1) == 1 for t in (q, k, v, out))
         a = self.args
         a.fresh_k, a.fk_token_stride, a.fk_head_stride = k.data_ptr(), k.stride(0), k.stride(1)
