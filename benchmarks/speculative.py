@@ -72,6 +72,13 @@ def tokens_per_s(llm: LLM, prompts, params, batch: int) -> float:
     return total / (time.perf_counter() - start)
 
 
+def k_arg(args: argparse.Namespace) -> int:
+    k = args.num_speculative_tokens
+    if k < 1:
+        raise SystemExit(f"--num-speculative-tokens must be >= 1, got {k}")
+    return k
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / "models" / "baton-stdlib-qwen3"))
@@ -79,12 +86,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, help="draft tokens per step (default: the engine's)"
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/speculative.json"))
     args = parser.parse_args()
     options = dict(num_threads=args.threads, max_num_seqs=16, max_model_len=1024)
-    spec = LLM(args.model, speculative=True, **options)
+    k = {} if args.num_speculative_tokens is None else {"num_speculative_tokens": k_arg(args)}
+    spec = LLM(args.model, speculative=True, **options, **k)
     plain = LLM(args.model, speculative=False, **options)
-    ablated = LLM(args.model, speculative=True, debug_empty_draft_prompt_state=True, **options)
+    ablated = LLM(args.model, speculative=True, debug_empty_draft_prompt_state=True, **options, **k)
     prompts = held_out_prompts(spec, args.num_prompts, args.prompt_len)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 

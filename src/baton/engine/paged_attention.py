@@ -84,10 +84,9 @@ class PagedAttention:
         self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
         self._one: dict[tuple[str, Segment], tuple] = {}
 
-    def _is_batched(self, pool: StatePool, seg: Segment, window: int | None) -> bool:
-        if PagedAttentionCall.supports(pool.storage):
-            return True  # the kernel reads the step's own K/V beside the pool's: any segment
-        # The torch path writes first, then pads every segment to the longest.
+    @staticmethod
+    def _is_batched(pool: StatePool, seg: Segment, window: int | None) -> bool:
+        """For the torch path: it writes first, then pads every segment to the longest."""
         return seg.num_tokens <= BATCHED_MAX_TOKENS and pool.keeps_visible(
             seg.start, seg.start + seg.num_tokens, window
         )
@@ -95,8 +94,12 @@ class PagedAttention:
     def _plan(self, pool: StatePool, window: int | None):
         if pool.name in self._plans:
             return self._plans[pool.name]
-        batched = [s for s in self.segments if self._is_batched(pool, s, window)]
-        others = [s for s in self.segments if not self._is_batched(pool, s, window)]
+        if PagedAttentionCall.supports(pool.storage):
+            # The kernel reads the step's own K/V beside the pool's: any segment.
+            batched, others = self.segments, []
+        else:
+            batched = [s for s in self.segments if self._is_batched(pool, s, window)]
+            others = [s for s in self.segments if not self._is_batched(pool, s, window)]
         plan = self._build(pool, batched, window) if batched else None
         self._plans[pool.name] = (plan, others)
         return plan, others

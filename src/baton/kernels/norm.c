@@ -50,7 +50,7 @@ static inline void put(void *base, int64_t i, float f, int is_bf16) {
 }
 
 /* The normed row (weight applied, rounded) into `row` (fp32 values of dtype). */
-static inline void norm_row(const void *x, int64_t at, const void *weight, int64_t w_at,
+static inline __attribute__((always_inline)) void norm_row(const void *x, int64_t at, const void *weight, int64_t w_at,
                             int dim, float eps, float offset, int is_bf16, float *row) {
     float squares = 0.0f;
 #pragma omp simd reduction(+ : squares)
@@ -78,14 +78,40 @@ static inline void norm_row(const void *x, int64_t at, const void *weight, int64
 void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                     int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
                     void *out, int dim, float eps, float offset, int is_bf16, int num_threads) {
+    if (dim > 4096) return; /* the caller checks; never here */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
     for (int64_t r = 0; r < outer * inner; r++) {
         float row[4096];
-        const int64_t o = r / inner, i = r % inner;
-        if (dim > 4096) continue; /* the caller checks; never here */
-        norm_row(x, o * outer_stride + i * inner_stride, weight, i * weight_inner_stride, dim,
-                 eps, offset, is_bf16, row);
-        for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], is_bf16);
+        const int64_t at = (r / inner) * outer_stride + (r % inner) * inner_stride;
+        const int64_t w_at = (r % inner) * weight_inner_stride;
+        if (is_bf16) { /* a constant dtype: branch-free loops */
+            norm_row(x, at, weight, w_at, dim, eps, offset, 1, row);
+            for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], 1);
+        } else {
+            norm_row(x, at, weight, w_at, dim, eps, offset, 0, row);
+            for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], 0);
+        }
+    }
+}
+
+/* One head: normed, times its weight row, rotated (constant sizes unroll at the call). */
+static inline __attribute__((always_inline)) void norm_rotary_row(
+    const void *x, int64_t at, const void *weight, int64_t w_at, const void *cos,
+    const void *sin, int64_t t, void *out, int64_t out_at, const int dim, float eps,
+    const int is_bf16) {
+    float row[dim], rotated[dim];
+    const int half = dim / 2;
+    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, row);
+#pragma omp simd
+    for (int e = 0; e < half; e++) { /* rotate_half: (-x2, x1) */
+        rotated[e] = -row[e + half];
+        rotated[e + half] = row[e];
+    }
+#pragma omp simd
+    for (int e = 0; e < dim; e++) {
+        const float a = round_to(row[e] * to_f32(cos, t + e, is_bf16), is_bf16);
+        const float b = round_to(rotated[e] * to_f32(sin, t + e, is_bf16), is_bf16);
+        put(out, out_at + e, round_to(a + b, is_bf16), is_bf16);
     }
 }
 
@@ -95,20 +121,17 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
                            int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
                            const void *cos, const void *sin, int64_t table_stride, void *out,
                            int dim, float eps, int is_bf16, int num_threads) {
+    if (dim > 4096 || dim % 2) return; /* the caller checks; never here */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
-    for (int64_t r = 0; r < outer * inner; r++) {
-        float row[4096];
-        const int64_t o = r / inner, i = r % inner;
-        const int half = dim / 2;
-        if (dim > 4096) continue; /* the caller checks; never here */
-        norm_row(x, o * outer_stride + i * inner_stride, weight, i * weight_inner_stride, dim,
-                 eps, 0.0f, is_bf16, row);
-        const int64_t t = o * table_stride;
-        for (int e = 0; e < dim; e++) {
-            const float rotated = e < half ? -row[e + half] : row[e - half];
-            const float a = round_to(row[e] * to_f32(cos, t + e, is_bf16), is_bf16);
-            const float b = round_to(rotated * to_f32(sin, t + e, is_bf16), is_bf16);
-            put(out, r * dim + e, round_to(a + b, is_bf16), is_bf16);
+    for (int64_t o = 0; o < outer; o++)
+        for (int64_t i = 0; i < inner; i++) {
+            const int64_t at = o * outer_stride + i * inner_stride, w_at = i * weight_inner_stride;
+            const int64_t t = o * table_stride, out_at = (o * inner + i) * dim;
+            if (is_bf16 && dim == 64)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1);
+            else if (is_bf16 && dim == 128)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1);
+            else
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16);
         }
-    }
 }

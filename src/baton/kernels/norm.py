@@ -17,12 +17,12 @@ MAX_DIM = 4096  # the kernel's row buffer
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
-    first = tensors[0]
-    if library() is None or first.dtype not in DTYPES or first.shape[-1] > MAX_DIM:
+    first = tensors[0]  # NOTE: called for every norm of every step: cheapest checks first
+    if first.dtype not in DTYPES or first.shape[-1] > MAX_DIM or library() is None:
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False  # autograd wants the torch graph
-    return all(t.dtype == first.dtype and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == first.dtype and t.is_cpu for t in tensors)
 
 
 def rms_norm(

@@ -8,6 +8,7 @@ storage. Who calls it: ``baton.engine.paged_attention``, whose torch path is the
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -86,10 +87,9 @@ class PagedAttentionCall:
         is_ring: bool,
     ) -> None:
         max_units = max(map(len, unit_lists))
-        units = [u + [0] * (max_units - len(u)) for u in unit_lists]
         num_units = [len(u) for u in unit_lists]
-        lists = dict(
-            units=units,
+        lists = dict(  # units: [B, max_units] row-major, padded with unit 0
+            units=[x for u in unit_lists for x in (*u, *[0] * (max_units - len(u)))],
             num_units=num_units,
             key_base=key_base,
             q_offset=q_offset,
@@ -100,11 +100,14 @@ class PagedAttentionCall:
             store_unit=store_unit,
             store_row=store_row,
         )
-        self._keep = {name: torch.tensor(v, dtype=torch.int32) for name, v in lists.items()}
-        self.batch = len(num_units)
+        # One int32 tensor holds every list (one conversion); the struct points into it.
+        self._keep = torch.tensor(list(itertools.chain(*lists.values())), dtype=torch.int32)
         args = _Args()
-        for name, tensor in self._keep.items():
-            setattr(args, name, tensor.data_ptr())
+        at = self._keep.data_ptr()
+        for name, values in lists.items():
+            setattr(args, name, at)
+            at += 4 * len(values)
+        self.batch = len(num_units)
         args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
         args.window, args.is_ring = window or 0, int(is_ring)
         self.args = args
