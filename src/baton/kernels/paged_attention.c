@@ -203,30 +203,43 @@ static inline void accumulate_block_avx512(const float *probs, const float *rows
 #define HAS_BF16_PATH 0
 #endif
 
-/* Where position kp of segment b lives (see the top of the file): its key and value rows. */
-static inline void locate(const Args *a, int b, int g, int kp, const void **k, const void **v) {
-    const int size = a->is_bf16 ? 2 : 4;
-    if (kp >= a->q_start[b]) {
-        const int64_t t = a->q_offset[b] + kp - a->q_start[b];
-        *k = (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size;
-        *v = (const char *)a->fresh_v + (t * a->fv_token_stride + g * a->fv_head_stride) * size;
-        return;
-    }
+/* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
+ * a position lives); those past `p_end` are padding (they repeat p0's rows). Walks the pool
+ * row by row: one division per block, not two per position. */
+static inline void fill_block(const Args *a, int b, int g, int p0, int p_end, Block *blk) {
+    const int size = a->is_bf16 ? 2 : 4, start = a->q_start[b];
     const int32_t *units = a->units + (int64_t)b * a->max_units;
-    const int j = a->is_ring ? kp % a->rows : kp - a->key_base[b];
-    const int64_t at = (int64_t)units[a->is_ring ? 0 : j / a->rows] * a->unit_stride +
-                       (int64_t)(j % a->rows) * a->row_stride + (int64_t)g * a->head_stride;
-    *k = (const char *)a->k + at * size;
-    *v = (const char *)a->v + at * size;
+    const int j = a->is_ring ? p0 % a->rows : p0 - a->key_base[b];
+    int unit = a->is_ring ? 0 : j / a->rows, row = j % a->rows;
+    for (int kk = 0; kk < BLOCK; kk++) {
+        const int kp = p0 + kk;
+        const int is_pad = kp > p_end;
+        blk->pos[kk] = is_pad ? -1 : kp;
+        if (is_pad) {
+            blk->k[kk] = blk->k[0];
+            blk->v[kk] = blk->v[0];
+        } else if (kp >= start) { /* the step's own token */
+            const int64_t t = a->q_offset[b] + kp - start;
+            blk->k[kk] = (const char *)a->fresh_k + (t * a->fk_token_stride +
+                                                      (int64_t)g * a->fk_head_stride) * size;
+            blk->v[kk] = (const char *)a->fresh_v + (t * a->fv_token_stride +
+                                                      (int64_t)g * a->fv_head_stride) * size;
+        } else {
+            const int64_t at = (int64_t)units[unit] * a->unit_stride +
+                               (int64_t)row * a->row_stride + (int64_t)g * a->head_stride;
+            blk->k[kk] = (const char *)a->k + at * size;
+            blk->v[kk] = (const char *)a->v + at * size;
+        }
+        if (++row == a->rows) { /* next page; a ring wraps to its row 0 */
+            row = 0;
+            unit += !a->is_ring;
+        }
+    }
 }
 
-/* The block of positions p0 .. p0+BLOCK-1; those past `p_end` are padding. */
-static inline void fill_block(const Args *a, int b, int g, int p0, int p_end, Block *blk) {
-    for (int kk = 0; kk < BLOCK; kk++) {
-        const int kp = p0 + kk <= p_end ? p0 + kk : p0;
-        locate(a, b, g, kp, &blk->k[kk], &blk->v[kk]);
-        blk->pos[kk] = p0 + kk <= p_end ? kp : -1;
-    }
+static inline void prefetch_rows(const void *const rows[BLOCK], int row_bytes) {
+    for (int kk = 0; kk < BLOCK; kk++)
+        for (int at = 0; at < row_bytes; at += 64) __builtin_prefetch((const char *)rows[kk] + at);
 }
 
 /* Queries of tokens [t0, t1) of segment b, heads of kv head g. */
@@ -249,9 +262,14 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
     }
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
-    Block blk;
+    Block blk, next;
+    fill_block(a, b, g, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, lo + j0, p_last, &blk);
+        blk = next; /* and the rows of the block after it on their way into the cache */
+        if (j0 + BLOCK < padded) {
+            fill_block(a, b, g, lo + j0 + BLOCK, p_last, &next);
+            prefetch_rows(next.k, d * (a->is_bf16 ? 2 : 4));
+        }
         for (int i = 0; i < nq; i++) {
             const int p = a->q_start[b] + t0 + i / rep;
             float *s = scores + (int64_t)i * stride + j0;
@@ -284,8 +302,13 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         sums[i] = total;
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
+    fill_block(a, b, g, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        fill_block(a, b, g, lo + j0, p_last, &blk);
+        blk = next;
+        if (j0 + BLOCK < padded) {
+            fill_block(a, b, g, lo + j0 + BLOCK, p_last, &next);
+            prefetch_rows(next.v, d * (a->is_bf16 ? 2 : 4));
+        }
         for (int kk = 0; kk < BLOCK; kk++) { /* padding rows are read, never weighed */
 #if HAS_BF16_PATH
             if (fast) {
