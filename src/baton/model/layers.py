@@ -44,11 +44,16 @@ class FrozenLinear:
             torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _can_pack(weight) else None
         )
         self.weight = None if self.packed is not None else weight
+        self._post = PACKED_ACTIVATIONS[activation]
+        # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
+        # per call, and a decode step makes ~50 of these calls.
+        self._unary = torch.ops.mkldnn._linear_pointwise.default
+        self._binary_op = torch.ops.mkldnn._linear_pointwise.binary
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            attr, algo = PACKED_ACTIVATIONS[self.activation]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algo)
+            attr, algo = self._post
+            return self._unary(x, self.packed, self.bias, attr, [], algo)
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -62,9 +67,7 @@ class FrozenLinear:
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         assert self.activation == "none", "a binary op follows the bare matmul"
         if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, other.contiguous(), self.packed, self.bias, op
-            )
+            return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
         y = F.linear(x, self.weight, self.bias) if self.packed is None else self(x)
         return y * other if op == "mul" else y + other
 
@@ -115,22 +118,34 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for given positions; the table is computed on the fly (it is cheap)."""
+    """cos/sin of given positions, looked up in tables computed once per dtype (and grown
+    when a position beyond them shows up)."""
 
     def __init__(self, rope: RopeSpec, head_dim: int) -> None:
         super().__init__()
         # NOTE: a plain attribute, not a buffer: ``module.to(bfloat16)`` must not round it.
         self.inv_freq = rope_inv_freq(rope, head_dim)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [n >= num_positions, head_dim], computed in fp32 and cast to ``dtype``
+        -- the activations' dtype -- as transformers does (elementwise: a row is what the
+        position alone would give)."""
+        table = self._tables.get(dtype)
+        if table is None or table[0].shape[0] < num_positions:
+            n = max(num_positions, 2 * table[0].shape[0] if table is not None else 1024)
+            freqs = torch.arange(n, dtype=torch.float32).unsqueeze(-1) * self.inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)
+            table = self._tables[dtype] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return table
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [...] int -> cos, sin: [..., 1, head_dim] (the 1 broadcasts over
-        heads), computed in fp32 and cast to ``dtype`` -- the activations' dtype -- once per
-        forward, as transformers does, instead of once per layer."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(-2)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        heads), once per forward instead of once per layer."""
+        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
+        return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
