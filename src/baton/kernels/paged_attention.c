@@ -157,18 +157,6 @@ static inline __m512 reduce16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* scores = scale * s, -INFINITY where the block's position is not visible from p. */
-static inline void store_scores(const Args *a, int b, const Block *blk, int p, __m512 s,
-                                float *scores) {
-    s = _mm512_mul_ps(s, _mm512_set1_ps(a->scale));
-    __m512i pos = _mm512_loadu_si512(blk->pos);
-    int lo = a->first[b] > 0 ? a->first[b] : 0;
-    __mmask16 keep = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(lo)) &
-                     _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(p));
-    if (a->window > 0) keep &= _mm512_cmpgt_epi32_mask(pos, _mm512_set1_epi32(p - a->window));
-    _mm512_storeu_ps(scores, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
-}
-
 /* score_block for bf16 with d % 32 == 0: bf16 pair products summed in fp32 (vdpbf16ps). */
 static inline void score_block_bf16(const Args *a, int b, const Block *blk, const uint16_t *q,
                                     int p, float *scores, int d) {
@@ -181,41 +169,33 @@ static inline void score_block_bf16(const Args *a, int b, const Block *blk, cons
                                    (__m512bh)_mm512_loadu_si512(k + e));
         part[kk] = acc;
     }
-    store_scores(a, b, blk, p, reduce16(part), scores);
+    __m512 s = _mm512_mul_ps(reduce16(part), _mm512_set1_ps(a->scale));
+    __m512i pos = _mm512_loadu_si512(blk->pos);
+    int lo = a->first[b] > 0 ? a->first[b] : 0;
+    __mmask16 keep = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(lo)) &
+                     _mm512_cmple_epi32_mask(pos, _mm512_set1_epi32(p));
+    if (a->window > 0) keep &= _mm512_cmpgt_epi32_mask(pos, _mm512_set1_epi32(p - a->window));
+    _mm512_storeu_ps(scores, _mm512_mask_blend_ps(keep, _mm512_set1_ps(-INFINITY), s));
 }
 
-/* The block's value rows as bf16 pairs: pairs[m * d/16 + c] interleaves rows 2m and 2m+1
- * over the 16 dims of chunk c -- the operand vdpbf16ps sums pairwise against (p_2m, p_2m+1). */
-static inline void pair_rows_bf16(const Block *blk, __m512i *pairs, int d) {
-    static const uint16_t order[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,  21, 6,  22, 7,  23,
-                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-    const __m512i idx = _mm512_loadu_si512(order);
-    for (int m = 0; m < BLOCK / 2; m++)
-        for (int c = 0; c < d / 16; c++) {
-            const uint16_t *even = (const uint16_t *)blk->v[2 * m] + 16 * c;
-            const uint16_t *odd = (const uint16_t *)blk->v[2 * m + 1] + 16 * c;
-            const __m512i both = _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)even)),
-                _mm256_loadu_si256((const __m256i *)odd), 1);
-            _mm512_storeu_si512(pairs + m * (d / 16) + c, _mm512_permutexvar_epi16(idx, both));
-        }
+/* load_row for bf16 with d % 16 == 0 (gcc leaves the loop scalar inside the block loop). */
+static inline void load_row_bf16(float *dst, const uint16_t *src, int d) {
+    for (int e = 0; e < d; e += 16) {
+        __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + e)));
+        _mm512_storeu_ps(dst + e, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
 }
 
-/* acc[e] += sum_kk probs[kk] * v_kk[e] with the probabilities rounded to bf16 (as torch's
- * bf16 attention does) and the products summed in fp32; d % 16 == 0, d <= 256. */
-static inline void accumulate_block_bf16(const float *probs, const __m512i *pairs, float *acc,
-                                         int d) {
-    const __m256bh p16 = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs));
-    uint32_t p2[BLOCK / 2]; /* (p_2m, p_2m+1) as one 32-bit lane */
-    memcpy(p2, &p16, sizeof p2);
+/* accumulate_block with d % 16 == 0, d <= 256: the accumulator stays in registers. */
+static inline void accumulate_block_avx512(const float *probs, const float *rows, float *acc,
+                                           int d) {
     __m512 r[16];
     for (int c = 0; c < d / 16; c++) r[c] = _mm512_loadu_ps(acc + 16 * c);
-    for (int m = 0; m < BLOCK / 2; m++) {
-        if (p2[m] == 0) continue;
-        const __m512bh pm = (__m512bh)_mm512_set1_epi32((int)p2[m]);
+    for (int kk = 0; kk < BLOCK; kk++) {
+        if (probs[kk] == 0.0f) continue;
+        __m512 pk = _mm512_set1_ps(probs[kk]);
         for (int c = 0; c < d / 16; c++)
-            r[c] = _mm512_dpbf16_ps(
-                r[c], (__m512bh)_mm512_loadu_si512(pairs + m * (d / 16) + c), pm);
+            r[c] = _mm512_fmadd_ps(pk, _mm512_loadu_ps(rows + (int64_t)kk * d + 16 * c), r[c]);
     }
     for (int c = 0; c < d / 16; c++) _mm512_storeu_ps(acc + 16 * c, r[c]);
 }
@@ -329,20 +309,25 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
             fill_block(a, b, g, lo + j0 + BLOCK, p_last, &next);
             prefetch_rows(next.v, d * (a->is_bf16 ? 2 : 4));
         }
+        for (int kk = 0; kk < BLOCK; kk++) { /* padding rows are read, never weighed */
 #if HAS_BF16_PATH
-        if (fast) { /* padding rows are read, never weighed */
-            __m512i *pairs = (__m512i *)rows; /* BLOCK * d bf16 (half the buffer), unaligned */
-            pair_rows_bf16(&blk, pairs, d);
-            for (int i = 0; i < nq; i++)
-                accumulate_block_bf16(scores + (int64_t)i * stride + j0, pairs,
-                                      acc + (int64_t)i * d, d);
-            continue;
-        }
+            if (fast) {
+                load_row_bf16(rows + (int64_t)kk * d, (const uint16_t *)blk.v[kk], d);
+                continue;
+            }
 #endif
-        for (int kk = 0; kk < BLOCK; kk++) /* padding rows are read, never weighed */
             load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, a->is_bf16);
-        for (int i = 0; i < nq; i++)
-            accumulate_block(scores + (int64_t)i * stride + j0, rows, acc + (int64_t)i * d, d);
+        }
+        for (int i = 0; i < nq; i++) {
+            const float *probs = scores + (int64_t)i * stride + j0;
+#if HAS_BF16_PATH
+            if (d % 16 == 0 && d <= 256) {
+                accumulate_block_avx512(probs, rows, acc + (int64_t)i * d, d);
+                continue;
+            }
+#endif
+            accumulate_block(probs, rows, acc + (int64_t)i * d, d);
+        }
     }
     for (int i = 0; i < nq; i++) {
         const float inv = 1.0f / sums[i];
