@@ -260,6 +260,16 @@ class Attention(nn.Module):
         out = self.o_proj(out)
         return out if residual is None else residual + out
 
+    def keys_values(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [B, T, hidden] (normed) -> k, v: [B, T, kv_heads, D], rotated: what ``forward``
+        would hand its backend to store, without attending."""
+        _, k, v = (
+            self._fused_qkv(x, rotary) if self._qkv is not None else self._qkv_rotated(x, rotary)
+        )
+        return k, v
+
     def _fused_qkv(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """q, k, v from one matmul; q and k normed (Qwen3) and rotated together."""
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim

@@ -53,6 +53,12 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, residual=x)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
+    def keys_values(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this layer would store for input x, without attending."""
+        return self.self_attn.keys_values(self.input_layernorm(x), rotary)
+
 
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (HF's ``model.`` prefix)."""

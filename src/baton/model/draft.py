@@ -108,9 +108,27 @@ class MTPDraft(nn.Module):
         at t+1; positions: [B, T] = t+1. Returns final-normed draft states [B, T, H]; feed
         them to ``target.compute_logits`` for the guess of token t+2. The draft backend's
         layer id is 0 (the draft has its own pools)."""
+        x = self._layer_input(target, hidden, next_ids)
+        x = self.layer(x, self.rotary_emb(positions, x.dtype), attn)
+        return target.model.norm(x)
+
+    def keys_values(
+        self,
+        target: CausalLM,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``forward``'s arguments -> the keys and values its layer stores, [B, T, kv, D],
+        without attending: all a pair contributes to the draft's state (one layer, its K/V
+        a function of the pair alone), and all that known pairs are run for."""
+        x = self._layer_input(target, hidden, next_ids)
+        return self.layer.keys_values(x, self.rotary_emb(positions, x.dtype))
+
+    def _layer_input(
+        self, target: CausalLM, hidden: torch.Tensor, next_ids: torch.Tensor
+    ) -> torch.Tensor:
         e = self.enorm(target.model.embed(next_ids))
         h = self.hnorm(hidden.to(e.dtype))
         eh = torch.cat((e, h), dim=-1)
-        x = self._eh(eh) if self._eh is not None else self.eh_proj(eh)
-        x = self.layer(x, self.rotary_emb(positions, x.dtype), attn)
-        return target.model.norm(x)
+        return self._eh(eh) if self._eh is not None else self.eh_proj(eh)

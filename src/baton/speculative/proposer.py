@@ -79,12 +79,35 @@ class DraftProposer:
         return splits
 
     def prefill(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> None:
-        """Run known prompt pairs now (the draft's prompt state)."""
+        """Store the state of known pairs now (prompt pairs: the draft's prompt state).
+
+        Only keys and values, and only of the slots the draft's pool keeps: the draft is one
+        layer whose K/V at a slot depend on that slot's pair alone, and nothing reads its
+        output for a known pair -- so the attention, MLP and the slots a sliding pool drops
+        would be computed for nothing (on a long prompt, most of the draft's prefill)."""
         entries = [e for e in entries if e[3]]
-        if entries:
-            self._run(entries)
-            for request_id, slot, _, tokens in entries:
-                self.cache.trim(request_id, slot + len(tokens))
+        if not entries:
+            return
+        ((pool, local),) = {id(p): (p, i) for p, i in self.cache.layer_map.values()}.values()
+        kept, hidden, ids, positions = [], [], [], []
+        for request_id, slot, h, tokens in entries:
+            end = slot + len(tokens)
+            self.cache.grow(request_id, slot, end)
+            first = pool._store_from(slot, end)  # a sliding pool keeps the tail
+            kept.append((request_id, first, end - first))
+            hidden.append(h[first - slot :])
+            ids.extend(tokens[first - slot :])
+            positions.extend(range(first + 1, end + 1))
+        k, v = self.draft.keys_values(
+            self.target, torch.cat(hidden)[None], torch.tensor([ids]), torch.tensor([positions])
+        )  # [1, N, kv, D]
+        offset = 0
+        for request_id, first, n in kept:
+            pool.write(
+                local, request_id, first, k[0, offset : offset + n], v[0, offset : offset + n]
+            )
+            self.cache.trim(request_id, first + n)
+            offset += n
 
     def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
         self.pending[request_id] = pairs
