@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import baton.kernels.norm as kernel_norm
+import baton.kernels.paged_attention as kernel_attention
 from baton import LLM, SamplingParams
 from tests.hf_tiny import ARCHS, SLIDING_ARCHS, VOCAB, WINDOW
 
@@ -63,3 +65,16 @@ def test_preemption_under_memory_pressure_keeps_outputs(hf_checkpoint):
     assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(hf, p) for p in prompts]
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.cache.pools[0].num_free_units == 14
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("sliding_mode", ["paged", "ring"])
+def test_torch_paths_give_the_kernels_tokens(arch, sliding_mode, hf_checkpoint, monkeypatch):
+    """With the native kernels off (no compiler, a failed build, ``BATON_NATIVE_KERNELS=0``)
+    the torch paths they replace run the engine and give the same greedy tokens."""
+    directory, _ = hf_checkpoint(arch)
+    prompts = _prompts()
+    with_kernels = _generate(directory, prompts, sliding_mode=sliding_mode)
+    monkeypatch.setattr(kernel_attention, "library", lambda: None)
+    monkeypatch.setattr(kernel_norm, "library", lambda: None)
+    assert _generate(directory, prompts, sliding_mode=sliding_mode) == with_kernels

@@ -19,7 +19,8 @@ from baton.engine.paged_attention import PagedAttention, Segment
 from baton.kernels import library
 from baton.memory import PagedPool, RingPool, StateRegistry
 
-pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: kernels are off")
+OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
+pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
 
 WINDOW, PAGE, SLACK = 12, 4, 8
 SEED = 0

@@ -14,7 +14,8 @@ import baton.kernels.norm as norm
 from baton.kernels import library
 from baton.model.layers import RMSNorm, apply_rotary
 
-pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler: kernels are off")
+OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
+pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
