@@ -139,3 +139,21 @@ def test_engine_registry_declares_target_pools(hf_checkpoint):
         # Nothing else keeps a list of pools: the cache's pools are the registry's.
         pools = {p.component.name for p in engine.cache.pools} | {engine.aux.name}
         assert pools == set(schema)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "ring"])
+def test_write_many_stores_what_write_stores(kind):
+    pools = [_pool(kind, StateRegistry()) for _ in range(2)]
+    spans = [("a", 3, 5), ("b", 0, 7), ("c", 9, 2)]  # (request, start, n): kept whole
+    k = torch.randn(sum(n for _, _, n in spans), 2, 8)
+    v = torch.randn_like(k)
+    for pool in pools:
+        for request_id, start, n in spans:
+            pool.grow(request_id, 0, start + n)
+    offset = 0
+    for request_id, start, n in spans:
+        pools[0].write(1, request_id, start, k[offset : offset + n], v[offset : offset + n])
+        offset += n
+    pools[1].write_many(1, spans, k, v)
+    assert torch.equal(pools[0].storage, pools[1].storage)
+    assert pools[0].num_tokens == pools[1].num_tokens

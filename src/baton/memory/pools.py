@@ -157,6 +157,24 @@ class StatePool(ABC):
         self.storage[units, layer, 1, rows] = v[first - start :]
         self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), end)
 
+    def write_many(
+        self, layer: int, spans: list[tuple[str, int, int]], k: torch.Tensor, v: torch.Tensor
+    ) -> None:
+        """``write`` for many requests at once: spans (request, start, n) whose keys/values
+        are consecutive rows of k, v [sum n, kv, d], each stored whole (the caller kept only
+        rows worth keeping: ``_store_from(start, start + n) == start``)."""
+        units: list[int] = []
+        rows: list[int] = []
+        for request_id, start, n in spans:
+            assert self._store_from(start, start + n) == start, f"{self.name}: {start}+{n}"
+            u, r = self.slot_lists(request_id, start, start + n)
+            units += u
+            rows += r
+            self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), start + n)
+        index = (torch.tensor(units), layer)
+        self.storage[(*index, 0, torch.tensor(rows))] = k
+        self.storage[(*index, 1, torch.tensor(rows))] = v
+
 
 class PagedPool(StatePool):
     """Pages of ``page_size`` positions; with a window, pages behind it are returned."""

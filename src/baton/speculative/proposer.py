@@ -102,13 +102,9 @@ class DraftProposer:
         k, v = self.draft.keys_values(
             self.target, torch.cat(hidden)[None], torch.tensor([ids]), torch.tensor([positions])
         )  # [1, N, kv, D]
-        offset = 0
+        pool.write_many(local, kept, k[0], v[0])
         for request_id, first, n in kept:
-            pool.write(
-                local, request_id, first, k[0, offset : offset + n], v[0, offset : offset + n]
-            )
             self.cache.trim(request_id, first + n)
-            offset += n
 
     def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
         self.pending[request_id] = pairs
