@@ -6,8 +6,7 @@ slots it has computed from target hiddens. Per request the proposer keeps the *p
 pairs: committed pairs not yet run through the draft (after a verify step: the accepted
 proposals and the bonus token, with the target's hiddens). A proposal chain then runs::
 
-    step 1: pending pairs (slots p .. L-1)         -> guess d1   (committed state; all but
-            the last stored as known pairs, keys and values only, the last one run)
+    step 1: pending pairs (slots p .. L-1)         -> guess d1   (committed state)
     step i: (draft hidden, d_{i-1}) at slot L+i-2  -> guess d_i  (scratch, beyond committed)
 
 Scratch slots lie beyond the committed end; the next step's pending pairs overwrite them
@@ -111,18 +110,14 @@ class DraftProposer:
 
     def propose(self, request_ids: list[str]) -> dict[str, list[int]]:
         """A top-1 chain of ``num_tokens`` guesses per request, batched across requests."""
-        # Of the pending pairs only the last one's output is read (the first guess): the
-        # others are stored as known pairs (keys and values), the last one is run.
-        known, last = [], []
+        entries = []
         for rid in request_ids:
             p = self.pending[rid]
-            n = len(p.token_ids)
-            known.append((rid, p.start_slot, p.hidden[: n - 1], p.token_ids[: n - 1]))
-            last.append((rid, p.start_slot + n - 1, p.hidden[n - 1 :], p.token_ids[n - 1 :]))
-        self.prefill(known)
-        hiddens = self._run(last)
+            entries.append((rid, p.start_slot, p.hidden, p.token_ids))
+        outs = self._run(entries)
         chains = {rid: [] for rid in request_ids}
-        slots = {rid: slot + 1 for rid, slot, _, _ in last}
+        hiddens = [o[-1:] for o in outs]
+        slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
         for step in range(self.num_tokens):
             # NOTE: the head's raw output: the fp32 cast and soft-capping (monotonic) cannot
             # change an argmax, and skipping them is a decode step's worth of ops.
