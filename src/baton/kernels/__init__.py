@@ -7,8 +7,9 @@ it runs on and cached under ``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/ke
 keyed by the source, the compiler and the CPU's feature flags. It links ``libgomp.so.1``,
 the OpenMP runtime torch has already loaded, so both share one thread pool.
 
-Every kernel has a torch path that stays the reference (tests compare the two). No compiler,
-a failed build or ``BATON_NATIVE_KERNELS=0`` means the torch path, after one warning.
+Every kernel has a torch path that stays the reference (tests compare the two). No compiler
+or a failed build means the torch paths, after one warning; ``BATON_NATIVE_KERNELS=0``
+chooses them.
 """
 
 from __future__ import annotations
