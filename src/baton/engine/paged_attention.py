@@ -94,21 +94,23 @@ class PagedAttention:
     def _plan(self, pool: StatePool, window: int | None):
         if pool.name in self._plans:
             return self._plans[pool.name]
-        if PagedAttentionCall.supports(pool.storage):
+        native = PagedAttentionCall.supports(pool.storage)
+        if native:
             # The kernel reads the step's own K/V beside the pool's: any segment.
             batched, others = self.segments, []
         else:
             batched = [s for s in self.segments if self._is_batched(pool, s, window)]
             others = [s for s in self.segments if not self._is_batched(pool, s, window)]
-        plan = self._build(pool, batched, window) if batched else None
+        plan = self._build(pool, batched, window, native) if batched else None
         self._plans[pool.name] = (plan, others)
         return plan, others
 
-    def _build(self, pool: StatePool, segs: list[Segment], window: int | None) -> _BatchPlan:
+    def _build(
+        self, pool: StatePool, segs: list[Segment], window: int | None, native: bool
+    ) -> _BatchPlan:
         # Per segment only Python lists; tensors once for the whole batch.
         firsts = [_first_visible(s, window) for s in segs]
         # The kernel reads the pool before the step's K/V are stored; the torch path after.
-        native = PagedAttentionCall.supports(pool.storage)
         unit_lists, key_base = [], []
         for seg, first in zip(segs, firsts, strict=True):
             end = seg.start if native else seg.start + seg.num_tokens
@@ -157,9 +159,11 @@ class PagedAttention:
 
     @staticmethod
     def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
-        """The torch path's tensors: read_units [B, U] (padded with unit 0), q_index [B, Q],
-        q_valid [B, Q], and the fp32 additive mask [B, 1, 1, Q, L] (0 visible, -inf not).
-        Reads gather whole units (contiguous rows); the mask keeps exactly the visible rows."""
+        """The torch path's tensors, once per plan (every layer of the pool shares them):
+        the store indices (token_index, write_units, write_rows: [T] each), read_units [B, U]
+        (padded with unit 0), q_index [B, Q], q_valid [B, Q], and the fp32 additive mask
+        [B, 1, 1, Q, L] (0 visible, -inf not). Reads gather whole units (contiguous rows);
+        the mask keeps exactly the visible rows."""
         if plan.gathered is not None:
             return plan.gathered
         segs, rows = plan.segments, pool.rows
@@ -192,7 +196,12 @@ class PagedAttention:
         visible &= q_valid[:, :, None]
         visible[:, :, 0] |= ~q_valid  # padded queries: anything but NaN
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-        plan.gathered = (read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
+        store = (
+            torch.tensor(plan.token_index, dtype=torch.long),
+            torch.tensor(plan.write_units, dtype=torch.long),
+            torch.tensor(plan.write_rows, dtype=torch.long),
+        )
+        plan.gathered = (*store, read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
         return plan.gathered
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
@@ -215,9 +224,13 @@ class PagedAttention:
             plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
             self._count(pool, plan)
             return result
-        self._store(pool, local, plan, k, v)
-        read_units, q_index, q_valid, bias = self._gather_plan(pool, plan, window)
+        tokens, units, slots, read_units, q_index, q_valid, bias = self._gather_plan(
+            pool, plan, window
+        )
         storage = pool.storage
+        storage[units, local, 0, slots] = k[0, tokens]  # written first: see the module doc
+        storage[units, local, 1, slots] = v[0, tokens]
+        self._count(pool, plan)
         batch, num_units = read_units.shape
         # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.
         shape = (batch, num_units * pool.rows, *storage.shape[-2:])
@@ -237,14 +250,6 @@ class PagedAttention:
             return attn.transpose(1, 2).reshape(q.shape)
         out[0, q_index[q_valid]] = attn.transpose(1, 2)[q_valid]
         return out
-
-    @staticmethod
-    def _store(pool: StatePool, local: int, plan: _BatchPlan, k, v) -> None:
-        storage, rows = pool.storage, torch.tensor(plan.token_index, dtype=torch.long)
-        units, slots = torch.tensor(plan.write_units), torch.tensor(plan.write_rows)
-        storage[units, local, 0, slots] = k[0, rows]
-        storage[units, local, 1, slots] = v[0, rows]
-        PagedAttention._count(pool, plan)
 
     @staticmethod
     def _count(pool: StatePool, plan: _BatchPlan) -> None:

@@ -264,9 +264,12 @@ class PagedPool(StatePool):
         return UnitRange(tuple(table[p] for p in logical), start, end)
 
     def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
+        first_page = first // self.page_size
+        if first >= end:
+            return [], first_page * self.page_size
         table = self.tables[request_id]
-        logical = range(first // self.page_size, (end - 1) // self.page_size + 1)
-        return [table[p] for p in logical if first < end], logical.start * self.page_size
+        pages = range(first_page, (end - 1) // self.page_size + 1)
+        return [table[p] for p in pages], first_page * self.page_size
 
     def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
         table, size = self.tables[request_id], self.page_size

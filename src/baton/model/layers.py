@@ -68,7 +68,7 @@ class FrozenLinear:
         assert self.activation == "none", "a binary op follows the bare matmul"
         if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
-        y = F.linear(x, self.weight, self.bias) if self.packed is None else self(x)
+        y = self(x)
         return y * other if op == "mul" else y + other
 
 

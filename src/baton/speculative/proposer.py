@@ -88,7 +88,7 @@ class DraftProposer:
         entries = [e for e in entries if e[3]]
         if not entries:
             return
-        ((pool, local),) = {id(p): (p, i) for p, i in self.cache.layer_map.values()}.values()
+        pool, local = self.cache.layer_map[0]  # the draft's one layer
         kept, hidden, ids, positions = [], [], [], []
         for request_id, slot, h, tokens in entries:
             end = slot + len(tokens)
