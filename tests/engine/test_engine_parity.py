@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import baton.kernels.logits as kernel_logits
 import baton.kernels.norm as kernel_norm
 import baton.kernels.paged_attention as kernel_attention
 from baton import LLM, SamplingParams
@@ -77,4 +78,5 @@ def test_torch_paths_give_the_kernels_tokens(arch, sliding_mode, hf_checkpoint, 
     with_kernels = _generate(directory, prompts, sliding_mode=sliding_mode)
     monkeypatch.setattr(kernel_attention, "library", lambda: None)
     monkeypatch.setattr(kernel_norm, "library", lambda: None)
+    monkeypatch.setattr(kernel_logits, "library", lambda: None)
     assert _generate(directory, prompts, sliding_mode=sliding_mode) == with_kernels

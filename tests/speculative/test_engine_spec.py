@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import baton.kernels.logits as kernel_logits
 from baton import LLM, SamplingParams
 from baton.model import DenseAttention, DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
@@ -79,6 +80,32 @@ def test_greedy_with_speculation_equals_without(spec_dir, mode):
     assert sum(sum(o.metrics.accepted_per_position) for o in spec) > 0
     for cache in llm.engine.caches:  # target and draft pools all returned
         assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_kernels_give_the_samplers_tokens_and_logprobs(spec_dir, dtype, monkeypatch):
+    """Plain greedy requests take argmax_rows / logsumexp_rows (verification, the first
+    token, the draft's guesses); the sampler's fp32 path must give the same tokens,
+    acceptance and logprobs. A request asking for top logprobs takes the sampler's path in
+    the same batch and reports the same logprob for its token."""
+    asked = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    params = [GREEDY] * len(LENGTHS) + [asked]
+    prompts = _prompts() + _prompts()[3:4]
+
+    def run():
+        llm = LLM(spec_dir, dtype=dtype, page_size=8, max_num_batched_tokens=40)
+        outs = llm.generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob,
+                 o.metrics.accepted_lengths) for o in outs]  # fmt: skip
+
+    with_kernels = run()
+    monkeypatch.setattr(kernel_logits, "library", lambda: None)
+    without = run()
+    assert [t for t, _, _ in with_kernels] == [t for t, _, _ in without]
+    assert [a for _, _, a in with_kernels] == [a for _, _, a in without]
+    for (_, got, _), (_, want, _) in zip(with_kernels, without, strict=True):
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    assert with_kernels[3][1] == pytest.approx(with_kernels[-1][1], rel=1e-5, abs=1e-4)
 
 
 def test_acceptance_matches_the_reference_loop(spec_dir):

@@ -137,7 +137,7 @@ def admit(
     now = time.monotonic()
     track.metrics.first_scheduled_time = track.metrics.first_scheduled_time or now
     committed = Committed([first_token], [logprob], [top_logprobs])
-    engine._append(track, committed, 0, now)
+    engine._append(track, committed, now)
     if engine.proposer is not None:
         seed = PendingPairs(num_prompt - 1, seed_hidden.reshape(1, -1), [first_token])
         engine.proposer.set_pending(request_id, seed)

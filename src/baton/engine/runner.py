@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.paged_attention import PagedAttention, Segment
-from baton.engine.sampler import Sampler, SamplingState
+from baton.engine.sampler import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
+from baton.kernels.logits import argmax_rows, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.speculative.proposer import DraftProposer, PendingPairs
@@ -96,9 +97,11 @@ class ModelRunner:
         if not picked:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
-        logits = self.model.compute_logits(hidden[rows])  # [B, V]
+        scores = self.model.head(hidden[rows])  # [B, V]
         row_states = [states[c.request.request_id] for c, _ in picked]
-        out = self.sampler.sample(logits, row_states)
+        out = self._greedy(scores, row_states)
+        if out is None:
+            out = self.sampler.sample(self.model.logits_of(scores), row_states)
         for i, (chunk, _) in enumerate(picked):
             row_states[i].append(out.token_ids[i])
             result.committed[chunk.request.request_id] = Committed(
@@ -109,7 +112,10 @@ class ModelRunner:
         """Verify every speculative chunk's chain: one head matmul and one log-softmax for
         all of them; plain-greedy requests compare proposals with one batched argmax."""
         rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
-        logits = self.model.compute_logits(hidden[rows])  # [R, V]
+        scores = self.model.head(hidden[rows])  # [R, V]
+        if self._verify_greedy(verified, scores, chains, states, result):
+            return
+        logits = self.model.logits_of(scores)
         argmax: list[int] | None = None
         committed, start = [], 0
         for chunk, _ in verified:
@@ -142,6 +148,54 @@ class ModelRunner:
             own = picked[offset : offset + len(tokens)]
             result.committed[request_id] = Committed(tokens, own, top, num_rejected)
             offset += len(tokens)
+
+    def _plain_greedy(self, states: list[SamplingState]) -> bool:
+        """Whether every state takes its row's argmax and asks for no top logprobs (and the
+        model's logits are its raw scores): then argmax_rows and logsumexp_rows replace the
+        fp32 logits, the sampler and log_softmax."""
+        return self.model.spec.final_logit_softcap is None and all(
+            s.is_plain_greedy and s.params.logprobs is None for s in states
+        )
+
+    def _greedy(self, scores: torch.Tensor, states: list[SamplingState]) -> SamplerOutput | None:
+        """``Sampler.sample`` for ``_plain_greedy`` rows, from the head's raw scores: each
+        row's argmax and its raw log-probability. None when it does not apply."""
+        found = argmax_rows(scores) if self._plain_greedy(states) else None
+        if found is None:
+            return None
+        best, value = found
+        lse = logsumexp_rows(scores, list(range(scores.shape[0])))
+        return SamplerOutput(best.tolist(), (value - lse).tolist(), [None] * len(best))
+
+    def _verify_greedy(self, verified, scores, chains, states, result: StepResult) -> bool:
+        """``_verify`` when every request is plain greedy without top logprobs (False when
+        not): every committed token is its row's argmax, so the kernels' argmax and
+        log-sum-exp give tokens and logprobs, read only for the rows committed."""
+        row_states = [states[c.request.request_id] for c, _ in verified]
+        found = argmax_rows(scores) if self._plain_greedy(row_states) else None
+        if found is None:
+            return False
+        best, value = found[0].tolist(), found[1]
+        committed, at, start = [], [], 0
+        for (chunk, _), state in zip(verified, row_states, strict=True):
+            end = start + chunk.num_tokens
+            tokens = greedy_chain(
+                best[start:end], chains[chunk.request.request_id][: chunk.num_spec]
+            )
+            for token in tokens:
+                state.append(token)
+            committed.append((chunk.request.request_id, tokens, chunk.num_spec + 1 - len(tokens)))
+            at.extend(range(start, start + len(tokens)))
+            start = end
+        logprobs = (value[at] - logsumexp_rows(scores, at)).tolist()
+        offset = 0
+        for request_id, tokens, num_rejected in committed:
+            own = logprobs[offset : offset + len(tokens)]
+            result.committed[request_id] = Committed(
+                tokens, own, [None] * len(tokens), num_rejected
+            )
+            offset += len(tokens)
+        return True
 
     def _feed_draft(self, chunks, segments, hidden, result: StepResult) -> None:
         """Draft prompt pairs of prefill chunks now; the rest become pending pairs."""

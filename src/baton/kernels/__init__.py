@@ -26,7 +26,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("paged_attention.c", "norm.c")
+SOURCES = ("paged_attention.c", "norm.c", "logits.c")
+HEADERS = ("fastmath.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 
 
@@ -47,7 +48,14 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in sources), version, " ".join(FLAGS), _cpu_flags()):
+    headers = [(here / name).read_bytes() for name in HEADERS]
+    for part in (
+        *(s.read_bytes() for s in sources),
+        *headers,
+        version,
+        " ".join(FLAGS),
+        _cpu_flags(),
+    ):
         key.update(part if isinstance(part, bytes) else part.encode())
     cache_dir = Path(
         os.environ.get("BATON_KERNEL_CACHE") or Path.home() / ".cache" / "baton" / "kernels"
@@ -98,4 +106,8 @@ def library() -> ctypes.CDLL | None:
     lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32]
     lib.baton_rms_norm_rotary.restype = None
     lib.baton_rms_norm_rotary.argtypes = [*rows, ptr, ptr, i64, ptr, i32, f32, i32, i32]
+    lib.baton_argmax_rows.restype = None
+    lib.baton_argmax_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, i32]
+    lib.baton_logsumexp_rows.restype = None
+    lib.baton_logsumexp_rows.argtypes = [ptr, ptr, i64, i64, i64, i32, ptr, i32]
     return lib

@@ -18,15 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float to_f32(const void *base, int64_t i, int is_bf16) {
-    if (is_bf16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)base)[i] << 16;
-        float f;
-        memcpy(&f, &bits, sizeof f);
-        return f;
-    }
-    return ((const float *)base)[i];
-}
+#include "fastmath.h"
 
 static inline float round_to(float f, int is_bf16) {
     if (!is_bf16) return f;

@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fastmath.h"
+
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 
 static inline void store(void *base, int64_t i, float f, int is_bf16) {
@@ -59,21 +61,6 @@ static inline void load_row(float *restrict dst, const void *src, int64_t offset
     } else {
         memcpy(dst, (const float *)src + offset, (size_t)n * sizeof(float));
     }
-}
-
-/* exp(x) for x <= 0 (scores minus their maximum) in plain arithmetic so loops over it
- * vectorise: 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial, relative error ~2e-7.
- * Below -87 it returns 0. */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) return 0.0f;
-    float n = nearbyintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.16666667f + r * (0.041666668f +
-                  r * (0.0083333333f + r * 0.0013888889f)))));
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
 }
 
 typedef struct {

@@ -121,7 +121,11 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""
-        logits = self.head(hidden).float()
+        return self.logits_of(self.head(hidden))
+
+    def logits_of(self, scores: torch.Tensor) -> torch.Tensor:
+        """The head's raw scores -> ``compute_logits``' logits."""
+        logits = scores.float()
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -1,0 +1,78 @@
+/* Greedy decoding's epilogue, straight from the head's scores: per row of a [rows, vocab]
+ * matrix (bf16 or fp32), the first index of its maximum, and the row's log-sum-exp -- so
+ * the log-probability of the argmax is max - lse. Torch's path (baton/engine/runner.py)
+ * first copies the whole matrix to fp32, then runs argmax and log_softmax over it: three
+ * passes and a write of rows x vocab floats, for one index and one float per row.
+ *
+ * Ties go to the lowest index, as torch.argmax. NaN scores are not looked for (the model
+ * produces none); a row of -inf has lse -inf.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "fastmath.h"
+
+enum { BLOCK = 64 };
+
+static inline __attribute__((always_inline)) void argmax_row(const void *x, int64_t at,
+                                                              int64_t vocab, const int is_bf16,
+                                                              int64_t *best, float *best_value) {
+    float m = -INFINITY;
+    int64_t block = 0;
+    for (int64_t b0 = 0; b0 < vocab; b0 += BLOCK) {
+        const int n = vocab - b0 < BLOCK ? (int)(vocab - b0) : BLOCK;
+        float bm = -INFINITY;
+#pragma omp simd reduction(max : bm)
+        for (int e = 0; e < n; e++) {
+            const float v = to_f32(x, at + b0 + e, is_bf16);
+            bm = v > bm ? v : bm; /* NOTE: fmaxf would not vectorise (NaN rules): 40x slower */
+        }
+        if (bm > m) { /* strictly: the first block holding the maximum */
+            m = bm;
+            block = b0;
+        }
+    }
+    int64_t i = block;
+    const int64_t end = block + BLOCK < vocab ? block + BLOCK : vocab;
+    while (i < end - 1 && to_f32(x, at + i, is_bf16) != m) i++;
+    *best = i;
+    *best_value = m;
+}
+
+static inline __attribute__((always_inline)) float logsumexp_row(const void *x, int64_t at,
+                                                                  int64_t vocab,
+                                                                  const int is_bf16) {
+    float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+    for (int64_t e = 0; e < vocab; e++) {
+        const float v = to_f32(x, at + e, is_bf16);
+        m = v > m ? v : m;
+    }
+    if (m == -INFINITY) return -INFINITY;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < vocab; e++) sum += exp_nonpositive(to_f32(x, at + e, is_bf16) - m);
+    return m + logf(sum);
+}
+
+/* best[r], best_value[r]: argmax and maximum of row r (rows row_stride elements apart). */
+void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
+                       int is_bf16, int64_t *best, float *best_value, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows * vocab > 65536)
+    for (int64_t r = 0; r < rows; r++) {
+        if (is_bf16) /* a constant dtype: branch-free loops */
+            argmax_row(x, r * row_stride, vocab, 1, &best[r], &best_value[r]);
+        else
+            argmax_row(x, r * row_stride, vocab, 0, &best[r], &best_value[r]);
+    }
+}
+
+/* out[i] = log-sum-exp of row row_ids[i]. */
+void baton_logsumexp_rows(const void *x, const int64_t *row_ids, int64_t n, int64_t vocab,
+                          int64_t row_stride, int is_bf16, float *out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (n * vocab > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t at = row_ids[i] * row_stride;
+        out[i] = is_bf16 ? logsumexp_row(x, at, vocab, 1) : logsumexp_row(x, at, vocab, 0);
+    }
+}
