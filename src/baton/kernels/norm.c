@@ -41,28 +41,38 @@ static inline void put(void *base, int64_t i, float f, int is_bf16) {
     }
 }
 
-/* The normed row (weight applied, rounded) into `row` (fp32 values of dtype). */
-static inline __attribute__((always_inline)) void norm_row(const void *x, int64_t at, const void *weight, int64_t w_at,
-                            int dim, float eps, float offset, int is_bf16, float *row) {
-    float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-    for (int e = 0; e < dim; e++) {
-        const float v = to_f32(x, at + e, is_bf16);
-        row[e] = v;
-        squares += v * v;
+/* The normed row (weight applied, rounded): into `out` at out_at in the dtype when `out` is
+ * given, else into `row` (fp32 values of the dtype). */
+static inline __attribute__((always_inline)) void norm_row(
+    const void *x, int64_t at, const void *weight, int64_t w_at, int dim, float eps,
+    float offset, int is_bf16, float *row, void *out, int64_t out_at) {
+    /* NOTE: 16 running sums added up as a tree, not `omp simd reduction`: its epilogue adds
+     * the lanes one after another, a chain of dependent adds that took a third of a row. */
+    float lanes[16] = {0};
+    int e0 = 0;
+    for (; e0 + 16 <= dim; e0 += 16) {
+#pragma omp simd
+        for (int j = 0; j < 16; j++) {
+            const float v = to_f32(x, at + e0 + j, is_bf16);
+            lanes[j] += v * v;
+        }
     }
-    const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
-    if (offset != 0.0f) {
+    for (int e = e0; e < dim; e++) {
+        const float v = to_f32(x, at + e, is_bf16);
+        lanes[e - e0] += v * v;
+    }
+    for (int width = 8; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    const float rstd = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
 #pragma omp simd
-        for (int e = 0; e < dim; e++)
-            row[e] = round_to(row[e] * rstd * (offset + to_f32(weight, w_at + e, is_bf16)),
-                              is_bf16);
-    } else {
-#pragma omp simd
-        for (int e = 0; e < dim; e++)
-            row[e] = round_to(to_f32(weight, w_at + e, is_bf16) *
-                                  round_to(row[e] * rstd, is_bf16),
-                              is_bf16);
+    for (int e = 0; e < dim; e++) {
+        const float v = to_f32(x, at + e, is_bf16), w = to_f32(weight, w_at + e, is_bf16);
+        const float r = offset != 0.0f ? round_to(v * rstd * (offset + w), is_bf16)
+                                       : round_to(w * round_to(v * rstd, is_bf16), is_bf16);
+        if (out)
+            put(out, out_at + e, r, is_bf16);
+        else
+            row[e] = r;
     }
 }
 
@@ -73,16 +83,15 @@ void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t 
     if (dim > 4096) return; /* the caller checks; never here */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
     for (int64_t r = 0; r < outer * inner; r++) {
-        float row[4096];
         const int64_t at = (r / inner) * outer_stride + (r % inner) * inner_stride;
         const int64_t w_at = (r % inner) * weight_inner_stride;
-        if (is_bf16) { /* a constant dtype: branch-free loops */
-            norm_row(x, at, weight, w_at, dim, eps, offset, 1, row);
-            for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], 1);
-        } else {
-            norm_row(x, at, weight, w_at, dim, eps, offset, 0, row);
-            for (int e = 0; e < dim; e++) put(out, r * dim + e, row[e], 0);
-        }
+        /* constant dtypes and offsets: branch-free loops */
+        if (is_bf16 && offset == 0.0f)
+            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, NULL, out, r * dim);
+        else if (is_bf16)
+            norm_row(x, at, weight, w_at, dim, eps, offset, 1, NULL, out, r * dim);
+        else
+            norm_row(x, at, weight, w_at, dim, eps, offset, 0, NULL, out, r * dim);
     }
 }
 
@@ -93,7 +102,7 @@ static inline __attribute__((always_inline)) void norm_rotary_row(
     const int is_bf16) {
     float row[dim], rotated[dim];
     const int half = dim / 2;
-    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, row);
+    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, row, NULL, 0);
 #pragma omp simd
     for (int e = 0; e < half; e++) { /* rotate_half: (-x2, x1) */
         rotated[e] = -row[e + half];
