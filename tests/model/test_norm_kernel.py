@@ -1,8 +1,10 @@
-"""The one-pass norm kernels (baton/kernels/norm.c) against the torch code they replace.
+"""The one-pass norm kernels (baton/kernels/norm.c) against the torch code they replace,
+and bitwise against transformers' RMSNorm formula (``x.pow(2).mean(-1)``, ``rsqrt``).
 
-The kernels round to bf16 where torch does, so outputs agree except where the sum of
-squares, added in another order, moves a value across a rounding boundary: at most one bf16
-step, on a small fraction of elements.
+The kernels round to bf16 where torch does and add the sum of squares in the order of
+torch's sum kernel, so they equal transformers' formula bit for bit; the engine's torch path
+(``F.rms_norm``) adds in another order: within one bf16 step, on a small fraction of
+elements.
 """
 
 from __future__ import annotations
@@ -58,6 +60,49 @@ def test_rms_norm_rotary_matches_torch(dtype, monkeypatch):
     want = apply_rotary(normed, cos, sin)  # the torch path of Attention._fused_qkv
     assert got is not None and got.shape == want.shape
     _close(got, want)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float):
+    """transformers' Llama/Qwen3 RMSNorm (offset 0) and Gemma's (offset 1), as written there."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (offset + weight.float())).type_as(x)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dim", [8, 64, 100, 256, 1000, 4096])
+def test_rms_norm_equals_transformers_bitwise(dtype, offset, dim):
+    """Every dim path of the ordered sum: a leftover element tail (100, 1000), leftover
+    vectors, and the cascade's upper levels (4096: 128+ vectors of 8)."""
+    g = torch.Generator().manual_seed(dim)
+    x = (torch.randn(300, dim, generator=g) * 3).to(dtype)
+    weight = (torch.randn(dim, generator=g) * 0.5 + (0 if offset else 1)).to(dtype)
+    got = norm.rms_norm(x, weight, 1e-6, offset)
+    assert torch.equal(got, _hf_rms_norm(x, weight, 1e-6, offset))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_rotary_equals_transformers_bitwise(dtype):
+    """Qwen3's q/k norm then ``apply_rotary_pos_emb`` (rotate_half), as transformers runs them."""
+    g = torch.Generator().manual_seed(3)
+    b, t, n, d = 2, 9, 6, 64
+    heads = (torch.randn(b, t, n, d, generator=g) * 2).to(dtype)
+    weight = (torch.randn(n, d, generator=g) * 0.3 + 1).to(dtype)
+    angles = torch.arange(t)[None, :, None, None] * torch.rand(d // 2, generator=g)
+    emb = torch.cat((angles, angles), dim=-1).expand(b, -1, -1, -1).contiguous()
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    got = norm.rms_norm_rotary(heads, weight, 1e-6, cos, sin)
+    normed = _hf_rms_norm(heads, weight, 1e-6, 0.0)
+    assert torch.equal(got, apply_rotary(normed, cos, sin))
+
+
+def test_sum_order_is_found_for_this_torch():
+    assert norm.torch_lanes() in (8, 16)
+    values = torch.randn(256, generator=torch.Generator().manual_seed(1)).pow(2)
+    assert norm._sum_in_order(values.tolist(), norm.torch_lanes()) == values.sum().item()
 
 
 def test_kernels_step_aside_for_autograd():

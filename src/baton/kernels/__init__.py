@@ -103,9 +103,9 @@ def library() -> ctypes.CDLL | None:
     lib.baton_paged_attention.argtypes = [ptr, i32, i32]
     rows = [ptr, i64, i64, i64, i64, ptr, i64]  # x, outer, outer/inner stride, weight
     lib.baton_rms_norm.restype = None
-    lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32]
+    lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32, i32]
     lib.baton_rms_norm_rotary.restype = None
-    lib.baton_rms_norm_rotary.argtypes = [*rows, ptr, ptr, i64, ptr, i32, f32, i32, i32]
+    lib.baton_rms_norm_rotary.argtypes = [*rows, ptr, ptr, i64, ptr, i32, f32, i32, i32, i32]
     lib.baton_argmax_rows.restype = None
     lib.baton_argmax_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, i32]
     lib.baton_logsumexp_rows.restype = None

@@ -20,6 +20,9 @@
 
 #include "fastmath.h"
 
+/* Every product rounded before it is added, as torch does: no fused multiply-adds. */
+#pragma GCC optimize("fp-contract=off")
+
 static inline float round_to(float f, int is_bf16) {
     if (!is_bf16) return f;
     uint32_t bits;
@@ -41,29 +44,86 @@ static inline void put(void *base, int64_t i, float f, int is_bf16) {
     }
 }
 
+/* The sum of a row's squares, added in the order of torch's CPU sum kernel (ATen's
+ * SumKernel.cpp: vectors of `lanes` floats -- its Vectorized<float>, 16 with AVX-512, else 8
+ * -- into 4 accumulators, cascaded in levels of 16 steps; then the leftover vectors, the
+ * accumulators in turn, the leftover elements and the lanes one by one). transformers'
+ * RMSNorm is `x.pow(2).mean(-1)`, a sum divided by dim: adding in its order makes the normed
+ * rows bitwise equal to its, so greedy tokens part from transformers' only where other
+ * kernels round differently. NOTE: the sequential additions make this ~a third of a row. */
+static inline __attribute__((always_inline)) float sum_of_squares(const void *x, int64_t at,
+                                                                  int dim, int is_bf16,
+                                                                  const int lanes) {
+    enum { LEVELS = 4, ILP = 4, STEP_POWER = 4 }; /* level_power = max(4, ceil_log2(n) / 4) */
+    const int num_vectors = dim / lanes, n = num_vectors / ILP;
+    int power = 1;
+    while ((1 << power) < n) power++; /* ceil_log2, 1 for n <= 2 */
+    const int level_power = power / LEVELS > STEP_POWER ? power / LEVELS : STEP_POWER;
+    const int step = 1 << level_power, mask = step - 1;
+    float acc[LEVELS][ILP][16];
+    for (int k = 0; k < ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][k][l] = 0.0f;
+    int i = 0;
+    if (n >= step) { /* rows of 64+ vectors: the cascade's upper levels */
+        for (int level = 1; level < LEVELS; level++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) acc[level][k][l] = 0.0f;
+        while (i + step <= n) {
+            for (int j = 0; j < step; j++, i++)
+                for (int k = 0; k < ILP; k++) {
+#pragma omp simd
+                    for (int l = 0; l < lanes; l++) {
+                        const float v =
+                            to_f32(x, at + (int64_t)(i * ILP + k) * lanes + l, is_bf16);
+                        acc[0][k][l] += v * v;
+                    }
+                }
+            for (int level = 1; level < LEVELS; level++) {
+                for (int k = 0; k < ILP; k++)
+                    for (int l = 0; l < lanes; l++) {
+                        acc[level][k][l] += acc[level - 1][k][l];
+                        acc[level - 1][k][l] = 0.0f;
+                    }
+                if ((i & (mask << (level * level_power))) != 0) break;
+            }
+        }
+    }
+    for (; i < n; i++)
+        for (int k = 0; k < ILP; k++) {
+#pragma omp simd
+            for (int l = 0; l < lanes; l++) {
+                const float v = to_f32(x, at + (int64_t)(i * ILP + k) * lanes + l, is_bf16);
+                acc[0][k][l] += v * v;
+            }
+        }
+    if (n >= step)
+        for (int level = 1; level < LEVELS; level++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < lanes; l++) acc[0][k][l] += acc[level][k][l];
+    for (int vec = n * ILP; vec < num_vectors; vec++)
+        for (int l = 0; l < lanes; l++) {
+            const float v = to_f32(x, at + (int64_t)vec * lanes + l, is_bf16);
+            acc[0][0][l] += v * v;
+        }
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < lanes; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int e = num_vectors * lanes; e < dim; e++) {
+        const float v = to_f32(x, at + e, is_bf16);
+        total += v * v;
+    }
+    for (int l = 0; l < lanes; l++) total += acc[0][0][l];
+    return total;
+}
+
 /* The normed row (weight applied, rounded): into `out` at out_at in the dtype when `out` is
  * given, else into `row` (fp32 values of the dtype). */
 static inline __attribute__((always_inline)) void norm_row(
     const void *x, int64_t at, const void *weight, int64_t w_at, int dim, float eps,
-    float offset, int is_bf16, float *row, void *out, int64_t out_at) {
-    /* NOTE: 16 running sums added up as a tree, not `omp simd reduction`: its epilogue adds
-     * the lanes one after another, a chain of dependent adds that took a third of a row. */
-    float lanes[16] = {0};
-    int e0 = 0;
-    for (; e0 + 16 <= dim; e0 += 16) {
-#pragma omp simd
-        for (int j = 0; j < 16; j++) {
-            const float v = to_f32(x, at + e0 + j, is_bf16);
-            lanes[j] += v * v;
-        }
-    }
-    for (int e = e0; e < dim; e++) {
-        const float v = to_f32(x, at + e, is_bf16);
-        lanes[e - e0] += v * v;
-    }
-    for (int width = 8; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
-    const float rstd = 1.0f / sqrtf(lanes[0] / (float)dim + eps);
+    float offset, int is_bf16, int lanes, float *row, void *out, int64_t out_at) {
+    const float squares = lanes == 16 ? sum_of_squares(x, at, dim, is_bf16, 16)
+                                      : sum_of_squares(x, at, dim, is_bf16, 8);
+    const float rstd = 1.0f / sqrtf(squares / (float)dim + eps);
 #pragma omp simd
     for (int e = 0; e < dim; e++) {
         const float v = to_f32(x, at + e, is_bf16), w = to_f32(weight, w_at + e, is_bf16);
@@ -79,7 +139,8 @@ static inline __attribute__((always_inline)) void norm_row(
 /* out[o, i, :] = norm(x[o, i, :]) * weight[i or 0, :]; weight_inner_stride 0 shares one row. */
 void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                     int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
-                    void *out, int dim, float eps, float offset, int is_bf16, int num_threads) {
+                    void *out, int dim, float eps, float offset, int is_bf16, int lanes,
+                    int num_threads) {
     if (dim > 4096) return; /* the caller checks; never here */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
     for (int64_t r = 0; r < outer * inner; r++) {
@@ -87,11 +148,11 @@ void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t 
         const int64_t w_at = (r % inner) * weight_inner_stride;
         /* constant dtypes and offsets: branch-free loops */
         if (is_bf16 && offset == 0.0f)
-            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, NULL, out, r * dim);
+            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, lanes, NULL, out, r * dim);
         else if (is_bf16)
-            norm_row(x, at, weight, w_at, dim, eps, offset, 1, NULL, out, r * dim);
+            norm_row(x, at, weight, w_at, dim, eps, offset, 1, lanes, NULL, out, r * dim);
         else
-            norm_row(x, at, weight, w_at, dim, eps, offset, 0, NULL, out, r * dim);
+            norm_row(x, at, weight, w_at, dim, eps, offset, 0, lanes, NULL, out, r * dim);
     }
 }
 
@@ -99,10 +160,10 @@ void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t 
 static inline __attribute__((always_inline)) void norm_rotary_row(
     const void *x, int64_t at, const void *weight, int64_t w_at, const void *cos,
     const void *sin, int64_t t, void *out, int64_t out_at, const int dim, float eps,
-    const int is_bf16) {
+    const int is_bf16, int lanes) {
     float row[dim], rotated[dim];
     const int half = dim / 2;
-    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, row, NULL, 0);
+    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, lanes, row, NULL, 0);
 #pragma omp simd
     for (int e = 0; e < half; e++) { /* rotate_half: (-x2, x1) */
         rotated[e] = -row[e + half];
@@ -121,7 +182,7 @@ static inline __attribute__((always_inline)) void norm_rotary_row(
 void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                            int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
                            const void *cos, const void *sin, int64_t table_stride, void *out,
-                           int dim, float eps, int is_bf16, int num_threads) {
+                           int dim, float eps, int is_bf16, int lanes, int num_threads) {
     if (dim > 4096 || dim % 2) return; /* the caller checks; never here */
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (outer * inner * dim > 32768)
     for (int64_t o = 0; o < outer; o++)
@@ -129,10 +190,10 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
             const int64_t at = o * outer_stride + i * inner_stride, w_at = i * weight_inner_stride;
             const int64_t t = o * table_stride, out_at = (o * inner + i) * dim;
             if (is_bf16 && dim == 64)
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1);
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1, lanes);
             else if (is_bf16 && dim == 128)
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1);
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1, lanes);
             else
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16);
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16, lanes);
         }
 }

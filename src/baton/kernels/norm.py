@@ -8,12 +8,45 @@ which stays the reference (tests compare the two). Who calls them: ``baton.model
 
 from __future__ import annotations
 
+from functools import cache
+
+import numpy as np
 import torch
 
 from baton.kernels import library
 
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_DIM = 4096  # the kernel's row buffer
+
+
+def _sum_in_order(values: list[float], lanes: int) -> float:
+    """float32 sum of ``values`` (a multiple of 4 * lanes, under 64 vectors) in the order of
+    torch's CPU sum kernel with vectors of ``lanes`` floats (norm.c's sum_of_squares)."""
+    f32 = np.float32
+    num_vectors = len(values) // lanes
+    acc = np.zeros((4, lanes), dtype=f32)
+    for v in range(num_vectors):
+        acc[v % 4] += np.asarray(values[v * lanes : (v + 1) * lanes], dtype=f32)
+    partial = acc[0]
+    for k in range(1, 4):
+        partial = partial + acc[k]
+    total = f32(0)
+    for lane in partial:
+        total = f32(total + lane)
+    return float(total)
+
+
+@cache
+def torch_lanes() -> int:
+    """The vector width (floats) of torch's CPU sum kernel here -- 8 where it runs its AVX2
+    build, 16 for AVX-512 -- found by comparing sums: the kernels add the sum of squares in
+    its order, so normed rows match transformers' (``x.pow(2).mean(-1)``) bitwise."""
+    rows = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)).pow(2)
+    sums = rows.sum(-1).tolist()
+    for lanes in (8, 16):
+        if all(_sum_in_order(r, lanes) == s for r, s in zip(rows.tolist(), sums, strict=True)):
+            return lanes
+    return 8  # another order: any is a correct sum, only not torch's bitwise
 
 
 def _usable(*tensors: torch.Tensor) -> bool:
@@ -46,6 +79,7 @@ def rms_norm(
         eps,
         offset,
         DTYPES[x.dtype],
+        torch_lanes(),
         torch.get_num_threads(),
     )
     return out
@@ -84,6 +118,7 @@ def rms_norm_rotary(
         d,
         eps,
         DTYPES[heads.dtype],
+        torch_lanes(),
         torch.get_num_threads(),
     )
     return out
