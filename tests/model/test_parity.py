@@ -92,3 +92,20 @@ def test_tied_embeddings_share_storage(hf_checkpoint):
     directory, _ = hf_checkpoint("qwen3-tied")
     ours = load_model(directory, "float32")
     assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rows_give_those_rows_of_the_full_forward(arch, dtype, hf_checkpoint):
+    """``rows``: the last layer's projections, MLP and the final norm for those tokens only
+    (sandwich norms included) -- the same values as the full forward's rows."""
+    directory, _ = hf_checkpoint(arch)
+    model = load_model(directory, dtype).fuse_projections()
+    ids = torch.randint(0, VOCAB, (1, 37), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(37)[None]
+    rows = torch.tensor([0, 5, 6, 30, 36])
+    with torch.inference_mode():
+        full = model(ids, pos, DenseAttention())
+        some = model(ids, pos, DenseAttention(), rows)
+    assert some.shape == (1, 5, model.spec.hidden_size)
+    torch.testing.assert_close(some, full[:, rows], atol=1e-5, rtol=1e-5)

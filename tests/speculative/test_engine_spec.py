@@ -7,6 +7,7 @@ import torch
 
 import baton.kernels.logits as kernel_logits
 from baton import LLM, SamplingParams
+from baton.engine.runner import ModelRunner
 from baton.model import DenseAttention, DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.model.reference import greedy_generate, speculative_greedy
@@ -106,6 +107,26 @@ def test_greedy_kernels_give_the_samplers_tokens_and_logprobs(spec_dir, dtype, m
     for (_, got, _), (_, want, _) in zip(with_kernels, without, strict=True):
         assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
     assert with_kernels[3][1] == pytest.approx(with_kernels[-1][1], rel=1e-5, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_prefill_reading_only_the_tail_stores_the_same_state(spec_dir, mode, monkeypatch):
+    """A prefill chunk runs the target's last layer (past attention) only for the rows the
+    draft's pool keeps: every pool -- target and draft -- must hold the same bytes as when
+    every row runs, and the requests get the same tokens."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    def run():
+        llm = _llm(spec_dir, sliding_mode=mode)
+        outs = llm.generate(_prompts(), params)
+        pools = [p for cache in llm.engine.caches for p in cache.pools]
+        return [o.outputs[0].token_ids for o in outs], [p.storage.clone() for p in pools]
+
+    tail_tokens, tail_state = run()
+    monkeypatch.setattr(ModelRunner, "_rows_read", lambda self, chunks, segments: None)
+    all_tokens, all_state = run()
+    assert tail_tokens == all_tokens
+    assert all(torch.equal(a, b) for a, b in zip(tail_state, all_state, strict=True))
 
 
 def test_acceptance_matches_the_reference_loop(spec_dir):

@@ -76,11 +76,17 @@ class ModelRunner:
                 0, min(chunk.end, request.num_prompt_tokens) - chunk.start
             )
         self.num_computed_tokens += len(input_ids)
+        rows = self._rows_read(batch.chunks, segments)
         hidden = self.model(
             torch.tensor([input_ids]),
             torch.tensor([positions]),
             PagedAttention(self.cache, segments),
-        )[0]  # [N, H]
+            rows,
+        )[0]  # [N, H], or [len(rows), H]
+        if rows is not None:  # back in place: the rows nothing reads stay zero
+            full = hidden.new_zeros((len(input_ids), hidden.shape[-1]))
+            full[rows] = hidden
+            hidden = full
         result = StepResult()
         self._sample(batch.chunks, segments, hidden, states, result)
         verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
@@ -89,6 +95,21 @@ class ModelRunner:
         if self.proposer is not None:
             self._feed_draft(batch.chunks, segments, hidden, result)
         return result
+
+    def _rows_read(self, chunks, segments) -> torch.Tensor | None:
+        """The step's rows whose final hidden states are read: every row of a verified chain,
+        and of a plain chunk its last one (sampling) or, with a draft, the tail whose pairs
+        the draft's pool keeps (its prompt state, the seed). None when that is every row --
+        a decode step; a prefill chunk longer than the draft's window reads only its tail."""
+        rows: list[int] = []
+        for chunk, seg in zip(chunks, segments, strict=True):
+            n = chunk.num_tokens
+            tail = n if chunk.num_spec else 1
+            if self.proposer is not None and not chunk.num_spec:
+                tail = min(n, self.proposer.pairs_kept(n) + 1)
+            rows.extend(range(seg.offset + n - tail, seg.offset + n))
+        total = sum(c.num_tokens for c in chunks)
+        return torch.tensor(rows) if len(rows) < total else None
 
     def _sample(self, chunks, segments, hidden, states, result: StepResult) -> None:
         """One token for every non-speculative chunk that samples, batched."""

@@ -246,8 +246,11 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
         residual: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: [B, T, hidden] -> the attention output, plus ``residual`` when given."""
+        """x: [B, T, hidden] -> the attention output, plus ``residual`` when given. With
+        ``rows`` (indices into T) only those tokens' outputs: every token's keys and values
+        are still computed and handed to the backend."""
         lead = x.shape[:-1]
         if self._qkv is not None:
             q, k, v = self._fused_qkv(x, rotary)
@@ -255,6 +258,9 @@ class Attention(nn.Module):
             q, k, v = self._qkv_rotated(x, rotary)
         out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
         out = out.reshape(*lead, self.num_heads * self.head_dim)
+        if rows is not None:
+            out = out[:, rows]
+            residual = residual[:, rows] if residual is not None else None
         if self._o is not None:
             return self._o(out) if residual is None else self._o.add(out, residual)
         out = self.o_proj(out)

@@ -43,14 +43,19 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """x: [B, T, hidden] -> [B, T, hidden]; with ``rows`` (indices into T), only those
+        tokens go on past attention: [B, len(rows), hidden] (all tokens' K/V are stored)."""
         if self.sandwich_norm:
-            h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn)
-            x = x + self.post_attention_layernorm(h)
+            h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, rows=rows)
+            x = (x if rows is None else x[:, rows]) + self.post_attention_layernorm(h)
             h = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(h)
         # The residual adds happen inside the output matmuls (one rounding, no extra pass).
-        x = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, residual=x)
+        x = self.self_attn(
+            self.layer_id, self.input_layernorm(x), rotary, attn, residual=x, rows=rows
+        )
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
     def keys_values(
@@ -98,12 +103,17 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # input_ids, positions: [B, T] -> hidden: [B, T, hidden]
+        """input_ids, positions: [B, T] -> final-normed hidden: [B, T, hidden], or with
+        ``rows`` (indices into T) [B, len(rows), hidden]: the last layer's projections, MLP and
+        the final norm run for those tokens only (a prefill chunk whose outputs are mostly
+        never read); every layer still stores every token's keys and values."""
         x = self.model.embed(input_ids)
         rotary = self.model.rotary_emb(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, rotary, attn)
+        last = len(self.model.layers) - 1
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, rotary, attn, rows) if i == last else layer(x, rotary, attn)
         return self.model.norm(x)
 
     def fuse_projections(self) -> CausalLM:

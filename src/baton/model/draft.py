@@ -103,13 +103,15 @@ class MTPDraft(nn.Module):
         next_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden: [B, T, H] target (or previous draft) states at t; next_ids: [B, T] tokens
-        at t+1; positions: [B, T] = t+1. Returns final-normed draft states [B, T, H]; feed
-        them to ``target.compute_logits`` for the guess of token t+2. The draft backend's
-        layer id is 0 (the draft has its own pools)."""
+        at t+1; positions: [B, T] = t+1. Returns final-normed draft states [B, T, H] (with
+        ``rows``, indices into T: of those tokens only, [B, len(rows), H]; all store their
+        K/V); feed them to ``target.compute_logits`` for the guess of token t+2. The draft
+        backend's layer id is 0 (the draft has its own pools)."""
         x = self._layer_input(target, hidden, next_ids)
-        x = self.layer(x, self.rotary_emb(positions, x.dtype), attn)
+        x = self.layer(x, self.rotary_emb(positions, x.dtype), attn, rows)
         return target.model.norm(x)
 
     def keys_values(

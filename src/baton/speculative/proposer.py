@@ -50,8 +50,12 @@ class DraftProposer:
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
 
-    def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
-        """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens)."""
+    def _run(
+        self, entries: list[tuple[str, int, torch.Tensor, list[int]]], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens).
+        Per entry its draft states [m, H], or with ``last_only`` its last one [1, H] (the
+        others only store their keys and values)."""
         segments, hidden, ids, positions = [], [], [], []
         offset = 0
         for request_id, slot, h, tokens in entries:
@@ -65,14 +69,20 @@ class DraftProposer:
             ids.extend(tokens)
             positions.extend(range(slot + 1, slot + 1 + len(tokens)))
             offset += len(tokens)
+        rows = None
+        if last_only and len(ids) > len(entries):
+            rows = torch.tensor([s.offset + s.num_tokens - 1 for s in segments])
         out = self.draft(
             self.target,
             torch.cat(hidden)[None],
             torch.tensor([ids]),
             torch.tensor([positions]),
             PagedAttention(self.cache, segments),
-        )[0]  # [N, H]
+            rows,
+        )[0]  # [N, H], or [len(rows), H]
         self.num_draft_forwards += 1
+        if rows is not None:
+            return list(out[:, None])
         splits, start = [], 0
         for _, _, _, tokens in entries:
             splits.append(out[start : start + len(tokens)])
@@ -106,6 +116,12 @@ class DraftProposer:
         for request_id, first, n in kept:
             self.cache.trim(request_id, first + n)
 
+    def pairs_kept(self, num_pairs: int) -> int:
+        """Of ``num_pairs`` consecutive known pairs, how many (the last ones) ``prefill``
+        stores: what the draft's pool keeps of them."""
+        pool, _ = self.cache.layer_map[0]
+        return num_pairs - pool._store_from(0, num_pairs)
+
     def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
         self.pending[request_id] = pairs
 
@@ -115,9 +131,10 @@ class DraftProposer:
         for rid in request_ids:
             p = self.pending[rid]
             entries.append((rid, p.start_slot, p.hidden, p.token_ids))
-        outs = self._run(entries)
+        # NOTE: of the pending pairs only the last one's draft state is read (the guess);
+        # the others only store keys and values.
+        hiddens = self._run(entries, last_only=True)
         chains = {rid: [] for rid in request_ids}
-        hiddens = [o[-1:] for o in outs]
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
         for step in range(self.num_tokens):
             # NOTE: the head's raw output: the fp32 cast and soft-capping (monotonic) cannot
