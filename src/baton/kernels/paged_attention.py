@@ -7,8 +7,8 @@ storage. Who calls it: ``baton.engine.paged_attention``, whose torch path is the
 
 from __future__ import annotations
 
+import array
 import ctypes
-import itertools
 
 import torch
 
@@ -88,25 +88,32 @@ class PagedAttentionCall:
     ) -> None:
         max_units = max(map(len, unit_lists))
         num_units = [len(u) for u in unit_lists]
-        lists = dict(  # units: [B, max_units] row-major, padded with unit 0
-            units=[x for u in unit_lists for x in (*u, *[0] * (max_units - len(u)))],
-            num_units=num_units,
-            key_base=key_base,
-            q_offset=q_offset,
-            q_start=q_start,
-            q_count=num_queries,
-            first=first,
-            store_token=store_token,
-            store_unit=store_unit,
-            store_row=store_row,
-        )
-        # One int32 tensor holds every list (one conversion); the struct points into it.
-        self._keep = torch.tensor(list(itertools.chain(*lists.values())), dtype=torch.int32)
+        # One int32 buffer holds every list (NOTE: array's C loop, not torch.tensor's per-
+        # element conversion: a tenth of the time); the struct points into it.
+        keep = array.array("i")  # units first: [B, max_units] row-major, padded with unit 0
+        zeros = array.array("i", bytes(4 * max_units))
+        for units in unit_lists:
+            keep.extend(units)
+            keep.extend(zeros[: max_units - len(units)])
+        starts = {"units": 0}
+        for name, values in (
+            ("num_units", num_units),
+            ("key_base", key_base),
+            ("q_offset", q_offset),
+            ("q_start", q_start),
+            ("q_count", num_queries),
+            ("first", first),
+            ("store_token", store_token),
+            ("store_unit", store_unit),
+            ("store_row", store_row),
+        ):
+            starts[name] = len(keep)
+            keep.extend(values)
+        self._keep = keep  # no resizing from here on: the pointers stay valid
         args = _Args()
-        at = self._keep.data_ptr()
-        for name, values in lists.items():
-            setattr(args, name, at)
-            at += 4 * len(values)
+        base = keep.buffer_info()[0]
+        for name, at in starts.items():
+            setattr(args, name, base + 4 * at)
         self.batch = len(num_units)
         args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
         args.window, args.is_ring = window or 0, int(is_ring)
