@@ -24,9 +24,11 @@ On both sides EOS never ends a sequence: baton uses ``ignore_eos``; transformers
 ``eos_token_id=None`` (``min_new_tokens`` alone would forbid EOS instead of emitting it and
 the greedy sequences would part at the first EOS). Sanity checks: the two sides' greedy
 token ids are compared and the number of matching leading tokens reported (bf16 may round
-differently late in a sequence: a report, not a failure); a side that returns the wrong
-number of tokens is an error. Timings are medians of ``--repeats`` runs after one warm-up,
-sides taking turns. Prints a table with ratios and targets and writes JSON.
+differently late in a sequence: a report, not a failure), and where a sequence parts, by how
+much transformers' own logits prefer its token there (0: a tie, either pick is the greedy
+one; a bf16 step or two: rounding noise); a side that returns the wrong number of tokens is
+an error. Timings are medians of ``--repeats`` runs after one warm-up, sides taking turns.
+Prints a table with ratios and targets and writes JSON.
 
 Usage::
 
@@ -183,6 +185,19 @@ def hf_generate(hf: torch.nn.Module, prompts: list[list[int]], num_new: int) -> 
     return got
 
 
+def gap_where_parting(hf, prompt: list[int], ours: list[int], theirs: list[int]) -> float | None:
+    """Where the two greedy sequences first differ: by how much transformers' own logits
+    (one forward of the prompt and its tokens so far) prefer its token to ours. 0 is an exact
+    tie; a step or two of the dtype (bf16: 1/16 at 8-16) is rounding noise. None: no
+    difference."""
+    n = leading_matches(ours, theirs)
+    if n == min(len(ours), len(theirs)):
+        return None
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + theirs[:n]])).logits[0, -1].float()
+    return float(logits[theirs[n]] - logits[ours[n]])
+
+
 def leading_matches(a: list[int], b: list[int]) -> int:
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
@@ -221,6 +236,7 @@ def bench_batch1(llm: LLM, hf, prompt: list[int], n: int, repeats: int) -> dict:
     if hf is not None:
         ours, theirs = baton_generate(llm, [prompt], [n])[0], hf_generate(hf, [prompt], n)[0]
         result["matching_leading_tokens"] = leading_matches(ours, theirs)
+        result["gap_where_parting"] = gap_where_parting(hf, prompt, ours, theirs)
         result["ratio_baton_over_hf"] = seconds["hf"] / seconds["baton"]
         result["target_ratio"] = TARGETS["batch1"]
         result["target_met"] = result["ratio_baton_over_hf"] >= TARGETS["batch1"]
@@ -249,6 +265,10 @@ def bench_mixed(llm: LLM, hf, prompts: list[list[int]], num_new: list[int], repe
         matches = [leading_matches(o, t[: len(o)]) for o, t in zip(ours, theirs, strict=True)]
         result["matching_leading_tokens"] = matches
         result["num_fully_matching"] = sum(m == n for m, n in zip(matches, num_new, strict=True))
+        result["gaps_where_parting"] = [
+            gap_where_parting(hf, p, o, t[: len(o)])
+            for p, o, t in zip(prompts, ours, theirs, strict=True)
+        ]
         result["ratio_baton_over_hf"] = seconds["hf"] / seconds["baton"]
         result["target_ratio"] = TARGETS["mixed"]
         result["target_met"] = result["ratio_baton_over_hf"] >= TARGETS["mixed"]
@@ -386,10 +406,15 @@ def print_report(r: dict) -> None:
         if "matching_leading_tokens" in d:
             match = d["matching_leading_tokens"]
             if isinstance(match, list):
-                match = f"{d['num_fully_matching']}/{len(match)} requests all tokens"
+                gaps = [g for g in d["gaps_where_parting"] if g is not None]
+                match = f"{d['num_fully_matching']}/{len(match)} requests all tokens matching"
+                if gaps:
+                    match += f" (the others part where its logits differ by <= {max(gaps):.4g})"
             else:
-                match = f"{match}/{d['new_tokens']} leading tokens"
-            print(f"{name} greedy ids vs transformers: {match} matching; {verdict(d, key)}")
+                match = f"{match}/{d['new_tokens']} leading tokens matching"
+                if d.get("gap_where_parting") is not None:
+                    match += f" (then its logits differ by {d['gap_where_parting']:.4g})"
+            print(f"{name} greedy ids vs transformers: {match}; {verdict(d, key)}")
     if r["bandwidth"] is not None:
         c = r["bandwidth"]
         print(
