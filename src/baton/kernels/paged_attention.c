@@ -183,13 +183,18 @@ static inline void accumulate_block_avx512(const float *probs, const float *rows
     for (int c = 0; c < d / 16; c++) _mm512_storeu_ps(acc + 16 * c, r[c]);
 }
 
-/* A query's softmax numerators to bf16 in place (RNE), 32 at a time: as uint32 the row then
- * holds pairs (p[2j], p[2j+1]) -- the layout vdpbf16ps multiplies value pairs by. n % 32 == 0. */
+/* A query's softmax numerators to bf16 in place (RNE): as uint32 the row then holds pairs
+ * (p[2j], p[2j+1]) -- the layout vdpbf16ps multiplies value pairs by. n % 16 == 0; each store
+ * lands on floats already read. */
 static inline void probs_to_bf16_pairs(float *s, int n) {
-    for (int j = 0; j < n; j += 32) {
+    int j = 0;
+    for (; j + 32 <= n; j += 32) {
         const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
         _mm512_storeu_si512((uint16_t *)s + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
+    if (j < n) /* the last 16 */
+        _mm256_storeu_si256((__m256i *)((uint16_t *)s + j),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + j)));
 }
 
 /* The block's values as pairs of rows: pairs[(j * d / 16 + c) * 16 + e] holds (v_2j[16c + e],
