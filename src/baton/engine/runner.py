@@ -6,7 +6,10 @@ tokens: one sampled token, or -- for a speculative chunk -- the verified prefix 
 draft's chain plus one. With a draft, it also runs the draft over the prompt pairs of every
 prefill chunk (the draft's prompt state) and hands the proposer its next pending pairs.
 Counts the tokens it computed, prompt tokens separately (a PD decode worker must compute
-none).
+none). Two shortcuts, each with the general path beside it: the last layer runs past
+attention only for the rows something reads (``_rows_read``: a prefill chunk's tail), and
+plain-greedy rows take the argmax / log-sum-exp kernels instead of fp32 logits and the
+sampler (``_plain_greedy``).
 """
 
 from __future__ import annotations
