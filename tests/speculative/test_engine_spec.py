@@ -123,7 +123,7 @@ def test_prefill_reading_only_the_tail_stores_the_same_state(spec_dir, mode, mon
         return [o.outputs[0].token_ids for o in outs], [p.storage.clone() for p in pools]
 
     tail_tokens, tail_state = run()
-    monkeypatch.setattr(ModelRunner, "_rows_read", lambda self, chunks, segments: None)
+    monkeypatch.setattr(ModelRunner, "_rows_read", lambda self, chunks, segments, n: None)
     all_tokens, all_state = run()
     assert tail_tokens == all_tokens
     assert all(torch.equal(a, b) for a, b in zip(tail_state, all_state, strict=True))

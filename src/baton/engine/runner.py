@@ -79,7 +79,7 @@ class ModelRunner:
                 0, min(chunk.end, request.num_prompt_tokens) - chunk.start
             )
         self.num_computed_tokens += len(input_ids)
-        rows = self._rows_read(batch.chunks, segments)
+        rows = self._rows_read(batch.chunks, segments, len(input_ids))
         hidden = self.model(
             torch.tensor([input_ids]),
             torch.tensor([positions]),
@@ -99,7 +99,7 @@ class ModelRunner:
             self._feed_draft(batch.chunks, segments, hidden, result)
         return result
 
-    def _rows_read(self, chunks, segments) -> torch.Tensor | None:
+    def _rows_read(self, chunks, segments, num_tokens: int) -> torch.Tensor | None:
         """The step's rows whose final hidden states are read: every row of a verified chain,
         and of a plain chunk its last one (sampling) or, with a draft, the tail whose pairs
         the draft's pool keeps (its prompt state, the seed). None when that is every row --
@@ -111,8 +111,7 @@ class ModelRunner:
             if self.proposer is not None and not chunk.num_spec:
                 tail = min(n, self.proposer.pairs_kept(n) + 1)
             rows.extend(range(seg.offset + n - tail, seg.offset + n))
-        total = sum(c.num_tokens for c in chunks)
-        return torch.tensor(rows) if len(rows) < total else None
+        return torch.tensor(rows) if len(rows) < num_tokens else None
 
     def _sample(self, chunks, segments, hidden, states, result: StepResult) -> None:
         """One token for every non-speculative chunk that samples, batched."""

@@ -24,7 +24,12 @@ import tempfile
 from functools import cache
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger(__name__)
+
+DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+"""The activation dtypes the kernels read, and the ``is_bf16`` flag each passes them."""
 
 SOURCES = ("paged_attention.c", "norm.c", "logits.c")
 HEADERS = ("fastmath.h",)
@@ -91,8 +96,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("no C compiler found: native kernels are off, torch paths are used")
         return None
     try:
-        import torch  # noqa: F401  (its libgomp.so.1 must be loaded first: one OpenMP runtime)
-
+        # NOTE: torch, imported above, has loaded its libgomp.so.1: one OpenMP runtime.
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.kernels import library
-
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+from baton.kernels import DTYPES, library
 
 
 def _usable(scores: torch.Tensor) -> bool:

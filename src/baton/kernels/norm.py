@@ -13,9 +13,8 @@ from functools import cache
 import numpy as np
 import torch
 
-from baton.kernels import library
+from baton.kernels import DTYPES, library
 
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 MAX_DIM = 4096  # the kernel's row buffer
 
 
@@ -38,9 +37,10 @@ def _sum_in_order(values: list[float], lanes: int) -> float:
 
 @cache
 def torch_lanes() -> int:
-    """The vector width (floats) of torch's CPU sum kernel here -- 8 where it runs its AVX2
-    build, 16 for AVX-512 -- found by comparing sums: the kernels add the sum of squares in
-    its order, so normed rows match transformers' (``x.pow(2).mean(-1)``) bitwise."""
+    """The vector width (floats) of torch's CPU sum kernel here -- 8 or 16, whichever build
+    torch dispatches (8 on this project's AVX-512 machines) -- found by comparing sums: the
+    kernels add the sum of squares in its order, so normed rows match transformers'
+    (``x.pow(2).mean(-1)``) bitwise."""
     rows = torch.randn(8, 256, generator=torch.Generator().manual_seed(0)).pow(2)
     sums = rows.sum(-1).tolist()
     for lanes in (8, 16):

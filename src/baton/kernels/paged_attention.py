@@ -12,9 +12,7 @@ import ctypes
 
 import torch
 
-from baton.kernels import library
-
-DTYPES = {torch.bfloat16: 1, torch.float32: 0}
+from baton.kernels import DTYPES, library
 
 
 class _Args(ctypes.Structure):

@@ -113,7 +113,7 @@ class CausalLM(nn.Module):
         rotary = self.model.rotary_emb(positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, rotary, attn, rows) if i == last else layer(x, rotary, attn)
+            x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
 
     def fuse_projections(self) -> CausalLM:

@@ -50,12 +50,10 @@ class DraftProposer:
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
 
-    def _run(
-        self, entries: list[tuple[str, int, torch.Tensor, list[int]]], last_only: bool = False
-    ) -> list[torch.Tensor]:
+    def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
         """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens).
-        Per entry its draft states [m, H], or with ``last_only`` its last one [1, H] (the
-        others only store their keys and values)."""
+        Per entry its last draft state [1, H], the one a guess reads: the other pairs only
+        store their keys and values."""
         segments, hidden, ids, positions = [], [], [], []
         offset = 0
         for request_id, slot, h, tokens in entries:
@@ -70,7 +68,7 @@ class DraftProposer:
             positions.extend(range(slot + 1, slot + 1 + len(tokens)))
             offset += len(tokens)
         rows = None
-        if last_only and len(ids) > len(entries):
+        if len(ids) > len(entries):
             rows = torch.tensor([s.offset + s.num_tokens - 1 for s in segments])
         out = self.draft(
             self.target,
@@ -79,15 +77,9 @@ class DraftProposer:
             torch.tensor([positions]),
             PagedAttention(self.cache, segments),
             rows,
-        )[0]  # [N, H], or [len(rows), H]
+        )[0]  # [len(entries), H]
         self.num_draft_forwards += 1
-        if rows is not None:
-            return list(out[:, None])
-        splits, start = [], 0
-        for _, _, _, tokens in entries:
-            splits.append(out[start : start + len(tokens)])
-            start += len(tokens)
-        return splits
+        return list(out[:, None])
 
     def prefill(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> None:
         """Store the state of known pairs now (prompt pairs: the draft's prompt state).
@@ -131,9 +123,7 @@ class DraftProposer:
         for rid in request_ids:
             p = self.pending[rid]
             entries.append((rid, p.start_slot, p.hidden, p.token_ids))
-        # NOTE: of the pending pairs only the last one's draft state is read (the guess);
-        # the others only store keys and values.
-        hiddens = self._run(entries, last_only=True)
+        hiddens = self._run(entries)
         chains = {rid: [] for rid in request_ids}
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
         for step in range(self.num_tokens):
