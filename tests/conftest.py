@@ -45,3 +45,22 @@ def text_model_dir(tmp_path_factory):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(BUNDLED / name, directory / name)
     return directory
+
+
+def _runnable_levels() -> tuple[str, ...]:
+    from baton import platform
+
+    return platform.current().runnable_levels()
+
+
+@pytest.fixture(params=_runnable_levels())
+def kernel_level(request, monkeypatch):
+    """Run a kernel test once per instruction-set level this machine executes (an AVX-512
+    machine tests the AVX2 and portable builds too): ``baton.kernels.library()`` returns
+    that level's build for the test's duration."""
+    import baton.kernels
+
+    monkeypatch.setattr(baton.kernels, "active_level", lambda: request.param)
+    if baton.kernels.library() is None:
+        pytest.skip(f"the {request.param} kernels did not build (no compiler, or switched off)")
+    return request.param

@@ -35,6 +35,7 @@ def _generate(args: argparse.Namespace) -> int:
         num_threads=args.threads,
         speculative=None if args.speculative else False,
     )
+    print(f"--- {llm.engine.platform_line}")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
     prompts = args.prompt or DEFAULT_PROMPTS
     start = time.perf_counter()
@@ -63,12 +64,18 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import logging
+
     import uvicorn
 
     from baton.config import EngineConfig
     from baton.server.api import build_app
     from baton.server.async_engine import AsyncEngine
 
+    # the engine's start-up line (platform, dtype) and the PD layers' warnings
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s"
+    )
     config = EngineConfig.from_kwargs(**_engine_options(args))
     if args.role == "prefill":
         return _serve_prefill(args, config)
@@ -88,7 +95,8 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(build_app(engine, name), host=args.host, port=args.port, log_level="info")
+        app = build_app(engine, name, core.platform_info)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
         engine.shutdown()
         if args.role == "decode":
@@ -123,7 +131,6 @@ def _decode_engine(args: argparse.Namespace, config):
 def _serve_prefill(args: argparse.Namespace, config) -> int:
     """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
     import json
-    import logging
     import os
 
     import uvicorn
@@ -131,7 +138,6 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     from baton.server.prefill_app import PrefillLoop, build_prefill_app
     from baton.transfer.prefill_server import PrefillServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s prefill %(levelname)s %(message)s")
     token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
@@ -220,12 +226,22 @@ def _cpu_list(text: str) -> list[int]:
     return cpus
 
 
+def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
+    from baton.config import DTYPES
+
+    p.add_argument(
+        "--dtype", default="auto", choices=DTYPES,
+        help="compute dtype; auto: the checkpoint's where this CPU computes it natively, "
+        "else float32 (a bf16 checkpoint on a CPU without native bf16)",
+    )  # fmt: skip
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None, help="default: the directory name")
-    p.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
+    _add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=None)
 
@@ -238,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--dtype", default=None, help="float32 or bfloat16 (default: checkpoint)")
+    _add_dtype_arg(gen)
     gen.add_argument("--threads", type=int, default=2)
     gen.add_argument(
         "--no-speculative",
@@ -311,6 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.command in ("generate", "serve", "launch"):
+        from baton import platform
+
+        try:
+            platform.current()  # a bad BATON_CPU_ISA is an error line, not a traceback
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     if args.command == "generate":
         return _generate(args)
     if args.command == "serve":

@@ -11,10 +11,47 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 SLIDING_MODES = ("paged", "ring")
+DTYPES = ("auto", "float32", "bfloat16")
+"""``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
+CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
+"""``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    """The environment variables baton reads -- read here and nowhere else."""
+
+    cpu_isa: str | None = None
+    """``BATON_CPU_ISA``: cap the native kernels' instruction-set level (and, below
+    ``avx512``, turn native bf16 off) to run the paths of another CPU; unset: detected."""
+    native_kernels: bool = True
+    """``BATON_NATIVE_KERNELS=0`` chooses the torch paths instead of the C kernels."""
+    kernel_cache: str | None = None
+    """``BATON_KERNEL_CACHE``: where built kernels are kept (default
+    ``~/.cache/baton/kernels``)."""
+    compiler: str | None = None
+    """``CC``: the C compiler for the kernels (default: ``cc``, else ``gcc``)."""
+
+    def __post_init__(self) -> None:
+        if self.cpu_isa is not None and self.cpu_isa not in CPU_ISA_LEVELS:
+            raise ValueError(
+                f"BATON_CPU_ISA must be one of {', '.join(CPU_ISA_LEVELS)}, got {self.cpu_isa!r}"
+            )
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> RuntimeEnv:
+        return cls(
+            cpu_isa=environ.get("BATON_CPU_ISA") or None,
+            native_kernels=environ.get("BATON_NATIVE_KERNELS", "1") != "0",
+            kernel_cache=environ.get("BATON_KERNEL_CACHE") or None,
+            compiler=environ.get("CC") or None,
+        )
 
 
 @dataclass(frozen=True)
@@ -64,8 +101,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    dtype: str | None = None
-    """``float32`` or ``bfloat16``; None keeps the checkpoint's dtype."""
+    dtype: str | None = "auto"
+    """``auto``: the checkpoint's dtype where this CPU computes it natively, else fp32 (a
+    bf16 checkpoint on a CPU without native bf16: ``baton.platform``); ``float32`` or
+    ``bfloat16`` as given; None keeps the checkpoint's dtype."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
     seed: int = 0
@@ -80,8 +119,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     def __post_init__(self) -> None:
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
@@ -119,15 +158,19 @@ class Deadlines:
     """ReserveState sent -> state landed. Decode fails the request past it; prefill drops a
     room older than this (its decode has given up) instead of computing and pushing it."""
     abort_grace_s: float = 30.0
-    """Decode: how long a failed request's units stay reserved for prefill to confirm it
-    stopped writing; past it they are freed anyway (a dead prefill never confirms)."""
+    """Decode: how long a failed request's units wait for prefill to confirm it stopped
+    writing before decode fails that prefill (fences it: no more requests go there, its
+    waiting ones fail). The units are never freed unconfirmed: they stay quarantined until
+    the prefill, or a new process at its endpoint, confirms -- or its process is seen gone
+    (same host) -- since a paused prefill may resume and finish its push."""
     transferring_s: float = 60.0
     """Prefill: the longest wait for one push batch; past it its rooms fail (without
     claiming the writes stopped: the backend has no cancel) -- ``PrefillWorker.transfer_s``."""
     peer_silence_s: float = 10.0
     """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
-    sent every ``PING_INTERVAL_S``) this long is taken for dead: its requests fail now, not
-    at ``waiting_for_state_s``, so a router can retry them elsewhere."""
+    sent every ``PING_INTERVAL_S``) this long is failed (fenced, as past ``abort_grace_s``):
+    its requests fail now, not at ``waiting_for_state_s``, so a router can retry them
+    elsewhere; their units stay quarantined until it confirms."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

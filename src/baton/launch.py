@@ -58,6 +58,8 @@ def launch(
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
+    if options.get("dtype", "auto") == "auto":
+        options["dtype"] = resolved_dtype(model)
     if prefill_cpus is None and decode_cpus is None:
         prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
@@ -185,6 +187,17 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
     if proc.stdout is not None:
         proc.stdout.close()
+
+
+def resolved_dtype(model: str) -> str:
+    """``--dtype auto`` made concrete once, here, so every child computes in the same dtype
+    (a prefill and a decode that differ cannot pair); printed with the platform line."""
+    from baton import platform
+    from baton.model.loader import load_spec, resolve_dtype
+
+    dtype = str(resolve_dtype("auto", load_spec(model).dtype)).removeprefix("torch.")
+    print(f"baton: {platform.current().summary()}; dtype {dtype} (auto)", file=sys.stderr)
+    return dtype
 
 
 def _remove_segments(prefix: str) -> None:

@@ -12,7 +12,10 @@ import baton.kernels.logits as logits
 from baton.kernels import library
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
-pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
+pytestmark = [
+    pytest.mark.skipif(library() is None, reason=OFF),
+    pytest.mark.usefixtures("kernel_level"),  # every instruction-set level this CPU runs
+]
 
 
 def _scores(dtype: torch.dtype, rows: int, vocab: int, seed: int) -> torch.Tensor:

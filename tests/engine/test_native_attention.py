@@ -20,7 +20,10 @@ from baton.kernels import library
 from baton.memory import PagedPool, RingPool, StateRegistry
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
-pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
+pytestmark = [
+    pytest.mark.skipif(library() is None, reason=OFF),
+    pytest.mark.usefixtures("kernel_level"),  # every instruction-set level this CPU runs
+]
 
 WINDOW, PAGE, SLACK = 12, 4, 8
 SEED = 0

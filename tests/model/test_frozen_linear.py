@@ -1,23 +1,53 @@
-"""``FrozenLinear``: the packed bf16 matmul gives exactly ``F.linear``'s result."""
+"""``FrozenLinear``: the packed bf16 matmul gives exactly ``F.linear``'s result, and where
+the CPU has no native bf16 (forced here by replacing the detection) it does not pack and
+still gives ``F.linear``'s result."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from baton import platform
 from baton.model.layers import FrozenLinear
+
+
+def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 64, generator=g).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype) if has_bias else None
+    x = torch.randn(1, rows, 64, generator=g).to(dtype)
+    frozen = FrozenLinear(weight, bias)
+    assert torch.equal(frozen(x), F.linear(x, weight, bias))
+    other = torch.randn(1, rows, 96, generator=g).to(dtype)
+    assert torch.equal(frozen.add(x, other), F.linear(x, weight, bias) + other)
+    return frozen
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 4, 37])
 @pytest.mark.parametrize("has_bias", [False, True])
 def test_frozen_linear_equals_f_linear(dtype, rows, has_bias):
-    g = torch.Generator().manual_seed(rows)
-    weight = torch.randn(96, 64, generator=g).to(dtype)
-    bias = torch.randn(96, generator=g).to(dtype) if has_bias else None
-    x = torch.randn(1, rows, 64, generator=g).to(dtype)
-    frozen = FrozenLinear(weight, bias)
-    if dtype == torch.bfloat16 and torch.backends.mkldnn.is_available():
-        assert frozen.packed is not None and frozen.weight is None
-    assert torch.equal(frozen(x), F.linear(x, weight, bias))
+    frozen = _check(dtype, rows, has_bias)
+    packs = dtype == torch.bfloat16 and platform.current().native_bf16
+    assert (frozen.packed is not None) == packs and (frozen.weight is None) == packs
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+def test_without_native_bf16_nothing_is_packed(rows, monkeypatch):
+    no_bf16 = dataclasses.replace(platform.current(), onednn_bf16=False)
+    monkeypatch.setattr(platform, "current", lambda: no_bf16)
+    frozen = _check(torch.bfloat16, rows, has_bias=True)
+    assert frozen.packed is None and frozen.weight is not None
+
+
+def test_forcing_avx2_turns_native_bf16_off():
+    real = platform.current()
+    pretend = dataclasses.replace(real, detected_isa="avx512_bf16", isa="avx2", onednn_bf16=True)
+    assert not pretend.native_bf16
+    assert pretend.auto_dtype("bfloat16") == "float32"
+    native = dataclasses.replace(pretend, isa="avx512_bf16")
+    assert native.native_bf16 and native.auto_dtype("bfloat16") == "bfloat16"
+    assert native.auto_dtype("float32") == "float32"

@@ -17,7 +17,10 @@ from baton.kernels import library
 from baton.model.layers import RMSNorm, apply_rotary
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
-pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
+pytestmark = [
+    pytest.mark.skipif(library() is None, reason=OFF),
+    pytest.mark.usefixtures("kernel_level"),  # every instruction-set level this CPU runs
+]
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:

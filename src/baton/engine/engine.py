@@ -10,6 +10,7 @@ conditions (EOS, stop ids, stop strings, max_tokens, the context) are checked he
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from baton import platform
 from baton.config import EngineConfig
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -32,6 +34,7 @@ from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 FINISH = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
@@ -88,6 +91,11 @@ class LLMEngine:
         self.max_model_len = config.scheduler.max_model_len or spec.max_position_embeddings
         self.registry = StateRegistry()
         dtype = resolve_dtype(config.dtype, spec.dtype)
+        self.dtype_name = str(dtype).removeprefix("torch.")
+        auto = f" (auto; checkpoint {spec.dtype})" if config.dtype == "auto" else ""
+        self.platform_line = f"{platform.current().summary()}; dtype {self.dtype_name}{auto}"
+        """The start-up line: the CPU, its kernel level, and the dtype computed in."""
+        log.info(self.platform_line)
         draft = load_draft(model_dir, self.model) if config.speculative is not False else None
         if draft is not None:
             draft.fuse_projections()
@@ -125,6 +133,11 @@ class LLMEngine:
         self.tracks: dict[str, _Track] = {}
         self._ids = itertools.count()
         self._seeds = itertools.count(config.seed * 1_000_003)
+
+    @property
+    def platform_info(self) -> dict:
+        """``Platform.as_dict`` plus the compute dtype: what ``/health`` reports."""
+        return {**platform.current().as_dict(), "dtype": self.dtype_name}
 
     # -- requests --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:

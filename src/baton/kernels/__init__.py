@@ -2,10 +2,14 @@
 
 Why C and not a torch extension: the sources include nothing of torch (raw pointers and
 strides in, plain C out), so a build is one ``cc`` call of about a second instead of a
-minute against torch's headers. The library is built with ``-march=native`` for the machine
-it runs on and cached under ``$BATON_KERNEL_CACHE`` (default ``~/.cache/baton/kernels``),
-keyed by the source, the compiler and the CPU's feature flags. It links ``libgomp.so.1``,
-the OpenMP runtime torch has already loaded, so both share one thread pool.
+minute against torch's headers. One library per instruction-set level (``LEVEL_FLAGS``):
+the same sources compiled for ``baseline`` (portable C, no intrinsics: what an ARM machine
+builds), ``avx2`` (x86-64-v3, loops vectorised for AVX2 + FMA), ``avx512`` (x86-64-v4) and
+``avx512_bf16`` (adds the AVX-512 BF16 intrinsics path of the attention kernel). The level
+in use is ``baton.platform``'s (``BATON_CPU_ISA`` caps it); tests load every level the
+machine executes. Libraries are cached under ``$BATON_KERNEL_CACHE`` (default
+``~/.cache/baton/kernels``), keyed by the sources, the compiler and the level's flags. They
+link ``libgomp.so.1``, the OpenMP runtime torch has already loaded: one thread pool.
 
 Every kernel has a torch path that stays the reference (tests compare the two). No compiler
 or a failed build means the torch paths, after one warning; ``BATON_NATIVE_KERNELS=0``
@@ -18,6 +22,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform as _stdlib_platform
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +31,9 @@ from pathlib import Path
 
 import torch
 
+from baton import platform
+from baton.config import RuntimeEnv
+
 log = logging.getLogger(__name__)
 
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
@@ -33,20 +41,19 @@ DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 SOURCES = ("paged_attention.c", "norm.c", "logits.c")
 HEADERS = ("fastmath.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+LEVEL_FLAGS = {
+    "baseline": (),
+    "avx2": ("-march=x86-64-v3",),
+    "avx512": ("-march=x86-64-v4",),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+}
+"""Compiler flags of each ``baton.platform`` level (x86-64; off it only ``baseline``, built
+for the compiler's default target). NOTE: ``-mtune`` is left at the default so a cached
+library is the same on every CPU of a level."""
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return ""
-
-
-def _build(compiler: str) -> Path:
+def _build(compiler: str, level: str) -> Path:
     here = Path(__file__).parent
     sources = [here / name for name in SOURCES]
     version = subprocess.run(
@@ -54,18 +61,18 @@ def _build(compiler: str) -> Path:
     ).stdout
     key = hashlib.sha256()
     headers = [(here / name).read_bytes() for name in HEADERS]
+    flags = (*FLAGS, *LEVEL_FLAGS[level])
     for part in (
         *(s.read_bytes() for s in sources),
         *headers,
         version,
-        " ".join(FLAGS),
-        _cpu_flags(),
+        " ".join(flags),
+        _stdlib_platform.machine(),
     ):
         key.update(part if isinstance(part, bytes) else part.encode())
-    cache_dir = Path(
-        os.environ.get("BATON_KERNEL_CACHE") or Path.home() / ".cache" / "baton" / "kernels"
-    )
-    target = cache_dir / f"baton_kernels_{key.hexdigest()[:16]}.so"
+    env = RuntimeEnv.from_environ()
+    cache_dir = Path(env.kernel_cache or Path.home() / ".cache" / "baton" / "kernels")
+    target = cache_dir / f"baton_kernels_{level}_{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +81,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", tmp, *map(str, sources)],
+            [compiler, *flags, "-o", tmp, *map(str, sources)],
             capture_output=True,
             text=True,
             check=True,
@@ -86,21 +93,38 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@cache
+def active_level() -> str:
+    """The instruction-set level whose build ``library()`` returns (tests replace this to
+    run every level the machine executes)."""
+    return platform.current().isa
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (the torch paths are used)."""
-    if os.environ.get("BATON_NATIVE_KERNELS", "1") == "0":
+    """The loaded kernels of the active level, or None (the torch paths are used)."""
+    return library_for(active_level())
+
+
+@cache
+def library_for(level: str) -> ctypes.CDLL | None:
+    """The kernels built for ``level`` (see ``LEVEL_FLAGS``), or None after one warning."""
+    env = RuntimeEnv.from_environ()
+    if not env.native_kernels:
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if level != "baseline" and _stdlib_platform.machine() not in ("x86_64", "AMD64"):
+        raise ValueError(
+            f"kernel level {level!r} is x86-64 only; this is a {_stdlib_platform.machine()}"
+        )
+    compiler = env.compiler or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("no C compiler found: native kernels are off, torch paths are used")
         return None
     try:
         # NOTE: torch, imported above, has loaded its libgomp.so.1: one OpenMP runtime.
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, level)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("native kernels failed to build or load, torch paths are used: %s", detail)
+        log.warning("native kernels (%s) failed to build or load, torch paths are used: %s",
+                    level, detail)  # fmt: skip
         return None
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     lib.baton_paged_attention.restype = ctypes.c_int

@@ -13,15 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton import platform
 from baton.kernels.norm import rms_norm
 from baton.model.spec import RopeSpec
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN's packed bf16 matmul exists on this CPU (``Platform.native_bf16``): elsewhere
+    packing raises (``mkldnn_reorder_linear_weight: bf16 path needs ...``) and a bf16 weight
+    goes through ``F.linear``, slowly but correctly."""
     return (
         weight.dtype == torch.bfloat16
         and weight.device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
+        and platform.current().native_bf16
     )
 
 
@@ -41,7 +45,7 @@ class FrozenLinear:
         self.bias = None if bias is None else bias.detach()
         self.activation = activation
         self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, 1) if _can_pack(weight) else None
+            torch.ops.mkldnn._reorder_linear_weight(weight, 1) if can_pack(weight) else None
         )
         self.weight = None if self.packed is not None else weight
         self._post = PACKED_ACTIVATIONS[activation]

@@ -9,7 +9,9 @@ a missing or unexpected tensor is a ``ValueError`` naming it.
 from __future__ import annotations
 
 import json
+import logging
 import os
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from baton import platform
 from baton.model.decoder import CausalLM
 from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
 from baton.model.registry import spec_from_config
@@ -25,15 +28,32 @@ from baton.model.spec import ModelSpec
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some exporters write that carry no information for us.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, default: str) -> torch.dtype:
+    """The compute dtype: ``dtype`` as given, ``default`` (the checkpoint's) for None, and
+    for ``"auto"`` what ``Platform.auto_dtype`` makes of the checkpoint's on this CPU. An
+    explicit bf16 where bf16 is not native works (slowly) after one warning."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        dtype = platform.current().auto_dtype(default)
     name = dtype or default
     if name not in DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+        raise ValueError(f"unsupported dtype {name!r}; supported: auto, {', '.join(DTYPES)}")
+    if name == "bfloat16" and not platform.current().native_bf16:
+        _warn_slow_bf16()
     return DTYPES[name]
+
+
+@cache
+def _warn_slow_bf16() -> None:
+    log.warning(
+        "computing in bfloat16 on a CPU without native bf16 (%s): matmuls run ~10x slower "
+        "than in float32; pass --dtype float32 (or auto)",
+        platform.current().cpu_name,
+    )
 
 
 def read_json(path: Path) -> dict:

@@ -66,7 +66,9 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return others[:n] if n else []
 
 
-def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def build_app(engine: AsyncEngine, model_name: str, platform_info: dict | None = None) -> FastAPI:
+    """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
+    ``/health`` and ``/v1/models``."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
     metrics = ServerMetrics()
     tokenizer = engine.tokenizer
@@ -297,14 +299,14 @@ def build_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "baton",
-                "max_model_len": engine.max_model_len}  # fmt: skip
+                "max_model_len": engine.max_model_len, "platform": platform_info}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_alive:
             return _error(ApiError("the engine thread is not running", 503, type="server_error"))
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "platform": platform_info})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -50,6 +50,10 @@ class PDEngine:
         return self.client.engine.tokenizer
 
     @property
+    def platform_info(self) -> dict:
+        return self.client.engine.platform_info
+
+    @property
     def max_model_len(self) -> int:
         return self.client.engine.max_model_len
 

@@ -97,7 +97,8 @@ def build_prefill_app(loop: PrefillLoop) -> FastAPI:
             return JSONResponse(error.body(), status_code=503)
         server = loop.server
         return JSONResponse({"status": "ok", "role": "prefill", "pd_endpoint": server.endpoint,
-                             "worker_id": server.hello.worker_id})  # fmt: skip
+                             "worker_id": server.hello.worker_id,
+                             "platform": server.engine.platform_info})  # fmt: skip
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,0 +1,78 @@
+"""``baton.platform``: levels from CPU flags, the ``BATON_CPU_ISA`` cap, ``dtype="auto"``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from baton import platform
+from baton.config import EngineConfig, RuntimeEnv
+from baton.model.loader import resolve_dtype
+
+AVX2 = frozenset({"sse2", "avx", "avx2", "fma"})
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine", "level"),
+    [
+        (frozenset({"sse2"}), "x86_64", "baseline"),
+        (frozenset({"avx2"}), "x86_64", "baseline"),  # AVX2 without FMA is not x86-64-v3
+        (AVX2, "x86_64", "avx2"),
+        (AVX2 | {"avx512f"}, "x86_64", "avx2"),  # AVX-512 F alone is not enough
+        (AVX512, "x86_64", "avx512"),
+        (AVX512 | {"avx512_bf16"}, "x86_64", "avx512_bf16"),
+        (AVX512 | {"avx512_bf16", "amx_bf16"}, "x86_64", "avx512_bf16"),
+        (frozenset({"fp", "asimd", "bf16"}), "aarch64", "baseline"),
+    ],
+)
+def test_level_from_flags(flags, machine, level):
+    assert platform.detect_isa(flags, machine) == level
+
+
+def test_environment_is_read_and_checked():
+    env = RuntimeEnv.from_environ({"BATON_CPU_ISA": "avx2", "BATON_NATIVE_KERNELS": "0"})
+    assert env.cpu_isa == "avx2" and not env.native_kernels
+    assert RuntimeEnv.from_environ({}).cpu_isa is None
+    with pytest.raises(ValueError, match="BATON_CPU_ISA must be one of .* got 'avx3'"):
+        RuntimeEnv.from_environ({"BATON_CPU_ISA": "avx3"})
+
+
+def test_cap_lowers_the_level_and_refuses_one_above_the_cpu():
+    real = platform.current()
+    assert platform.detect(RuntimeEnv(cpu_isa="baseline")).isa == "baseline"
+    assert platform.detect(RuntimeEnv()).isa == real.detected_isa
+    above = platform.ISA_LEVELS[platform.isa_rank(real.detected_isa) + 1 :]
+    for level in above:
+        with pytest.raises(ValueError, match=f"BATON_CPU_ISA={level} but this CPU"):
+            platform.detect(RuntimeEnv(cpu_isa=level))
+    assert real.runnable_levels()[0] == "baseline" and real.runnable_levels()[-1] == real.isa
+
+
+def test_summary_names_cpu_level_and_bf16():
+    p = platform.current()
+    line = p.summary()
+    assert p.cpu_name in line and f"kernels {p.isa}" in line and "native bf16" in line
+    assert p.as_dict()["native_bf16"] == p.native_bf16
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_dtype(native, monkeypatch):
+    pretend = dataclasses.replace(
+        platform.current(), detected_isa="avx512_bf16", isa="avx512_bf16", onednn_bf16=native
+    )
+    monkeypatch.setattr(platform, "current", lambda: pretend)
+    want = torch.bfloat16 if native else torch.float32
+    assert resolve_dtype("auto", "bfloat16") == want
+    assert resolve_dtype("auto", "float16") == want
+    assert resolve_dtype("auto", "float32") == torch.float32
+    assert resolve_dtype("bfloat16", "float32") == torch.bfloat16  # explicit: as asked
+    assert resolve_dtype(None, "bfloat16") == torch.bfloat16
+
+
+def test_auto_is_the_default_and_bad_dtypes_are_named():
+    assert EngineConfig().dtype == "auto"
+    with pytest.raises(ValueError, match="got 'fp8'"):
+        EngineConfig(dtype="fp8")
