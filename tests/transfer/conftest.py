@@ -44,3 +44,14 @@ def shm_allocator():
         # they die (the names are gone already, which is what leaks).
         with contextlib.suppress(BufferError):
             allocator.close()
+
+
+def require_backend(kind: str) -> None:
+    """Skip the test unless ``kind``'s transfer engine imports here (``make extras``
+    installs NIXL and Mooncake; CI runs it, so there these tests run)."""
+    from baton.transfer.backends import backend_class
+
+    try:
+        backend_class(kind).require_engine()
+    except ImportError as e:
+        pytest.skip(f"{kind} is not installed (`make extras` installs it): {e}")

@@ -126,3 +126,21 @@ def test_region_descriptor_wire_form():
         RegionDescriptor.from_dict({**d.to_dict(), "nbytes": -1})
     with pytest.raises(ValueError, match="unknown fields"):
         RegionDescriptor.from_dict({**d.to_dict(), "pointer": 1})
+
+
+@pytest.mark.parametrize(("kind", "importer"), [("nixl", "import_nixl"),
+                                                ("mooncake", "import_engine_class")])  # fmt: skip
+def test_a_missing_engine_skips_naming_make_extras(kind, importer, monkeypatch):
+    """Without ``make extras`` the two-process tests of a real backend skip, not fail."""
+    import importlib
+
+    from tests.transfer.conftest import require_backend
+
+    module = importlib.import_module(f"baton.transfer.backends.{kind}")
+
+    def missing() -> None:
+        raise ImportError(f"the {kind} backend needs it (No module named {kind!r})")
+
+    monkeypatch.setattr(module, importer, missing)
+    with pytest.raises(pytest.skip.Exception, match="`make extras` installs it"):
+        require_backend(kind)

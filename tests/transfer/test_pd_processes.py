@@ -33,7 +33,7 @@ from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.handshake import PairingError
 from baton.transfer.worker import Deadlines, DecodeClient, request_id_of
-from tests.transfer.conftest import TEST_PREFIX, our_segments
+from tests.transfer.conftest import TEST_PREFIX, our_segments, require_backend
 
 REPO = Path(__file__).resolve().parents[2]
 TOKEN_ENV = "BATON_TEST_PD_TOKEN"
@@ -261,12 +261,7 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
 def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, backend, mode):
     """The same handoff pushed by shared memory, NIXL (UCX) or Mooncake (TCP), with sliding
     layers (target and draft) kept as pages or as rings."""
-    from baton.transfer.backends import backend_class
-
-    try:
-        backend_class(backend)
-    except ImportError as e:
-        pytest.skip(f"{backend} is not installed: {e}")
+    require_backend(backend)
     expected = _colocated(pd_dir, sliding_mode=mode)
     prefill = spawn_prefill("--backend", backend, f"--engine=sliding_mode={mode}")
     config = _config(sliding_mode=mode)
@@ -386,15 +381,11 @@ def test_pd_processes_bundled_model(tmp_path, backend, mode):
     """The bundled model (Qwen3 sliding/full + its trained MTP draft) across two processes,
     sliding layers paged or as rings: tokens and acceptance lengths equal colocated, and the
     draft really accepts."""
-    from baton.transfer.backends import backend_class
     from tests.conftest import BUNDLED
 
     if not (BUNDLED / "model.safetensors").is_file():
         pytest.skip("bundled weights not trained")
-    try:
-        backend_class(backend)
-    except ImportError as e:
-        pytest.skip(f"{backend} is not installed: {e}")
+    require_backend(backend)
     mode_arg = f"--engine=sliding_mode={mode}"
     prefill = start_prefill(BUNDLED, tmp_path / "prefill.log", "--backend", backend, mode_arg)
     try:

@@ -29,6 +29,7 @@ import torch
 
 from baton.transfer.backends import backend_class
 from baton.transfer.backends.base import RegionDescriptor, TransferBackend, TransferOp
+from tests.transfer.conftest import require_backend
 from tests.transfer.real_backend_peer import DESCRIPTORS_TAG, RESULT_TAG
 from tests.transfer.shm_peer import source_bytes
 
@@ -41,10 +42,8 @@ pytestmark = pytest.mark.integration
 
 
 def _backend(kind: str) -> TransferBackend:
-    try:
-        return backend_class(kind)()
-    except ImportError as e:
-        pytest.skip(str(e))
+    require_backend(kind)
+    return backend_class(kind)()
 
 
 def _start_peer(request: pytest.FixtureRequest, job: dict) -> subprocess.Popen:

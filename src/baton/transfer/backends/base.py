@@ -143,6 +143,12 @@ class TransferBackend(ABC):
 
     kind: ClassVar[str]
 
+    @classmethod
+    def require_engine(cls) -> None:
+        """Import the engine this backend drives; ``ImportError`` naming what to install
+        when it is missing (built-in backends have nothing to import)."""
+        return None
+
     def __init__(self) -> None:
         self._local: dict[str, torch.Tensor] = {}
         """Region name -> flat uint8 view of a registered (source) region."""

@@ -59,6 +59,10 @@ def import_engine_class() -> Any:
 class MooncakeBackend(TransferBackend):
     kind = "mooncake"
 
+    @classmethod
+    def require_engine(cls) -> None:
+        import_engine_class()
+
     def __init__(
         self,
         host: str = "127.0.0.1",

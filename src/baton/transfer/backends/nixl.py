@@ -88,6 +88,10 @@ class _Inflight:
 class NixlBackend(TransferBackend):
     kind = "nixl"
 
+    @classmethod
+    def require_engine(cls) -> None:
+        import_nixl()
+
     def __init__(self, agent_name: str = "", *, ucx_devices: str = "lo") -> None:
         """``agent_name``: unique among the peers (default: pid + random suffix).
         ``ucx_devices``: UCX network devices the agent may use; ``"lo"`` (the default)
