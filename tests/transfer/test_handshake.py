@@ -29,9 +29,11 @@ from baton.transfer.protocol import (
 )
 
 
-def make_registry(*, swa_window: int = 16, with_draft: bool = True) -> StateRegistry:
+def make_registry(
+    *, swa_window: int = 16, with_draft: bool = True, dtype: str = "float32"
+) -> StateRegistry:
     registry = StateRegistry()
-    page = dict(unit="page", num_units=8, dtype="float32", page_size=4)
+    page = dict(unit="page", num_units=8, dtype=dtype, page_size=4)
     registry.register(
         StateComponent(
             "target.full", "paged_full", (1,), unit_bytes=1024, unit_shape=(1, 2, 4, 2, 16), **page
@@ -110,6 +112,13 @@ def test_all_differences_are_reported_at_once():
     assert "transfer backend differs (decode 'shm', prefill 'nixl')" in info.value.problems
 
 
+def test_different_dtypes_are_refused_saying_which_flag_to_set():
+    """Two hand-started workers that resolved ``--dtype`` differently (auto on two CPU kinds)."""
+    message = refusal(hello("decode"), hello("prefill", make_registry(dtype="bfloat16")))
+    assert "compute dtype differs (decode 'float32', prefill 'bfloat16')" in message
+    assert "start both with the same --dtype" in message
+
+
 def test_model_identity_mismatch():
     remote = hello("prefill", model={"architecture": "Qwen3ForCausalLM", "config_sha256": "c"})
     assert "model identity: config_sha256 differs (decode 'aaaa" in refusal(hello("decode"), remote)
@@ -131,7 +140,10 @@ def test_speculative_config_mismatch():
 def test_protocol_version_mismatch():
     remote = hello("prefill", protocol_version=PROTOCOL_VERSION + 1)
     message = refusal(hello("decode"), remote)
-    assert f"protocol version differs (decode {PROTOCOL_VERSION}, prefill 2)" in message
+    expected = (
+        f"protocol version differs (decode {PROTOCOL_VERSION}, prefill {PROTOCOL_VERSION + 1})"
+    )
+    assert expected in message
 
 
 def test_same_roles_do_not_pair():

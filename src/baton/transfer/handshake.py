@@ -231,7 +231,19 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
             problems.append(sides.differs("speculative config: ", field, mine, theirs))
     if local.backend != remote.backend:
         problems.append(sides.differs("", "transfer backend", local.backend, remote.backend))
+    mine, theirs = _dtypes(local.schema), _dtypes(remote.schema)
+    if mine and theirs and mine != theirs:
+        problems.append(
+            sides.differs("", "compute dtype", "/".join(sorted(mine)), "/".join(sorted(theirs)))
+            + ": start both with the same --dtype (e.g. --dtype float32 on both; --dtype auto "
+            "picks bfloat16 only on a CPU with native bf16, so it can differ between hosts)"
+        )
     return problems + schema_problems(local, remote)
+
+
+def _dtypes(schema: list[dict[str, Any]]) -> set[str]:
+    """The dtypes a schema's components hold (the model's compute dtype)."""
+    return {c["dtype"] for c in schema if isinstance(c, dict) and isinstance(c.get("dtype"), str)}
 
 
 def check_pairing(local: PeerInfo, remote: PeerInfo) -> None:
