@@ -133,22 +133,52 @@ def test_pd_engine_refuses_what_never_fits():
         engine.add_request([1, 2], SamplingParams(), "a")
 
 
+def _forced_no_bf16_level() -> str:
+    """The level standing for a CPU without AVX-512 (so without native bf16)."""
+    from baton import platform
+
+    return "avx2" if "avx2" in platform.current().runnable_levels() else "baseline"
+
+
 @pytest.mark.integration
 @pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
 def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
+    _serve_and_stop(text_model_dir, tmp_path, ["--dtype", "float32"], {}, ENGINE)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
+def test_launch_on_a_cpu_without_native_bf16(tmp_path):
+    """The main job as on an AVX2-only CPU (the detection forced there on any machine): the
+    bundled bf16 checkpoint with the default ``--dtype auto`` is computed in fp32 by both
+    workers, which say so at start-up, and answers as the offline fp32 engine does."""
+    from tests.conftest import BUNDLED
+
+    level = _forced_no_bf16_level()
+    stderr = _serve_and_stop(
+        BUNDLED, tmp_path, [], {"BATON_CPU_ISA": level},
+        {"dtype": "float32", "num_threads": 1},
+    )  # fmt: skip
+    assert f"kernels {level}" in stderr and "native bf16 no" in stderr, stderr
+    assert "dtype float32 (auto" in stderr, stderr
+
+
+def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_engine: dict) -> str:
+    """``baton launch`` answering the official client (a completion equal to the offline
+    engine's, a streamed chat), then SIGINT: exit 0, no child or segment left. Its stderr."""
     openai = pytest.importorskip("openai")
     port = _free_port()
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "launch", "--model", str(text_model_dir),
-             "--port", str(port), "--dtype", "float32", "--threads", "1"],
-            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+            [sys.executable, "-m", "baton.cli", "launch", "--model", str(model_dir),
+             "--port", str(port), "--threads", "1", *flags],
+            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **env},
         )  # fmt: skip
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 45
+        deadline = time.monotonic() + 60
         while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
             assert proc.poll() is None, f"launch exited {proc.returncode}:\n{err_path.read_text()}"
             assert time.monotonic() < deadline, f"no URL printed:\n{err_path.read_text()}"
@@ -159,9 +189,9 @@ def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
         assert len(children) == 3, children  # prefill + decode + router
 
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
-        model = Path(text_model_dir).name
+        model = Path(model_dir).name
         resp = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
-        offline = LLM(text_model_dir, **ENGINE)
+        offline = LLM(model_dir, **offline_engine)
         want = offline.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0))[0]
         assert resp.choices[0].text == want.outputs[0].text
         assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
@@ -183,6 +213,7 @@ def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
         assert not [pid for pid in children if _is_running(pid)]
         leftover = [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-launch-{proc.pid}-")]
         assert not leftover, leftover
+        return err_path.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
