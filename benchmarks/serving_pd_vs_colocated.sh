@@ -4,6 +4,8 @@
 cd "$(dirname "$0")/.." && . .venv/bin/activate
 mkdir -p benchmarks/results
 M=models/baton-stdlib-qwen3
+# the router's admin token (launch uses it; bench reads it to find the workers' /metrics)
+export BATON_ADMIN_TOKEN="$(python -c 'import secrets; print(secrets.token_hex(16))')"
 BENCH="baton bench --model baton-stdlib-qwen3 --num-requests 48 --request-rate 3 --prompt-tokens 200:380 --output-tokens 96:128 --count-chunk-tokens --seed 0 --no-progress"
 wait_up() { for i in $(seq 120); do curl -sf "$1/health" >/dev/null && return 0; sleep 1; done; return 1; }
 

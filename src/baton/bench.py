@@ -59,6 +59,8 @@ class BenchConfig:
     """Per-request timeout."""
     metrics_urls: tuple[str, ...] = ()
     """More servers whose ``/metrics`` to diff (a router's workers are found by themselves)."""
+    admin_token: str | None = None
+    """The router's admin bearer token, to find its workers (None: ``$BATON_ADMIN_TOKEN``)."""
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens"):

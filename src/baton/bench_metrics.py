@@ -20,9 +20,9 @@ if TYPE_CHECKING:
 async def workers_of(client: httpx.AsyncClient, config: BenchConfig) -> list[str]:
     """The servers whose metrics to diff besides ``config.url``: ``metrics_urls`` and, when
     ``config.url`` is a baton router that lists them, its instances (with the bearer token
-    in ``$BATON_ADMIN_TOKEN`` if the router wants one)."""
+    ``config.admin_token``, else ``$BATON_ADMIN_TOKEN``)."""
     urls = list(config.metrics_urls)
-    token = os.environ.get("BATON_ADMIN_TOKEN")
+    token = config.admin_token or os.environ.get("BATON_ADMIN_TOKEN")
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         resp = await client.get("/admin/instances", headers=headers)

@@ -165,10 +165,15 @@ def _router(args: argparse.Namespace) -> int:
 
     from baton.router.router import Router, build_router_app
 
+    admin_token = os.environ.get(args.admin_token_env) or None
+    if admin_token is None and not _is_loopback(args.host):
+        print(f"error: a router bound to {args.host} (not loopback) needs an admin token: set "
+              f"${args.admin_token_env}", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         router = Router(
             args.prefill or [], args.decode or [], args.policy,
-            admin_token=os.environ.get(args.admin_token_env) or None,
+            admin_token=admin_token,
             health_interval_s=args.health_interval,
         )  # fmt: skip
     except ValueError as e:
@@ -178,6 +183,17 @@ def _router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: assume it is reachable from elsewhere
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -200,6 +216,7 @@ def _bench(args: argparse.Namespace) -> int:
             concurrency=args.concurrency, prompt_tokens=parse_range(args.prompt_tokens),
             output_tokens=parse_range(args.output_tokens), seed=args.seed,
             count_chunk_tokens=args.count_chunk_tokens, metrics_urls=tuple(args.metrics_url or ()),
+            admin_token=_read_token(args.admin_token_file),
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -207,6 +224,15 @@ def _bench(args: argparse.Namespace) -> int:
     result = run_bench(config, args.out, args.plot, show_progress=not args.no_progress)
     print(format_summary(result))
     return 0 if result["summary"]["num_failed"] == 0 else 1
+
+
+def _read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as e:
+        raise ValueError(f"cannot read the admin token file {path}: {e}") from e
 
 
 def _deadlines(args: argparse.Namespace):
@@ -294,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
         "--admin-token-env", default="BATON_ADMIN_TOKEN",
-        help="env var with the /admin bearer token (unset: no token needed)",
+        help="env var with the /admin bearer token (unset: the admin API is disabled, and a "
+        "router bound to a non-loopback address refuses to start)",
     )  # fmt: skip
     launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
@@ -323,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     bench.add_argument("--metrics-url", action="append",
                        help="another server whose /metrics to diff (repeatable)")  # fmt: skip
+    bench.add_argument("--admin-token-file", default=None,
+                       help="the router's admin token (baton launch prints its path), to find "
+                       "its workers' /metrics; default $BATON_ADMIN_TOKEN")  # fmt: skip
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
     bench.add_argument("--no-progress", action="store_true")

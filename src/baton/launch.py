@@ -7,9 +7,12 @@ prints the URL and a sample request, and waits. SIGINT or SIGTERM (or any child 
 every child: SIGTERM, a bounded wait, then SIGKILL. The pairing token is random per launch
 and reaches the children only through their environment (argv is visible to every user).
 Decode's shared-memory segments are named after this process, so any a killed decode server
-left behind are removed on the way out. ``prefill_cpus`` / ``decode_cpus`` pin the workers
-(``taskset``-like); by default one prefill and one decode get half of the cores each
-(``split_cores``), one engine thread per core, so decode never shares a core with prefill.
+left behind are removed on the way out. The router's admin token (its ``/admin`` API needs
+one) is ``$BATON_ADMIN_TOKEN`` when set, else random per launch and written to a file only
+this user can read (``admin_token_file``), whose path the banner prints. ``prefill_cpus`` /
+``decode_cpus`` pin the workers (``taskset``-like); by default one prefill and one decode
+get half of the cores each (``split_cores``), one engine thread per core, so decode never
+shares a core with prefill.
 
 It owns only processes; serving lives in ``baton.server``, routing in ``baton.router``.
 """
@@ -19,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -33,6 +38,7 @@ from pathlib import Path
 from baton.memory.allocator import SHM_DIR
 
 TOKEN_ENV = "BATON_PD_TOKEN"
+ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
@@ -64,6 +70,8 @@ def launch(
         prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
+    env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
+    admin_dir = tempfile.mkdtemp(prefix=f"baton-launch-{os.getpid()}-")  # mode 0700
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS}
     children: list[subprocess.Popen] = []
@@ -88,11 +96,12 @@ def launch(
         router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
         for role, urls in workers.items():
             router_args += [item for url in urls for item in (f"--{role}", url)]
-        children.append(_start(router_args, env, None))
+        admin_token, token_path = admin_token_file(admin_dir)
+        children.append(_start(router_args, {**env, ADMIN_TOKEN_ENV: admin_token}, None))
         url = f"http://{_url_host(host)}:{port}"
         _wait_healthy(url, children, stop)
         if not stop.is_set():
-            _print_banner(url, served_model_name or Path(model).name, workers)
+            _print_banner(url, served_model_name or Path(model).name, workers, token_path)
         while not stop.wait(0.5):
             if dead := [c for c in children if c.poll() is not None]:
                 print(f"error: child {_name(dead[0])} exited with {dead[0].returncode}; "
@@ -107,6 +116,7 @@ def launch(
         for child in reversed(children):
             _stop(child)
         _remove_segments(shm_prefix)
+        shutil.rmtree(admin_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -165,13 +175,17 @@ def _wait_healthy(url: str, children: list[subprocess.Popen], stop: threading.Ev
         time.sleep(0.25)
 
 
-def _print_banner(url: str, model_name: str, workers: dict[str, list[str]]) -> None:
+def _print_banner(
+    url: str, model_name: str, workers: dict[str, list[str]], token_path: str | None
+) -> None:
     body = json.dumps({"model": model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
     counts = ", ".join(f"{len(urls)} {role}" for role, urls in workers.items())
+    where = f"in {token_path}" if token_path else f"${ADMIN_TOKEN_ENV}"
     print(
         f"baton: PD deployment ready ({counts}; router in front)\n"
         f"baton: serving the OpenAI API at {url}/v1\n"
         f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"baton: the admin API ({url}/admin/instances) takes the bearer token {where}\n"
         "baton: Ctrl-C stops it",
         flush=True,
     )
@@ -198,6 +212,19 @@ def resolved_dtype(model: str) -> str:
     dtype = str(resolve_dtype("auto", load_spec(model).dtype)).removeprefix("torch.")
     print(f"baton: {platform.current().summary()}; dtype {dtype} (auto)", file=sys.stderr)
     return dtype
+
+
+def admin_token_file(directory: str) -> tuple[str, str | None]:
+    """The router's admin token, and the file holding it (None when it came from
+    ``$BATON_ADMIN_TOKEN``): a new random token in ``directory``, readable by this user only."""
+    if token := os.environ.get(ADMIN_TOKEN_ENV):
+        return token, None
+    token = secrets.token_hex(32)
+    path = os.path.join(directory, "admin-token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path
 
 
 def _remove_segments(prefix: str) -> None:

@@ -163,6 +163,21 @@ def test_launch_on_a_cpu_without_native_bf16(tmp_path):
     assert "dtype float32 (auto" in stderr, stderr
 
 
+def _check_admin_token(base_url: str, banner: str) -> str:
+    """The banner names a file only this user reads; its token opens the admin API, which
+    is closed without it. Returns the file's path."""
+    import httpx
+
+    token_path = re.search(r"takes the bearer token in (\S+)", banner).group(1)
+    assert os.stat(token_path).st_mode & 0o777 == 0o600
+    admin = base_url.removesuffix("/v1") + "/admin/instances"
+    assert httpx.get(admin, timeout=10).status_code == 401
+    auth = {"authorization": f"Bearer {Path(token_path).read_text().strip()}"}
+    listed = httpx.get(admin, headers=auth, timeout=10).json()["instances"]
+    assert sorted(i["role"] for i in listed) == ["decode", "prefill"]
+    return token_path
+
+
 def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_engine: dict) -> str:
     """``baton launch`` answering the official client (a completion equal to the offline
     engine's, a streamed chat), then SIGINT: exit 0, no child or segment left. Its stderr."""
@@ -187,6 +202,7 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
         assert "curl" in out_path.read_text()
         children = _children(proc.pid)
         assert len(children) == 3, children  # prefill + decode + router
+        token_path = _check_admin_token(base_url, out_path.read_text())
 
         client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=30)
         model = Path(model_dir).name
@@ -213,6 +229,7 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
         assert not [pid for pid in children if _is_running(pid)]
         leftover = [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-launch-{proc.pid}-")]
         assert not leftover, leftover
+        assert not os.path.exists(token_path)  # the token goes with the deployment
         return err_path.read_text()
     finally:
         if proc.poll() is None:

@@ -97,8 +97,18 @@ def servers():
         server.stop()
 
 
-def _router(servers, prefills: list[str], decodes: list[str], interval_s: float = 0.2) -> str:
-    return servers(build_router_app(Router(prefills, decodes, health_interval_s=interval_s))).url
+ADMIN = {"authorization": "Bearer fake-admin-token"}
+
+
+def _router(
+    servers,
+    prefills: list[str],
+    decodes: list[str],
+    interval_s: float = 0.2,
+    admin_token: str | None = "fake-admin-token",
+) -> str:
+    router = Router(prefills, decodes, health_interval_s=interval_s, admin_token=admin_token)
+    return servers(build_router_app(router)).url
 
 
 def test_unreachable_decode_is_retried_on_another(servers):
@@ -117,7 +127,7 @@ def test_unreachable_decode_is_retried_on_another(servers):
     assert len(seen) == 3
     assert seen[0]["x-baton-prefill"] == "tcp://127.0.0.1:1"
     assert len({int(h["x-baton-room"]) for h in seen}) == 3  # a room per request
-    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
     assert [i["healthy"] for i in listed if i["role"] == "decode"] == [False, True]
     metrics = httpx.get(f"{router}/metrics", timeout=10).text
     assert 'baton_router_retries_total{reason="decode_unreachable"} 1.0' in metrics
@@ -127,7 +137,9 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error(servers):
     prefill = servers(_prefill_app())
     app, _ = _decode_app(die_mid_stream=True)
     decode = servers(app)
-    router = _router(servers, [prefill.url], [decode.url])
+    # NOTE: no health check during the test: its /health still answers, and a check would put
+    # it back in the rotation before the assertion below reads the table
+    router = _router(servers, [prefill.url], [decode.url], interval_s=600)
     body = {"model": "m", "prompt": "x", "stream": True}
     with httpx.stream("POST", f"{router}/v1/completions", json=body, timeout=10) as resp:
         assert resp.status_code == 200
@@ -136,7 +148,7 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error(servers):
     error = json.loads(events[1][len("data: ") :])["error"]
     assert error["code"] == "decode_failed" and error["type"] == "server_error"
     assert events[-1] == "data: [DONE]"
-    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
     assert not next(i for i in listed if i["role"] == "decode")["healthy"]
 
 
@@ -151,7 +163,7 @@ def test_no_healthy_prefill_is_a_clear_503(servers):
     assert "prefill" in resp.json()["error"]["message"]
     assert httpx.get(f"{router}/health", timeout=10).status_code == 503
     assert not seen  # nothing reached decode
-    listed = httpx.get(f"{router}/admin/instances", timeout=10).json()["instances"]
+    listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
     assert "pd_endpoint" in next(i for i in listed if i["role"] == "prefill")["last_error"]
 
 
@@ -162,6 +174,33 @@ def test_no_healthy_prefill_is_a_clear_503(servers):
 )  # fmt: skip
 def test_admin_input_is_checked(servers, body, param):
     router = _router(servers, [], [])
-    resp = httpx.post(f"{router}/admin/instances", content=body, timeout=10)
+    resp = httpx.post(f"{router}/admin/instances", content=body, headers=ADMIN, timeout=10)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["param"] == param
+
+
+def test_the_admin_api_always_needs_a_token(servers):
+    """No token configured: every admin call is refused (403), never open; with one, a call
+    without it or with a wrong one is a 401 and registers nothing."""
+    body = {"role": "prefill", "url": "http://127.0.0.1:1"}
+    closed = _router(servers, [], [], admin_token=None)
+    for method in ("GET", "POST", "DELETE"):
+        resp = httpx.request(method, f"{closed}/admin/instances", json=body, headers=ADMIN,
+                             timeout=10)  # fmt: skip
+        assert resp.status_code == 403, resp.text
+        assert "BATON_ADMIN_TOKEN" in resp.json()["error"]["message"]
+    router = _router(servers, [], [])
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "fake-admin-token"}):
+        resp = httpx.post(f"{router}/admin/instances", json=body, headers=headers, timeout=10)
+        assert resp.status_code == 401, resp.text
+    assert httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json() == {
+        "instances": []
+    }
+
+
+def test_a_router_off_loopback_refuses_to_start_without_an_admin_token(monkeypatch, capsys):
+    from baton.cli import main
+
+    monkeypatch.delenv("BATON_ADMIN_TOKEN", raising=False)
+    assert main(["router", "--host", "0.0.0.0", "--port", "1"]) == 2
+    assert "needs an admin token: set $BATON_ADMIN_TOKEN" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 
 Register a prefill or decode instance at run time (``{"role": ..., "url": ...}``; it is
 health-checked at once and joins the rotation when healthy), remove one, list them all with
-their health and outstanding requests. With an admin token configured every call needs
-``Authorization: Bearer <token>`` (401 otherwise). Bad bodies are OpenAI-shaped 400s.
+their health and outstanding requests. Every call needs ``Authorization: Bearer <token>``
+(401 otherwise): a router started without an admin token answers 403 to all of them (an
+open admin API let any local user register a rogue prefill or decode that then saw users'
+prompts). Bad bodies are OpenAI-shaped 400s.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ logger = logging.getLogger("baton.router")
 def add_admin_routes(app: FastAPI, router: Router) -> None:
     def authorize(request: Request) -> None:
         if router.admin_token is None:
-            return
+            raise ApiError("the admin API is disabled: this router was started without an admin "
+                           "token (set $BATON_ADMIN_TOKEN; baton launch makes one)", 403,
+                           type="permission_error")  # fmt: skip
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {router.admin_token}".encode()):
             raise ApiError("admin endpoints need 'Authorization: Bearer <admin token>'", 401,
