@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from baton import platform as baton_platform
+
 BUNDLED_SHAPE = dict(vocab=4096, hidden=256, intermediate=768, layers=6, heads=4, kv_heads=2)
 """The bundled model's shape (scripts/train_bundled.py): the stand-in before it is trained."""
 PAD_ID = 0
@@ -51,13 +53,24 @@ def cpu_name() -> str:
 
 
 def machine_facts(dtype: str, **extra) -> dict:
-    """What a result was measured on: versions, CPU, threads, dtype, plus ``extra``."""
+    """What a result was measured on: versions, CPU (``baton.platform``: kernel level, native
+    bf16, usable cores), threads, dtype, plus ``extra``."""
     return {
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
         "cpu": cpu_name(),
+        "platform": baton_platform.current().as_dict(),
         "num_threads": torch.get_num_threads(),
         "dtype": dtype,
         **extra,
     }
+
+
+def resolve_dtype_arg(dtype: str) -> str:
+    """``--dtype auto`` (the default): bfloat16 where this CPU computes it natively, else
+    float32 -- for both sides, baton and its peer. Prints the platform line once."""
+    current = baton_platform.current()
+    resolved = current.auto_dtype("bfloat16") if dtype == "auto" else dtype
+    print(f"{current.summary()}; dtype {resolved}{' (auto)' if dtype == 'auto' else ''}")
+    return resolved

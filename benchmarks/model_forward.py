@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import BUNDLED_SHAPE, save_random_qwen3
+from common import BUNDLED_SHAPE, resolve_dtype_arg, save_random_qwen3
 from common import machine_facts as common_machine_facts
 
 from baton.model import CausalLM, DenseAttention, load_model
@@ -65,7 +65,8 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="use a random Qwen3 of the bundled model's shape even if the bundled model exists",
     )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                   help="auto: bf16 where the CPU computes it natively, else fp32")  # fmt: skip
     p.add_argument(
         "--threads",
         type=int,
@@ -81,6 +82,7 @@ def parse_args() -> argparse.Namespace:
         p.error("--model and --random-qwen3 are exclusive")
     if args.threads < 1 or args.repeats < 1:
         p.error(f"--threads and --repeats must be >= 1, got {args.threads}, {args.repeats}")
+    args.dtype = resolve_dtype_arg(args.dtype)
     return args
 
 

@@ -32,8 +32,9 @@ Prints a table with ratios and targets and writes JSON.
 
 Usage::
 
-    python benchmarks/offline.py [--model DIR] [--dtype bfloat16] [--threads N] [--repeats R]
-        [--skip-transformers] [--skip-100m] [--quick] [--out benchmarks/results/offline.json]
+    python benchmarks/offline.py [--model DIR] [--dtype auto|bfloat16|float32] [--threads N]
+        [--repeats R] [--skip-transformers] [--skip-100m] [--quick]
+        [--out benchmarks/results/offline.json]
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import BUNDLED_SHAPE, PAD_ID, save_random_qwen3
+from common import BUNDLED_SHAPE, PAD_ID, resolve_dtype_arg, save_random_qwen3
 from common import machine_facts as common_machine_facts
 
 from baton import LLM, SamplingParams
@@ -100,7 +101,8 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", type=Path, help=f"HF model directory (default: {BUNDLED_MODEL})")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="auto: bf16 where the CPU computes it natively, else fp32")  # fmt: skip
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, help="timed runs per side (default 3, --quick 1)")
     p.add_argument("--skip-transformers", action="store_true", help="baton only for a. and b.")
@@ -110,6 +112,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.threads < 1 or (args.repeats is not None and args.repeats < 1):
         p.error(f"--threads and --repeats must be >= 1, got {args.threads}, {args.repeats}")
+    args.dtype = resolve_dtype_arg(args.dtype)
     return args
 
 
