@@ -108,6 +108,8 @@ class SamplingParams:
         if self.top_k < -1:
             raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}")
         _check_int("seed", self.seed, optional=True)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise ValueError(f"seed must fit in 64 bits (in [-2**63, 2**63 - 1]), got {self.seed}")
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")

@@ -35,7 +35,10 @@ def server(text_model_dir):
     engine = AsyncEngine(LLMEngine(text_model_dir, EngineConfig.from_kwargs(**OPTIONS))).start()
     port = _free_port()
     config = uvicorn.Config(
-        build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning"
+        build_app(engine, MODEL, engine.engine.platform_info),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
     )
     uv = uvicorn.Server(config)
     thread = threading.Thread(target=uv.run, daemon=True)
@@ -146,7 +149,11 @@ def test_logprobs(client):
 def test_models_health_and_metrics(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     base = server[1]
-    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    health = httpx.get(base + "/health").json()
+    assert health["status"] == "ok" and health["platform"]["dtype"] == "float32"
+    assert health["platform"]["isa"] in ("baseline", "avx2", "avx512", "avx512_bf16")
+    card = httpx.get(base + "/v1/models").json()["data"][0]
+    assert card["platform"]["native_bf16"] == health["platform"]["native_bf16"]
     client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
     families = {
         f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics").text)
@@ -161,6 +168,13 @@ def test_models_health_and_metrics(client, server):
     assert count["baton_time_to_first_token_seconds_count"] >= 1
     generated = families["baton_generation_tokens"].samples[0].value
     assert generated >= 3
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
 
 
 BAD = [
@@ -180,6 +194,27 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    (
+        "/v1/completions",
+        b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(),
+        400,
+        "prompt",
+    ),  # a lone surrogate
+    (
+        "/v1/chat/completions",
+        b'{"model": "%s", "messages": [{"role": "user", "content": "\\udc00"}]}' % MODEL.encode(),
+        400,
+        "messages[0].content",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+    (
+        "/v1/completions",
+        b'{"model": "m", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        400,
+        None,
+    ),  # deeper than the parser's recursion limit
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "metadata": _nested(40)}, 400, "metadata"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400, None),
@@ -206,6 +241,21 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
     # The server is still up.
+    assert httpx.get(base + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_body_over_the_limit_is_refused_before_parsing(server, chunked):
+    """413 by Content-Length, or while a chunked body streams in; the server stays up."""
+    from baton.server.api import MAX_BODY_BYTES
+
+    base = server[1]
+    body = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"x" * MAX_BODY_BYTES + b'"}'
+    content = iter([body[i : i + 2**20] for i in range(0, len(body), 2**20)]) if chunked else body
+    resp = httpx.post(base + "/v1/completions", content=content, timeout=30,
+                      headers={"content-type": "application/json"})  # fmt: skip
+    assert resp.status_code == 413, resp.text
+    assert "at most" in resp.json()["error"]["message"]
     assert httpx.get(base + "/health").status_code == 200
 
 
