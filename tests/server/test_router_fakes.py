@@ -204,3 +204,35 @@ def test_a_router_off_loopback_refuses_to_start_without_an_admin_token(monkeypat
     monkeypatch.delenv("BATON_ADMIN_TOKEN", raising=False)
     assert main(["router", "--host", "0.0.0.0", "--port", "1"]) == 2
     assert "needs an admin token: set $BATON_ADMIN_TOKEN" in capsys.readouterr().err
+
+
+def test_health_checks_eject_after_three_failures_or_a_refused_port():
+    """Hysteresis: one slow or failed /health does not eject a healthy instance, three in a
+    row do; a refused connection (nothing listens) ejects at once; one answer re-admits."""
+    import asyncio
+
+    from baton.router.router import HEALTH_FAILURES_TO_EJECT
+
+    answers: list = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return httpx.Response(answer, json={"status": "ok"})
+
+    async def run() -> list[bool]:
+        router = Router([], ["http://decode:1"])
+        router.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        (instance,) = router.table.all()
+        seen = []
+        for answer in [200, httpx.ReadTimeout("slow"), 503, 200, *[503] * HEALTH_FAILURES_TO_EJECT,
+                       200, httpx.ConnectError("refused"), 200]:  # fmt: skip
+            answers.append(answer)
+            await router.check(instance)
+            seen.append(instance.healthy)
+        await router.http.aclose()
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen == [True, True, True, True, True, True, False, True, False, True]

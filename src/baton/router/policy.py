@@ -27,6 +27,9 @@ class Instance:
     outstanding: int = 0
     """Requests the router has in flight on it."""
     last_error: str | None = None
+    failed_checks: int = 0
+    """Health checks failed in a row (the router ejects a healthy instance only after
+    ``HEALTH_FAILURES_TO_EJECT`` of them, or at once when its port refuses connections)."""
 
     def describe(self) -> dict:
         return {

@@ -53,6 +53,11 @@ logger = logging.getLogger("baton.router")
 
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
+HEALTH_FAILURES_TO_EJECT = 3
+"""Slow or failed health checks in a row before a healthy instance leaves the rotation: one
+slow answer under CPU starvation is not a dead worker (it ejected instances 5 times in 4 idle
+minutes at load 6-10). A refused connection (nothing listens: the process is gone) ejects
+at once."""
 CONNECT_TIMEOUT_S = 5.0
 DISCONNECT_POLL_S = 0.25
 """How often the router checks whether a client waiting for its answer's head is gone."""
@@ -108,7 +113,8 @@ class Router:
 
     # -- health ------------------------------------------------------------------------------
     async def check(self, instance: Instance) -> None:
-        """One health check; flips ``healthy`` and logs the change."""
+        """One health check; flips ``healthy`` (with ``HEALTH_FAILURES_TO_EJECT``'s
+        hysteresis) and logs the change."""
         assert self.http is not None
         was = instance.healthy
         try:
@@ -121,9 +127,13 @@ class Router:
                 if not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
                     raise RuntimeError(f"/health names no pd_endpoint: {body}")
                 instance.pd_endpoint = endpoint
-            instance.healthy, instance.last_error = True, None
+            instance.healthy, instance.last_error, instance.failed_checks = True, None, 0
         except (httpx.HTTPError, RuntimeError, ValueError) as exc:
-            instance.healthy, instance.last_error = False, str(exc) or type(exc).__name__
+            instance.last_error = str(exc) or type(exc).__name__
+            instance.failed_checks += 1
+            is_gone = isinstance(exc, httpx.ConnectError)
+            if is_gone or instance.failed_checks >= HEALTH_FAILURES_TO_EJECT:
+                instance.healthy = False
         if was != instance.healthy:
             state = "healthy" if instance.healthy else f"unhealthy ({instance.last_error})"
             logger.warning("router: %s %s is %s", instance.role, instance.url, state)
