@@ -203,6 +203,7 @@ def _launch(args: argparse.Namespace) -> int:
         args.model, args.host, args.port, _engine_options(args), args.served_model_name,
         num_prefill=args.num_prefill, num_decode=args.num_decode, policy=args.policy,
         prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
+        restart=args.restart,
     )  # fmt: skip
 
 
@@ -305,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
+    serve.add_argument("--max-body-mb", type=float, default=16.0,
+                       help="largest request body accepted (413 past it), in MiB")  # fmt: skip
     from baton.config import Deadlines  # light: torch is not imported for --help
 
     for f in dataclasses.fields(Deadlines):
@@ -331,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     launch.add_argument("--num-decode", type=int, default=1)
     launch.add_argument("--policy", default="round_robin",
                         choices=("round_robin", "least_outstanding"))  # fmt: skip
+    launch.add_argument("--no-restart", dest="restart", action="store_false",
+                        help="stop everything when a child dies (default: restart it)")  # fmt: skip
     for role in ("prefill", "decode"):
         launch.add_argument(f"--{role}-cpus", type=_cpu_list, default=None,
                             help=f"pin {role} workers to these cores, e.g. 0 or 0,1")  # fmt: skip

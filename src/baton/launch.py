@@ -3,8 +3,10 @@
 Starts ``num_prefill`` ``baton serve --role prefill`` and ``num_decode`` ``baton serve
 --role decode`` children on free ports, waits until each one's ``/health`` answers 200,
 then a ``baton router`` child on ``--port`` that knows them all, waits for its ``/health``,
-prints the URL and a sample request, and waits. SIGINT or SIGTERM (or any child dying) stops
-every child: SIGTERM, a bounded wait, then SIGKILL. The pairing token is random per launch
+prints the URL and a sample request, and waits. SIGINT or SIGTERM stops every child:
+SIGTERM, a bounded wait, then SIGKILL. The children die with the launcher even when it is
+killed hard, and one that dies is restarted with backoff (``baton.supervisor``; off with
+``--no-restart``: then any child dying stops the deployment). The pairing token is random per launch
 and reaches the children only through their environment (argv is visible to every user).
 Decode's shared-memory segments are named after this process, so any a killed decode server
 left behind are removed on the way out. The router's admin token (its ``/admin`` API needs
@@ -19,13 +21,13 @@ It owns only processes; serving lives in ``baton.server``, routing in ``baton.ro
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import secrets
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,11 +38,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from baton.memory.allocator import SHM_DIR
+from baton.supervisor import Child, Supervisor
 
 TOKEN_ENV = "BATON_PD_TOKEN"
 ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
 READY_TIMEOUT_S = 120.0
-STOP_TIMEOUT_S = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -59,8 +61,10 @@ def launch(
     policy: str = "round_robin",
     prefill_cpus: Sequence[int] | None = None,
     decode_cpus: Sequence[int] | None = None,
+    restart: bool = True,
 ) -> int:
-    """Run the deployment until SIGINT/SIGTERM (exit 0) or a child dies (exit 1)."""
+    """Run the deployment until SIGINT/SIGTERM (exit 0), or until a child dies when
+    ``restart`` is off (exit 1); with it on, a dead child is started again (``Supervisor``)."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
@@ -74,51 +78,59 @@ def launch(
     admin_dir = tempfile.mkdtemp(prefix=f"baton-launch-{os.getpid()}-")  # mode 0700
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS}
-    children: list[subprocess.Popen] = []
-
-    def worker_args(cpus: Sequence[int] | None) -> list[str]:
-        # NOTE: a pinned worker gets one thread per core it owns unless told otherwise.
-        threads = {"num_threads": len(cpus)} if cpus and "num_threads" not in options else {}
-        return _serve_args(model, {**options, **threads}, served_model_name)
-
+    supervisor = Supervisor(restart)
     try:
-        workers = {"prefill": [], "decode": []}
-        for role, count, cpus in (("prefill", num_prefill, prefill_cpus),
-                                  ("decode", num_decode, decode_cpus)):  # fmt: skip
-            for i in range(count):
-                url = f"http://127.0.0.1:{_free_port()}"
-                extra = ["--shm-prefix", f"{shm_prefix}-{i}"] if role == "decode" else []
-                args = ["serve", "--role", role, "--port", url.rsplit(":", 1)[1], *extra]
-                children.append(_start([*args, *worker_args(cpus)], env, cpus))
-                workers[role].append(url)
+        workers = _start_workers(supervisor, model, options, served_model_name, env, shm_prefix,
+                                 {"prefill": (num_prefill, prefill_cpus),
+                                  "decode": (num_decode, decode_cpus)})  # fmt: skip
         for url in workers["prefill"] + workers["decode"]:
-            _wait_healthy(url, children, stop)
+            _wait_healthy(url, supervisor, stop)
         router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
         for role, urls in workers.items():
             router_args += [item for url in urls for item in (f"--{role}", url)]
         admin_token, token_path = admin_token_file(admin_dir)
-        children.append(_start(router_args, {**env, ADMIN_TOKEN_ENV: admin_token}, None))
+        supervisor.start(Child("router", router_args, {**env, ADMIN_TOKEN_ENV: admin_token}))
         url = f"http://{_url_host(host)}:{port}"
-        _wait_healthy(url, children, stop)
+        _wait_healthy(url, supervisor, stop)
         if not stop.is_set():
             _print_banner(url, served_model_name or Path(model).name, workers, token_path)
         while not stop.wait(0.5):
-            if dead := [c for c in children if c.poll() is not None]:
-                print(f"error: child {_name(dead[0])} exited with {dead[0].returncode}; "
-                      "stopping", file=sys.stderr)  # fmt: skip
+            if reason := supervisor.watch():
+                print(f"error: {reason}; stopping", file=sys.stderr)
                 return 1
         return 0
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
-        # the router first, then decode (it owns the shared memory), then prefill
-        for child in reversed(children):
-            _stop(child)
+        supervisor.stop_all()
         _remove_segments(shm_prefix)
         shutil.rmtree(admin_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _start_workers(
+    supervisor: Supervisor, model: str, options: dict, served_model_name: str | None,
+    env: dict, shm_prefix: str, shape: dict[str, tuple[int, Sequence[int] | None]],
+) -> dict[str, list[str]]:  # fmt: skip
+    """Start ``shape[role] = (count, cpus)`` workers of each role; their URLs by role."""
+    workers: dict[str, list[str]] = {"prefill": [], "decode": []}
+    for role, (count, cpus) in shape.items():
+        # NOTE: a pinned worker gets one thread per core it owns unless told otherwise.
+        threads = {"num_threads": len(cpus)} if cpus and "num_threads" not in options else {}
+        for i in range(count):
+            url = f"http://127.0.0.1:{_free_port()}"
+            args = ["serve", "--role", role, "--port", url.rsplit(":", 1)[1]]
+            cleanup = None
+            if role == "decode":
+                prefix = f"{shm_prefix}-{i}"
+                args += ["--shm-prefix", prefix]
+                cleanup = functools.partial(_remove_segments, prefix)
+            args += _serve_args(model, {**options, **threads}, served_model_name)
+            supervisor.start(Child(f"{role} {i}", args, env, cpus, cleanup))
+            workers[role].append(url)
+    return workers
 
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -136,34 +148,17 @@ def split_cores(num_prefill: int, num_decode: int) -> tuple[list[int] | None, li
     return cores[:half], cores[half:]
 
 
-def _start(args: list[str], env: dict, cpus: Sequence[int] | None) -> subprocess.Popen:
-    def pin() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-
-    return subprocess.Popen(
-        [sys.executable, "-m", "baton.cli", *args],
-        env=env, stdin=subprocess.DEVNULL, preexec_fn=pin if cpus else None,
-    )  # fmt: skip
-
-
-def _name(proc: subprocess.Popen) -> str:
-    """``serve --role decode`` / ``router``: what a child is, for messages."""
-    args = list(proc.args)[3:]
-    return " ".join(args[:3]) if args[0] == "serve" else args[0]
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, children: list[subprocess.Popen], stop: threading.Event) -> None:
+def _wait_healthy(url: str, supervisor: Supervisor, stop: threading.Event) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stop.is_set():
-        if dead := [c for c in children if c.poll() is not None]:
-            raise LaunchError(f"{_name(dead[0])} exited ({dead[0].returncode}) during start-up")
+        if dead := supervisor.dead():
+            raise LaunchError(f"{dead.name} exited ({dead.proc.returncode}) during start-up")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -189,18 +184,6 @@ def _print_banner(
         "baton: Ctrl-C stops it",
         flush=True,
     )
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    if proc.stdout is not None:
-        proc.stdout.close()
 
 
 def resolved_dtype(model: str) -> str:

@@ -248,3 +248,72 @@ def test_launch_splits_the_cores_between_prefill_and_decode(monkeypatch):
     assert launch.split_cores(2, 1) == (None, None)  # several workers: no default pinning
     monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {5}, raising=False)
     assert launch.split_cores(1, 1) == (None, None)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
+def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_dir, tmp_path):
+    """A decode killed hard is started again (its leftover segments removed first) and the
+    deployment answers again; a launcher killed hard takes every child with it, and the
+    decode, stopped by SIGTERM, removes its shared memory."""
+    openai = pytest.importorskip("openai")
+    port = _free_port()
+    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
+    with open(out_path, "w") as out, open(err_path, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "baton.cli", "launch", "--model", str(text_model_dir),
+             "--port", str(port), "--dtype", "float32", "--threads", "1"],
+            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
+        )  # fmt: skip
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.1)
+        client = openai.OpenAI(base_url=match.group(1), api_key="x", max_retries=0, timeout=30)
+        model = Path(text_model_dir).name
+        first = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+        (decode,) = [p for p in _children(proc.pid) if "--role decode" in _cmdline(p)]
+        seen.update(_children(proc.pid))
+        os.kill(decode, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while True:  # the router re-admits the restarted decode once it is healthy
+            assert proc.poll() is None, err_path.read_text()
+            assert time.monotonic() < deadline, err_path.read_text()
+            try:
+                again = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
+                                                  temperature=0)  # fmt: skip
+                break
+            except openai.APIError:
+                time.sleep(0.5)
+        assert again.choices[0].text == first.choices[0].text
+        assert "decode 0 exited with -9; restarting it" in err_path.read_text()
+        children = _children(proc.pid)
+        assert len(children) == 3 and decode not in children
+        seen.update(children)
+        os.kill(proc.pid, signal.SIGKILL)  # no cleanup code of the launcher runs
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while alive := [p for p in seen if _is_running(p)]:
+            assert time.monotonic() < deadline, f"orphans: {[_cmdline(p) for p in alive]}"
+            time.sleep(0.2)
+        # SIGTERM let the decode close: its shared memory went with it
+        assert not [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-launch-{proc.pid}-")]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in seen:
+            if _is_running(pid):
+                os.kill(pid, signal.SIGKILL)
+        for name in os.listdir(SHM_DIR):  # a hard-killed launcher removes nothing itself
+            if name.startswith(f"baton-launch-{proc.pid}-"):
+                os.unlink(os.path.join(SHM_DIR, name))
