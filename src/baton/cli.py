@@ -19,6 +19,9 @@ import time
 from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "baton-stdlib-qwen3"
+SHUTDOWN_GRACE_S = 10.0
+"""``baton serve``, on SIGINT/SIGTERM or a failed engine: how long requests in flight may
+finish before their connections are closed (a stuck one never keeps the process up)."""
 DEFAULT_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
@@ -68,7 +71,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from baton.config import EngineConfig
+    from baton.config import EngineConfig, RuntimeEnv
     from baton.server.api import build_app
     from baton.server.async_engine import AsyncEngine
 
@@ -87,7 +90,8 @@ def _serve(args: argparse.Namespace) -> int:
         from baton.engine.engine import LLMEngine
 
         core = LLMEngine(args.model, config)
-    engine = AsyncEngine(core).start()
+    fault = RuntimeEnv.from_environ().debug_engine_fault_after_steps
+    engine = AsyncEngine(core, fail_after_steps=fault)
     name = args.served_model_name or Path(args.model).name
     # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal at the
     # handler that was installed before it; a no-op there lets the cleanup below run (a
@@ -96,12 +100,23 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     try:
         app = build_app(engine, name, core.platform_info)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        server = uvicorn.Server(uvicorn.Config(
+            app, host=args.host, port=args.port, log_level="info",
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        ))  # fmt: skip
+        # A failed engine stops the server: the process exits non-zero (below) for a
+        # supervisor to restart, instead of staying up answering 503.
+        engine.on_failure = lambda: setattr(server, "should_exit", True)
+        engine.start()
+        server.run()
     finally:
         engine.shutdown()
         if args.role == "decode":
             core.close()  # type: ignore[union-attr]  # after the engine thread stopped
-    return 0
+    if engine.error is not None:
+        print(f"error: {engine.error}; the server stopped", file=sys.stderr)
+        return 1
+    return 0 if server.started else 3  # 3: uvicorn.run's code for a server that never started
 
 
 def _decode_engine(args: argparse.Namespace, config):

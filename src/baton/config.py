@@ -37,8 +37,14 @@ class RuntimeEnv:
     ``~/.cache/baton/kernels``)."""
     compiler: str | None = None
     """``CC``: the C compiler for the kernels (default: ``cc``, else ``gcc``)."""
+    debug_engine_fault_after_steps: int | None = None
+    """``BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS=N``, tests only: a server's engine loop raises
+    after N engine steps (its requests must fail and the process must exit non-zero)."""
 
     def __post_init__(self) -> None:
+        steps = self.debug_engine_fault_after_steps
+        if steps is not None and steps < 0:
+            raise ValueError(f"BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS must be >= 0, got {steps}")
         if self.cpu_isa is not None and self.cpu_isa not in CPU_ISA_LEVELS:
             raise ValueError(
                 f"BATON_CPU_ISA must be one of {', '.join(CPU_ISA_LEVELS)}, got {self.cpu_isa!r}"
@@ -51,7 +57,20 @@ class RuntimeEnv:
             native_kernels=environ.get("BATON_NATIVE_KERNELS", "1") != "0",
             kernel_cache=environ.get("BATON_KERNEL_CACHE") or None,
             compiler=environ.get("CC") or None,
+            debug_engine_fault_after_steps=_int_or_none(
+                environ, "BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS"
+            ),
         )
+
+
+def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name) or None
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
 @dataclass(frozen=True)

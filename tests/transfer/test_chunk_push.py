@@ -6,7 +6,8 @@ unit decode reserved for it), the sliding / ring / draft components only at the 
 aux record last -- and decode's outputs and every component's bytes still equal a
 colocated engine's and prefill's. A failed chunk batch fails its requests once nothing is
 in flight; a batch that outlives ``transfer_s`` fails them without claiming that writing
-stopped, and confirms it once the backend ends the batch.
+stopped, and confirms it once the backend ends the batch. A room decode gave up on (a Fence
+or Abort read right before a batch) is not pushed at all.
 """
 
 from __future__ import annotations
@@ -223,3 +224,36 @@ def test_a_transfer_past_its_deadline_fails_without_claiming_it_stopped(pd_dir):
     assert confirm.room == reply.room and confirm.stopped_writing
     assert not backend._status
     assert pair.prefill.push_ready() == []
+
+
+@pytest.mark.parametrize("how", ["fence", "abort"])
+@pytest.mark.parametrize("index", [0, 1], ids=["streaming", "final-push"])
+def test_a_room_given_up_right_before_its_push_is_not_written(pd_dir, how, index):
+    """Decode's Fence (or Abort) read right before a batch -- say the prefill was paused
+    and resumed inside a step -- stops that room's pushes: no batch carries it any more, its
+    prefill units come back and the answer confirms that nothing writes. Checked while the
+    prompt streams its pages (150 tokens) and at its final push (5 tokens, one step)."""
+    pair = _Pair(pd_dir, "paged", RecordingBackend())
+    pair.reserve(_prompts()[index : index + 1])
+    if index == 0:
+        assert pair.prefill.step() == []  # the first chunk's pages went out
+        assert pair.backend.batches
+    num_batches = len(pair.backend.batches)
+
+    def give_up() -> None:  # what the server's read of its channel marks on the sender
+        if how == "fence":
+            pair.prefill.fence_epoch = 1  # the room was reserved under epoch 0
+        else:
+            pair.prefill.aborted.add(10)
+
+    pair.prefill.refresh_fences = give_up
+    (reply,) = pair.prefill.step()
+    assert isinstance(reply, StateFailed) and reply.room == 10
+    assert reply.stopped_writing and "not written" in reply.reason
+    assert len(pair.backend.batches) == num_batches  # checked before the batch: none went out
+    assert not pair.prefill.outgoing and not pair.prefill.aborted
+    engine = pair.prefill_engine
+    assert not engine.has_unfinished_requests() and not engine.held
+    for cache in engine.caches:
+        assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
+    assert engine.aux.num_free_units == engine.aux.component.num_units

@@ -16,6 +16,8 @@ from baton.transfer.protocol import (
     PROTOCOL_VERSION,
     Abort,
     ComponentStats,
+    Fence,
+    FenceAck,
     Hello,
     HelloAck,
     Ping,
@@ -97,6 +99,8 @@ MESSAGES = [
     ),
     StateFailed(room=1, reason="deadline passed", stopped_writing=True),
     Abort(room=0, reason="client gone"),
+    Fence(epoch=3, reason="prefill answered nothing for 10 s"),
+    FenceAck(epoch=3),
     Ping(seq=0),
     Pong(seq=MAX_ID),
 ]
@@ -136,7 +140,10 @@ def wire(version: int, body: object) -> bytes:
         (wire(PROTOCOL_VERSION, {"type": "Ping", "seq": 1, "x": 0}), "unknown field `x`"),
         (wire(PROTOCOL_VERSION, {"type": "Abort", "room": -1, "reason": ""}), "`$.room`"),
         (wire(PROTOCOL_VERSION, {"type": "Abort", "room": 2**63, "reason": ""}), "`$.room`"),
-        (wire(PROTOCOL_VERSION + 1, {"type": "Ping", "seq": 1}), "protocol version 2"),
+        (
+            wire(PROTOCOL_VERSION + 1, {"type": "Ping", "seq": 1}),
+            f"protocol version {PROTOCOL_VERSION + 1}",
+        ),
     ],
 )
 def test_bad_frames_raise_protocol_error(data, expected):

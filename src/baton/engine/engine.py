@@ -254,8 +254,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if self.proposer is not None:
-            for request in batch.preempted:  # its draft state is gone with its units
-                self.proposer.free(request.request_id)
+            for request in batch.preempted:
+                self.proposer.preempted(request.request_id)
         if batch.is_empty:
             return []
         now = time.monotonic()

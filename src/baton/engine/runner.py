@@ -249,7 +249,11 @@ class ModelRunner:
                     torch.cat((old.hidden, pairs.hidden)),
                     old.token_ids + pairs.token_ids,
                 )
-            if committed:  # the last pair is the draft seed: kept for the first proposal
+            # NOTE: a pair carrying the last known token is the draft seed, kept for the next
+            # proposal: after a sampled token, and also after a chunk that stops one token
+            # short of the known tokens (a chunked prompt, or a re-prefill after preemption),
+            # whose next step is a decode step and may verify a chain proposed from it.
+            if chunk.start + num_pairs == len(tokens) - 1:
                 seed = PendingPairs(
                     pairs.start_slot + len(pairs.token_ids) - 1,
                     pairs.hidden[-1:],

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.server.async_engine import AsyncEngine
+from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
@@ -190,7 +190,7 @@ def build_app(
             raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
         except RuntimeError as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
-        first = await anext(stream)
+        first = await anext(stream)  # an EngineFailed here is a 500 (its handler below)
         failed = first.outputs[0]
         if first.finished and failed.finish_reason == "error" and not failed.token_ids:
             await stream.aclose()
@@ -252,7 +252,11 @@ def build_app(
                     usage = {**usage_head, "choices": [], "usage": _usage(last)}
                     yield f"data: {json.dumps(usage)}\n\n"
             except Exception as exc:  # the engine died mid-stream: tell the client, then end
-                err = ApiError(f"the engine failed: {exc}", 500, type="server_error")
+                err = (
+                    _engine_failed(exc)
+                    if isinstance(exc, EngineFailed)
+                    else ApiError(f"the engine failed: {exc}", 500, type="server_error")
+                )
                 yield f"data: {json.dumps(err.body())}\n\n"
             finally:
                 await outputs.aclose()
@@ -267,6 +271,10 @@ def build_app(
     @app.exception_handler(RequestValidationError)
     async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _error(_validation_error(exc))
+
+    @app.exception_handler(EngineFailed)
+    async def _engine_failure(_: Request, exc: EngineFailed) -> JSONResponse:
+        return _error(_engine_failed(exc))
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -383,6 +391,11 @@ def build_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _engine_failed(exc: EngineFailed) -> ApiError:
+    """A request the engine's failure ended (the server is exiting)."""
+    return ApiError(str(exc), 500, type="server_error", code="engine_failed")
 
 
 DISCONNECT_POLL_S = 0.25

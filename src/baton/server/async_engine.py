@@ -5,6 +5,12 @@ The engine is not thread-safe, so only the engine thread touches it. Coroutines 
 commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
 while there is no work (no spinning), otherwise steps the engine and hands each
 ``RequestOutput`` back to the request's asyncio queue with ``loop.call_soon_threadsafe``.
+Aborts (a client that left) are commands too, so they apply between steps, never inside one.
+
+If the engine loop raises, every request in flight ends with an ``EngineFailed`` naming the
+exception, every ``add`` still queued or made later raises ``RuntimeError``, and
+``on_failure`` is called: the CLI stops the server and exits non-zero, so that a supervisor
+restarts it -- never a process that stays up serving nothing.
 
 Who calls it: ``baton.server.api`` (one per server) and tests.
 """
@@ -16,7 +22,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -52,15 +58,37 @@ class _Stop:
     pass
 
 
+class EngineFailed(RuntimeError):
+    """The engine loop raised: what every request in flight gets (the server then exits)."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised in the engine loop by ``fail_after_steps`` (tests of the failure path)."""
+
+
 class AsyncEngine:
     """Owns the engine thread. ``await add(...)`` validates the request on that thread
     (raising the engine's ``ValueError`` for a bad one) and returns an async iterator of its
     outputs; closing or cancelling the iterator before the last output aborts the request.
     """
 
-    def __init__(self, engine: LLMEngine | PDEngine) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine | PDEngine,
+        on_failure: Callable[[], None] | None = None,
+        fail_after_steps: int | None = None,
+    ) -> None:
+        """``on_failure``: called on the engine thread once the loop raised and every request
+        was failed (the CLI stops the server there). ``fail_after_steps``: tests only, the
+        loop raises ``InjectedFault`` after this many engine steps."""
         self.engine = engine
+        self.on_failure = on_failure
+        self.fail_after_steps = fail_after_steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # NOTE: ``add`` checks ``_closed`` and queues under this lock, and the thread sets it
+        # under the lock before failing what is queued: no command can be left unanswered.
+        self._lock = threading.Lock()
+        self._closed = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
@@ -112,13 +140,14 @@ class AsyncEngine:
         route = {k: v for k, v in (("prefill", prefill), ("room", room)) if v is not None}
         if route and not self.is_pd:
             raise ValueError(f"this server is colocated; it takes no PD routing ({route})")
-        if not self.is_alive:
-            raise RuntimeError("the engine thread is not running")
         loop = asyncio.get_running_loop()
         request_id = f"srv-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: Future = Future()
-        self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted, route))
+        with self._lock:
+            if self._closed or self.error is not None:
+                raise RuntimeError("the engine thread is not running")
+            self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted, route))
         await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
         return self._iterate(request_id, outputs)
 
@@ -141,13 +170,17 @@ class AsyncEngine:
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
+        num_steps = 0
         try:
             while True:
                 block = not self.engine.has_unfinished_requests()
                 if not self._drain(block):
                     break
                 if self.engine.has_unfinished_requests():
+                    if num_steps == self.fail_after_steps:
+                        raise InjectedFault(f"injected after {num_steps} engine steps")
                     self._dispatch(self.engine.step())
+                    num_steps += 1
                 self.num_running = len(self.engine.scheduler.running)
                 self.num_waiting = len(self.engine.scheduler.waiting)
                 self.units_in_use = self.engine.units_in_use()
@@ -155,9 +188,14 @@ class AsyncEngine:
                     self.transfer_stats, self.push_seconds = self.engine.transfer_stats()
         except Exception as exc:
             logger.exception("the engine thread failed")
-            self.error = exc
+            self.error = EngineFailed(f"the engine failed ({type(exc).__name__}: {exc})")
+            self.error.__cause__ = exc
         finally:
+            with self._lock:
+                self._closed = True
             self._fail_all(self.error or RuntimeError("the engine was shut down"))
+        if self.error is not None and self.on_failure is not None:
+            self.on_failure()
 
     def _drain(self, block: bool) -> bool:
         """Apply every queued command (waiting for one if ``block``); False on stop."""
@@ -198,8 +236,20 @@ class AsyncEngine:
                 self.engine.abort_request(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
+        """End every request: those running (their units freed, when the engine still can)
+        and those whose ``add`` is still queued."""
         for request_id, (loop, outputs_queue) in list(self._streams.items()):
-            self.engine.abort_request(request_id)
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # a failed engine may not free cleanly; the answer matters more
+                logger.exception("aborting %s after the failure", request_id)
             if not loop.is_closed():
                 loop.call_soon_threadsafe(outputs_queue.put_nowait, error)
         self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Add):
+                command.accepted.set_exception(RuntimeError("the engine thread is not running"))

@@ -148,6 +148,12 @@ class DraftProposer:
             self.cache.trim(rid, slots[rid])
         return chains
 
+    def preempted(self, request_id: str) -> None:
+        """The request lost its units (it will be prefilled again): its pending pairs go with
+        its draft state; its ``context_floor`` stays, it belongs to the request."""
+        self.pending.pop(request_id, None)
+
     def free(self, request_id: str) -> None:
+        """The request left the engine (finished or aborted): drop everything kept for it."""
         self.pending.pop(request_id, None)
         self.context_floor.pop(request_id, None)

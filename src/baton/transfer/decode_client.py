@@ -1,4 +1,26 @@
-"""The decode side of a PD deployment: ``DecodeClient`` (see ``worker.py``)."""
+"""The decode side of a PD deployment: ``DecodeClient`` (see ``worker.py``).
+
+Who frees what when (DESIGN.md principle 6). A prefill writes into decode's units with
+one-sided writes that decode cannot cancel or refuse, so a failed room's units are freed
+only once nothing can still write into them:
+
+* prefill confirms for that room: ``StateDone``, or ``StateFailed(stopped_writing=True)``
+  (the answer to an ``Abort``, or a refusal);
+* prefill confirms a ``Fence`` covering the room's epoch (``FenceAck``);
+* the prefill's process is seen gone (same host and pid namespace only, ``PrefillLink.is_gone``).
+
+Until then the room sits in ``releasing`` (quarantine): its units belong to nobody and are
+never handed out, so a late write -- a prefill paused by SIGSTOP, GC or its VM that resumes
+and finishes its push -- lands in quarantined units and harms no other request. Never on a
+timer: a room unconfirmed for ``abort_grace_s`` (or a prefill silent for ``peer_silence_s``)
+*fails the peer* instead: its link is fenced (epoch bumped, ``Fence`` sent and re-sent each
+``PING_INTERVAL_S``), its waiting requests fail into quarantine, and no request is reserved
+for it any more. Once every quarantined room of a fenced link is confirmed, the link closes
+and a later request pairs afresh. A prefill that never answers again and cannot be watched
+(another host) keeps its few in-flight rooms' units quarantined until it, or a new process
+at its endpoint (which has bound the port, so the old one is gone), answers the ``Fence``:
+safe, never a silent reuse. ``num_quarantined_units`` shows them.
+"""
 
 from __future__ import annotations
 
@@ -27,6 +49,8 @@ from baton.transfer.pd import DecodeWorker
 from baton.transfer.prefill_links import PrefillLink, PrefillLinks
 from baton.transfer.protocol import (
     Abort,
+    Fence,
+    FenceAck,
     HelloAck,
     Message,
     StateDone,
@@ -54,9 +78,11 @@ logger = logging.getLogger("baton.transfer")
 class _Pending:
     request_id: str
     deadline: float
-    """Waiting: when the request fails. Releasing: when its units are freed unconfirmed."""
+    """Waiting: when the request fails. Releasing: when, still unconfirmed, the peer fails."""
     endpoint: str
     """The prefill that owes (or owed) the state."""
+    epoch: int = 0
+    """The link's fence epoch when the room was reserved (``ReserveState.epoch``)."""
 
 
 def _final_output(track: _Track, finish: FinishReason) -> RequestOutput:
@@ -133,7 +159,8 @@ class DecodeClient:
         self.waiting: dict[int, _Pending] = {}
         """Rooms whose state has not landed yet."""
         self.releasing: dict[int, _Pending] = {}
-        """Failed rooms whose units wait for prefill's stopped_writing (or the grace)."""
+        """Quarantine: failed rooms whose units wait for prefill's confirmation that nothing
+        writes there any more (module docstring); never freed on a timer."""
         self.failure_reasons: dict[str, str] = {}
         """Request id -> why it failed (finish reason ``error``), newest kept."""
         self._outputs: list[RequestOutput] = []
@@ -168,14 +195,28 @@ class DecodeClient:
                 link = self.links.open(endpoint, self.deadlines.peer_silence_s)
             except zmq.ZMQError as e:  # a malformed endpoint
                 raise ValueError(f"cannot connect to prefill endpoint {endpoint!r}: {e}") from e
-        msg = self.decode.reserve(room, list(prompt_token_ids), params or SamplingParams())
+        params = params or SamplingParams()
+        msg = self.decode.reserve(room, list(prompt_token_ids), params, link.epoch)
         if all(p.endpoint != endpoint for p in self.waiting.values()):
             link.last_heard = time.monotonic()  # silence counts while it owes us state
         deadline = time.monotonic() + self.deadlines.waiting_for_state_s
-        self.waiting[room] = _Pending(msg.request_id, deadline, endpoint)
-        if not link.client.send(msg):  # never queued: prefill cannot be writing for it
+        self.waiting[room] = _Pending(msg.request_id, deadline, endpoint, link.epoch)
+        if link.fenced is not None:  # never sent: nothing can write for it
+            reason = f"the prefill at {endpoint} is fenced: {link.fenced}"
+            self._outputs.append(self._fail(room, reason, True))
+        elif not link.client.send(msg):  # never queued: prefill cannot be writing for it
             self._outputs.append(self._fail(room, "could not send the request to prefill", True))
         return room
+
+    @property
+    def num_quarantined_units(self) -> dict[str, int]:
+        """Per component: units of failed rooms waiting for a prefill's confirmation."""
+        counts: dict[str, int] = {}
+        for pending in self.releasing.values():
+            for component in self.engine.registry:
+                n = len(component.index(pending.request_id).unit_ids)
+                counts[component.name] = counts.get(component.name, 0) + n
+        return counts
 
     def abort(self, room: int) -> RequestOutput | None:
         """End a request now; a waiting one keeps its units until prefill confirms."""
@@ -229,7 +270,10 @@ class DecodeClient:
         return endpoint
 
     def _idle_wait_ms(self) -> int:
-        deadlines = [p.deadline for p in (*self.waiting.values(), *self.releasing.values())]
+        fenced = {e for e in self.links if self.links.get(e).fenced is not None}
+        deadlines = [p.deadline for p in self.waiting.values()]
+        deadlines += [p.deadline for p in self.releasing.values() if p.endpoint not in fenced]
+        deadlines += [self.links.get(e).last_fence_sent + PING_INTERVAL_S for e in fenced]
         if self.waiting:
             deadlines.append(time.monotonic() + PING_INTERVAL_S)
         if not deadlines:
@@ -241,7 +285,7 @@ class DecodeClient:
             if isinstance(msg, HelloAck):
                 self._on_ack(link, msg, outputs)
             else:
-                self._on_message(msg, outputs)
+                self._on_message(link, msg, outputs)
 
     def _on_ack(self, link: PrefillLink, msg: HelloAck, outputs: list[RequestOutput]) -> None:
         if link.peer is not None:
@@ -253,8 +297,14 @@ class DecodeClient:
             # A refusing prefill refuses our requests too (not paired): nothing writes.
             self._drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
 
-    def _on_message(self, msg: Message, outputs: list[RequestOutput]) -> None:
-        if isinstance(msg, StateDone | StateFailed) and msg.room in self.releasing:
+    def _on_message(self, link: PrefillLink, msg: Message, outputs: list[RequestOutput]) -> None:
+        pending = self.releasing.get(getattr(msg, "room", -1))
+        if pending is not None and pending.endpoint != link.endpoint:
+            logger.warning("decode: %s for room %d from another prefill ignored",
+                           type(msg).__name__, msg.room)  # fmt: skip
+        elif isinstance(msg, FenceAck):
+            self._on_fence_ack(link, msg)
+        elif isinstance(msg, StateDone | StateFailed) and pending is not None:
             if isinstance(msg, StateDone) or msg.stopped_writing:
                 self._release(msg.room)  # prefill confirms it no longer writes there
         elif isinstance(msg, StateDone) and msg.room in self.waiting:
@@ -283,16 +333,69 @@ class DecodeClient:
         del self.waiting[msg.room]
         outputs.append(first)  # the first token streams now, not after a decode step
 
+    def _on_fence_ack(self, link: PrefillLink, msg: FenceAck) -> None:
+        """Prefill confirms nothing below ``msg.epoch`` writes: free those rooms' units."""
+        covered = [
+            r for r, p in self.releasing.items() if p.endpoint == link.endpoint
+            and p.epoch < msg.epoch
+        ]  # fmt: skip
+        for room in covered:
+            self._release(room)
+        if covered:
+            logger.info("decode: the prefill at %s confirmed fence %d: %d rooms freed",
+                        link.endpoint, msg.epoch, len(covered))  # fmt: skip
+        self._close_if_settled(link)
+
     def _drop_link(
         self, link: PrefillLink, reason: str, stopped_writing: bool, outputs: list[RequestOutput]
     ) -> None:
-        """Close ``link`` and fail the requests waiting on it. Without ``stopped_writing``
-        their units wait out the abort grace (the prefill may still be writing); a later
-        request to that endpoint pairs afresh."""
+        """Fail the requests waiting on ``link``. With ``stopped_writing`` (the prefill
+        refused the pairing: it writes nothing) the link closes now; else the peer is failed
+        (``_fence``) and the link stays open until its rooms are confirmed. A later request
+        to that endpoint pairs afresh once the link is closed."""
         logger.warning("decode: %s", reason)
-        self.links.close(link)
         for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
             outputs.append(self._fail(room, reason, stopped_writing))
+        if stopped_writing:
+            # NOTE: it refused the pairing, so it never mapped our regions: rooms of this link
+            # still waiting for an Abort's answer are safe to free too (none would come now).
+            for room in [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]:
+                self._release(room)
+            self.links.close(link)
+        else:
+            self._fence(link, reason, outputs)
+
+    def _fence(self, link: PrefillLink, reason: str, outputs: list[RequestOutput]) -> None:
+        """Fail the peer: no more reservations to it, its waiting requests fail into
+        quarantine, and a ``Fence`` asks it to stop every room of ours (module docstring)."""
+        if link.fenced is None:
+            link.fenced = reason
+            link.epoch += 1
+            logger.warning("decode: prefill at %s fenced (epoch %d): %s; the units of its "
+                           "failed rooms stay quarantined until it confirms",
+                           link.endpoint, link.epoch, reason)  # fmt: skip
+            for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
+                outputs.append(self._fail(room, f"prefill fenced: {reason}", False))
+        self._send_fence(link)
+        self._close_if_settled(link)
+
+    def _send_fence(self, link: PrefillLink) -> None:
+        link.last_fence_sent = time.monotonic()
+        link.client.send(Fence(epoch=link.epoch, reason=link.fenced or ""))
+
+    def _close_if_settled(self, link: PrefillLink) -> None:
+        """A fenced link closes once nothing of it is quarantined (or its process is gone)."""
+        if link.fenced is None or link.endpoint not in self.links:
+            return
+        mine = [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]
+        if mine and link.is_gone():
+            logger.warning("decode: the prefill process at %s has exited: %d quarantined rooms "
+                           "freed", link.endpoint, len(mine))  # fmt: skip
+            for room in mine:
+                self._release(room)
+            mine = []
+        if not mine:
+            self.links.close(link)
 
     def _check_deadlines(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
@@ -303,11 +406,23 @@ class DecodeClient:
                 link.client.send(Abort(room=room, reason=reason))
             outputs.append(self._fail(room, reason, False))
         for room in [r for r, p in self.releasing.items() if p.deadline <= now]:
-            logger.warning(
-                "decode: room %d: prefill never confirmed it stopped writing; units freed after "
-                "the %s s grace", room, self.deadlines.abort_grace_s,
-            )  # fmt: skip
-            self._release(room)
+            pending = self.releasing.get(room)
+            if pending is None:  # freed by an earlier fence of this loop
+                continue
+            link = self.links.get(pending.endpoint)
+            if link is None:  # NOTE: cannot happen: a link with quarantined rooms stays open
+                logger.error("decode: room %d quarantined without a link", room)
+                continue
+            if link.fenced is None:
+                reason = (f"the prefill at {link.endpoint} did not confirm it stopped writing "
+                          f"for room {room} within {self.deadlines.abort_grace_s} s")  # fmt: skip
+                self._fence(link, reason, outputs)
+        for endpoint in list(self.links):
+            link = self.links.get(endpoint)
+            if link is not None and link.fenced is not None:
+                if now - link.last_fence_sent >= PING_INTERVAL_S:
+                    self._send_fence(link)
+                self._close_if_settled(link)
 
     def _fail(
         self,
@@ -317,7 +432,7 @@ class DecodeClient:
         finish: FinishReason = FinishReason.ERROR,
     ) -> RequestOutput:
         """End a waiting request now; free its units now if prefill stopped writing, else
-        once it confirms or the grace passes (DESIGN.md principle 6)."""
+        quarantine them until it confirms (module docstring)."""
         pending = self.waiting.pop(room)
         self.decode.incoming.pop(room, None)
         track = self.engine.tracks.pop(pending.request_id)
@@ -334,7 +449,7 @@ class DecodeClient:
                 del self.failure_reasons[next(iter(self.failure_reasons))]
             logger.warning("decode: room %d failed: %s", room, reason)
         grace = track.metrics.finished_time + self.deadlines.abort_grace_s
-        self.releasing[room] = _Pending(pending.request_id, grace, pending.endpoint)
+        self.releasing[room] = dataclasses.replace(pending, deadline=grace)
         if stopped_writing:
             self._release(room)
         return _final_output(track, finish)

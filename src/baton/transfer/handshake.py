@@ -136,7 +136,20 @@ def build_hello(
         schema_hash=schema_hash(schema),
         backend=backend,
         regions=regions or {},
+        pid=os.getpid(),
+        host_id=host_id(),
     )
+
+
+def host_id() -> str:
+    """This host's boot id and pid namespace (``""`` where Linux's /proc is absent): two
+    workers with the same value see the same process ids, so one can watch the other exit."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/pidns:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
 
 
 # -- pairing ---------------------------------------------------------------------------------

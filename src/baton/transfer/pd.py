@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +95,13 @@ class PrefillWorker:
     partial page, the sliding / ring components, the draft's) in one batch, then the aux
     record last. A transfer's batch is waited for before ``push_ready`` returns, so between
     steps nothing writes for a request -- unless a batch outlived ``transfer_s``.
+
+    Fencing: right before each batch it calls ``refresh_fences`` (the server reads its
+    channel there) and pushes nothing for a room decode has given up on -- reserved under an
+    epoch below ``fence_epoch`` or in ``aborted`` -- answering ``StateFailed(stopped_writing=
+    True)`` instead. That narrows, never closes, the window in which a late write lands (a
+    process paused inside a batch finishes it on resume): decode keeps a failed room's units
+    quarantined until that confirmation, whatever the check saw (``DecodeClient``).
     """
 
     def __init__(self, engine: LLMEngine, backend: TransferBackend) -> None:
@@ -111,6 +119,12 @@ class PrefillWorker:
         """Longest wait for one batch; past it the rooms in it fail (see ``_transfer``)."""
         self._abandoned: dict[int, list[int]] = {}
         """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
+        self.fence_epoch = 0
+        """The largest ``Fence`` epoch from this sender's decode: older reservations are dead."""
+        self.aborted: set[int] = set()
+        """Rooms in ``outgoing`` that decode aborted since the server last handled its channel."""
+        self.refresh_fences: Callable[[], None] = lambda: None
+        """Called right before each push batch to update ``fence_epoch`` and ``aborted``."""
         self._num_preemptions = engine.scheduler.num_preemptions
 
     @property
@@ -156,13 +170,17 @@ class PrefillWorker:
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
             replies.append(self._push(out))
+            self.aborted.discard(out.reserve.room)
             handoff.release(self.engine, request_id)
         replies.extend(self._push_complete_pages())
+        live = {out.reserve.room for out in self.outgoing.values()}
+        self.aborted &= live  # marks of rooms answered meanwhile
         return replies
 
     def _push_complete_pages(self) -> list[StateFailed]:
         """One batch: every still-computing request's full-attention pages completed since
         the last push, matched in logical order to decode's reserved units."""
+        replies = self._drop_fenced()
         plans: dict[str, TransferPlan] = {}
         ends: dict[str, dict[str, int]] = {}
         streamed = [
@@ -185,7 +203,7 @@ class PrefillWorker:
             if components:
                 plans[request_id] = plan_request(components)
         if not plans:
-            return []
+            return replies
         rooms = [self.outgoing[r].reserve.room for r in plans]
         moved = self._transfer([op for plan in plans.values() for op in plan_ops(plan)], rooms)
         if not moved.status.is_done:
@@ -193,16 +211,41 @@ class PrefillWorker:
             # still in flight cannot hurt the state of a request that reuses them.
             for request_id in plans:
                 handoff.abort_prefill(self.engine, request_id)
-            return [self.outgoing.pop(r).failure(moved) for r in plans]
+            return replies + [self.outgoing.pop(r).failure(moved) for r in plans]
         for request_id, plan in plans.items():
             out = self.outgoing[request_id]
             out.count(plan, moved.seconds)
             out.num_sent_units.update(ends[request_id])
-        return []
+        return replies
+
+    def _is_fenced(self, out: _Outgoing, refresh: bool = True) -> bool:
+        """Re-read the fences (unless ``refresh`` is False), then: has decode given up on
+        ``out``'s room?"""
+        if refresh:
+            self.refresh_fences()
+        return out.reserve.epoch < self.fence_epoch or out.reserve.room in self.aborted
+
+    def _fenced(self, out: _Outgoing) -> StateFailed:
+        self.aborted.discard(out.reserve.room)
+        reason = "decode gave up on the room (fence or abort) before its push: not written"
+        return StateFailed(room=out.reserve.room, reason=reason, stopped_writing=True)
+
+    def _drop_fenced(self) -> list[StateFailed]:
+        """Still-computing requests decode has given up on: stopped, their units freed."""
+        replies = []
+        self.refresh_fences()
+        for request_id in list(self.outgoing):
+            out = self.outgoing[request_id]
+            if self._is_fenced(out, refresh=False):
+                handoff.abort_prefill(self.engine, request_id)
+                replies.append(self._fenced(self.outgoing.pop(request_id)))
+        return replies
 
     def _push(self, out: _Outgoing) -> StateDone | StateFailed:
         """A finished request: the rest of its state in one batch, then the aux record."""
         msg, request_id = out.reserve, out.request_id
+        if self._is_fenced(out):
+            return self._fenced(out)
         held = self.engine.held[request_id]
         components = {}
         for component in self.engine.registry:
@@ -243,6 +286,8 @@ class PrefillWorker:
         aux_plan = plan_request(
             {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
         )
+        if self._is_fenced(out):  # the aux record is a batch of its own: check again
+            return self._fenced(out)
         moved = self._transfer(plan_ops(aux_plan), [msg.room])
         if not moved.status.is_done:
             return out.failure(moved)  # push_ready releases the units
@@ -314,8 +359,10 @@ class DecodeWorker:
     bytes_received: dict[str, int] = field(default_factory=dict)
 
     def reserve(
-        self, room: int, prompt_token_ids: list[int], params: SamplingParams
+        self, room: int, prompt_token_ids: list[int], params: SamplingParams, epoch: int = 0
     ) -> ReserveState:
+        """Reserve units for every component; ``epoch``: the fence epoch of the link the
+        request goes to (``ReserveState.epoch``)."""
         request_id = f"room-{room}"
         if params.seed is None:  # prefill samples token 1 with the seed decode continues with
             params = dataclasses.replace(params, seed=next(self.engine._seeds))
@@ -337,6 +384,7 @@ class DecodeWorker:
             dst_unit_ids=dst,
             aux_slot_id=self.engine.aux.slots[request_id],
             token_ranges={k: v for k, v in ranges.items() if k in dst},
+            epoch=epoch,
         )
 
     def on_done(self, msg: StateDone) -> RequestOutput:

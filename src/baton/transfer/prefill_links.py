@@ -5,7 +5,9 @@ Owns one ``ControlClient`` per prefill endpoint and the pairing on it: a blockin
 request on the same ordered channel, answered later), the check of the HelloAck, and
 liveness -- a ping every ``PING_INTERVAL_S`` to each prefill that owes decode state, and the
 verdict on links that never answered the handshake or went silent. What a failed link means
-for its requests is ``DecodeClient``'s business; this module only reports the link and why.
+for its requests is ``DecodeClient``'s business; this module only reports the link and why,
+and keeps the link's fence state (``PrefillLink.epoch``, ``fenced``) and whether the prefill's
+process is known to be gone (``is_gone``: only where both share a host and pid namespace).
 """
 
 from __future__ import annotations
@@ -38,6 +40,32 @@ class PrefillLink:
     last_heard: float = 0.0
     last_ping: float = 0.0
     ping_seq: int = 0
+    epoch: int = 0
+    """Fence epoch: new reservations carry it; ``DecodeClient._fence`` bumps it."""
+    fenced: str | None = None
+    """Why decode failed this prefill (None: healthy). A fenced link takes no reservation;
+    it stays open only to hear the confirmations that free its quarantined units."""
+    last_fence_sent: float = 0.0
+    peer_start: str | None = None
+    """The prefill process's start time (/proc), where decode can watch that process."""
+
+    def is_gone(self) -> bool:
+        """Whether the prefill's process is known to have exited (so nothing of it writes)."""
+        return (
+            self.peer is not None
+            and self.peer_start is not None
+            and (_process_start(self.peer.pid) != self.peer_start)
+        )
+
+
+def _process_start(pid: int) -> str | None:
+    """Start time of a live process ``pid`` (None: no such process, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in ("Z", "X") else fields[19]
 
 
 class PrefillLinks:
@@ -96,6 +124,8 @@ class PrefillLinks:
             )
         check_pairing(self.hello, msg)
         link.peer = msg
+        if msg.pid and msg.host_id and msg.host_id == self.hello.host_id:
+            link.peer_start = _process_start(msg.pid)
         logger.info("decode: paired with prefill %r at %s", msg.worker_id, link.endpoint)
 
     def poll(self, timeout_ms: int) -> Iterator[tuple[PrefillLink, Message]]:
@@ -122,6 +152,8 @@ class PrefillLinks:
         that owe us state."""
         now, failed = time.monotonic(), []
         for link in self._links.values():
+            if link.fenced is not None:
+                continue  # failed already; DecodeClient resends its Fence instead of pings
             if link.peer is None and now > link.hello_deadline:
                 failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
             elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:

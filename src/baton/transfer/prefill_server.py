@@ -18,8 +18,11 @@ from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.pd import PrefillWorker
 from baton.transfer.protocol import (
     Abort,
+    Fence,
+    FenceAck,
     Hello,
     HelloAck,
+    Message,
     Ping,
     Pong,
     ReserveState,
@@ -61,6 +64,8 @@ class _Room:
     peer: bytes
     """The decode that reserved it: where StateDone / StateFailed go."""
     arrival: float
+    epoch: int = 0
+    """``ReserveState.epoch``: a ``Fence`` above it stops the room."""
 
 
 class PrefillServer:
@@ -70,6 +75,14 @@ class PrefillServer:
     (``PrefillWorker``) whose backend maps that decode's regions, so a step is one engine
     step and then one push per sender. A decode that says Hello again (a reconnect) is
     re-paired once it has no request in flight here.
+
+    Who stops writing when: a room leaves ``rooms`` when its state is pushed (``StateDone``),
+    refused, dropped (``Abort``, ``Fence``, too old) or failed; every answer says whether a
+    batch for it may still be in flight (``stopped_writing``). ``Fence(epoch)`` drops every
+    room of that decode reserved below ``epoch`` and is answered ``FenceAck`` only once no
+    timed-out batch of that decode is left (``lingering``): decode frees on that word. Each
+    sender reads the channel right before each push batch (``_peek_fences``), so a room
+    fenced while this process was paused is not pushed when it resumes.
     """
 
     def __init__(
@@ -83,12 +96,18 @@ class PrefillServer:
         deadlines: Deadlines | None = None,
         *,
         debug_stall_s: float = 0.0,
+        debug_step_pause_s: float = 0.0,
         worker_id: str | None = None,
     ) -> None:
-        """``debug_stall_s`` (tests): hold every push that long after a request arrives."""
+        """``debug_stall_s`` (tests): hold every push that long after a request arrives.
+        ``debug_step_pause_s`` (tests): sleep that long between each engine step and its
+        pushes -- a step as long as a GC pause, in which a test can stop the process."""
         _check_backend(backend_kind)
         if not debug_stall_s >= 0:
             raise ValueError(f"debug_stall_s must be >= 0, got {debug_stall_s!r}")
+        if not debug_step_pause_s >= 0:
+            raise ValueError(f"debug_step_pause_s must be >= 0, got {debug_step_pause_s!r}")
+        self.debug_step_pause_s = debug_step_pause_s
         self.deadlines = deadlines or Deadlines()
         self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
@@ -118,6 +137,8 @@ class PrefillServer:
         self.lingering: dict[int, bytes] = {}
         """Rooms failed while a timed-out batch may still write: room -> decode identity,
         until the sender confirms with ``StateFailed(stopped_writing=True)``."""
+        self._deferred: list[tuple[bytes, Message]] = []
+        """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
         self._stall_until = 0.0
         self._last_peer_check = time.monotonic()
         self._ping_seq = 0
@@ -140,6 +161,9 @@ class PrefillServer:
             self._check_peers()
         if self._has_work() and time.monotonic() >= self._stall_until:
             self.engine.step()
+            if self.debug_step_pause_s:
+                logger.info("prefill: debug pause of %g s before pushing", self.debug_step_pause_s)
+                time.sleep(self.debug_step_pause_s)
             for peer in list(self.peers.values()):
                 for reply in peer.sender.push_ready():
                     self._reply(reply)
@@ -154,24 +178,51 @@ class PrefillServer:
         _close_backend(self.prefill)
 
     def _drain(self, timeout_ms: int) -> None:
+        deferred, self._deferred = self._deferred, []
+        for identity, msg in deferred:
+            self._handle(identity, msg)
         for _ in range(MAX_MESSAGES_PER_TURN):
             got = self.server.recv(timeout_ms)
             if got is None:
                 return
             timeout_ms = 0
+            self._handle(*got)
+
+    def _peek_fences(self) -> None:
+        """Right before a push batch: read the channel without blocking, mark the rooms
+        fenced or aborted on their senders (which then skip them), keep every message for
+        the next ``_drain`` (a push must not change ``rooms`` or a sender's requests)."""
+        for _ in range(MAX_MESSAGES_PER_TURN):
+            got = self.server.recv(0)
+            if got is None:
+                return
             identity, msg = got
-            if isinstance(msg, Hello):
-                self._on_hello(identity, msg)
-            elif isinstance(msg, ReserveState):
-                self._on_reserve(identity, msg)
-            elif isinstance(msg, Abort):
-                self._on_abort(identity, msg)
-            elif isinstance(msg, Ping):
-                self.server.send(identity, Pong(seq=msg.seq))
-            else:
-                logger.warning(
-                    "prefill: %s from peer %s ignored", type(msg).__name__, identity.hex()
-                )
+            self._deferred.append(got)
+            peer = self.peers.get(identity)
+            if peer is None:
+                continue
+            if isinstance(msg, Fence):
+                peer.sender.fence_epoch = max(peer.sender.fence_epoch, msg.epoch)
+            elif isinstance(msg, Abort) and self._room_peer(msg.room) == identity:
+                peer.sender.aborted.add(msg.room)  # push_ready drops the mark once answered
+
+    def _room_peer(self, room: int) -> bytes | None:
+        info = self.rooms.get(room)
+        return None if info is None else info.peer
+
+    def _handle(self, identity: bytes, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+        elif isinstance(msg, ReserveState):
+            self._on_reserve(identity, msg)
+        elif isinstance(msg, Abort):
+            self._on_abort(identity, msg)
+        elif isinstance(msg, Fence):
+            self._on_fence(identity, msg)
+        elif isinstance(msg, Ping):
+            self.server.send(identity, Pong(seq=msg.seq))
+        else:
+            logger.warning("prefill: %s from peer %s ignored", type(msg).__name__, identity.hex())
 
     def _reply(self, msg: StateDone | StateFailed) -> None:
         if msg.room in self.lingering:  # the confirmation that a timed-out batch ended
@@ -185,6 +236,8 @@ class PrefillServer:
                 self.component_seconds[name] = seconds
         else:
             self.num_requests["failed"] += 1
+            logger.info("prefill: room %d failed (stopped writing: %s): %s", msg.room,
+                        msg.stopped_writing, msg.reason)  # fmt: skip
         room = self.rooms.pop(msg.room, None)
         if room is not None and isinstance(msg, StateFailed) and not msg.stopped_writing:
             self.lingering[msg.room] = room.peer
@@ -274,6 +327,7 @@ class PrefillServer:
             num_units[component.name] = d.nbytes // component.unit_bytes
         prefill = PrefillWorker(self.engine, _new_backend(self.backend_kind))
         prefill.transfer_s = self.deadlines.transferring_s
+        prefill.refresh_fences = self._peek_fences
         try:
             prefill.connect(hello.regions)
         except BaseException:
@@ -302,7 +356,7 @@ class PrefillServer:
             self.server.send(identity, failed)
             return
         now = time.monotonic()
-        self.rooms[msg.room] = _Room(identity, now)
+        self.rooms[msg.room] = _Room(identity, now, msg.epoch)
         if self.debug_stall_s:
             self._stall_until = now + self.debug_stall_s
 
@@ -311,6 +365,10 @@ class PrefillServer:
         peer = self.peers.get(identity)
         if peer is None:
             return "this decode is not paired with the prefill worker (Hello first)"
+        if msg.epoch < peer.sender.fence_epoch:
+            return (
+                f"reserved under epoch {msg.epoch}, fenced by decode at {peer.sender.fence_epoch}"
+            )
         aux = self.engine.aux
         if aux.num_free_units == 0:
             return f"prefill is full ({aux.component.num_units} requests in flight)"
@@ -328,6 +386,8 @@ class PrefillServer:
 
     def _on_abort(self, identity: bytes, msg: Abort) -> None:
         room = self.rooms.get(msg.room)
+        if msg.room in self.lingering:
+            return  # a timed-out batch may still write: confirmed once it ends (``_reply``)
         if room is None:  # done, refused or never seen: nothing writes for it
             reason = "not in flight at prefill"
             self.server.send(
@@ -335,6 +395,27 @@ class PrefillServer:
             )
         elif room.peer == identity:
             self._drop(msg.room, f"aborted by decode: {msg.reason}")
+
+    def _on_fence(self, identity: bytes, msg: Fence) -> None:
+        """Drop every room of this decode reserved below ``msg.epoch`` (each confirmed with
+        ``StateFailed(stopped_writing=True)``); ``FenceAck`` once none of its timed-out
+        batches may still write. An unknown decode (we restarted, or forgot it) has nothing
+        in flight here: acknowledged at once."""
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.sender.fence_epoch = max(peer.sender.fence_epoch, msg.epoch)
+            fenced = [
+                r
+                for r, info in self.rooms.items()
+                if info.peer == identity and info.epoch < msg.epoch
+            ]
+            for room in fenced:
+                self._drop(room, f"fenced by decode (epoch {msg.epoch}): {msg.reason}")
+        if any(p == identity for p in self.lingering.values()):
+            logger.warning("prefill: fence %d of peer %s waits for timed-out batches", msg.epoch,
+                           identity.hex())  # fmt: skip
+            return  # decode sends the fence again; acknowledged once those batches end
+        self.server.send(identity, FenceAck(epoch=msg.epoch))
 
     def _expire(self) -> None:
         limit = time.monotonic() - self.deadlines.waiting_for_state_s
@@ -347,6 +428,7 @@ class PrefillServer:
         request_id = request_id_of(room)
         if peer is not None:
             peer.sender.outgoing.pop(request_id, None)
+            peer.sender.aborted.discard(room)
         self.engine.abort_request(request_id)
         handoff.release(self.engine, request_id)
 

@@ -16,10 +16,18 @@ Message flow of one PD request (``room`` is the router's random 63-bit id)::
     decode                                   prefill
       Hello ──────────────────────────────▶      (once per peer, at bootstrap)
             ◀────────────────────────────── HelloAck
-      ReserveState(room, dst units) ──────▶      (per request)
+      ReserveState(room, epoch, dst units) ▶      (per request)
             ◀────────────────────────────── StateDone(room) | StateFailed(room)
       Abort / StateFailed ◀───────────────▶      (either way, any time)
+      Fence(epoch) ───────────────────────▶      (decode failed this prefill)
+            ◀────────────────────────────── FenceAck(epoch)  (nothing of decode's writes)
       Ping ◀──────────────────────────────▶ Pong (health)
+
+Fencing (DESIGN.md principle 6): every ``ReserveState`` carries the epoch of decode's link to
+that prefill. When decode gives up on the prefill it bumps the epoch and sends ``Fence``;
+prefill stops every room of that decode reserved under an older epoch -- it checks right
+before each push batch -- and answers ``FenceAck`` once nothing of them can still be in
+flight. Until then decode keeps the rooms' units quarantined (see ``DecodeClient``).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import msgspec
 
 from baton.request import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Bumped on any incompatible change to a message; peers of different versions never pair."""
 
 MAX_ID = 2**63 - 1
@@ -93,6 +101,11 @@ class PeerInfo(_Struct):
     """Transfer backend name: ``shm``, ``mooncake``, ``nixl``, ``loopback``."""
     regions: dict[str, dict[str, Any]] = {}
     """Backend region descriptors by component name; opaque here (may hold bytes)."""
+    pid: NonNegInt = 0
+    """The worker's process id (0: unknown), meaningful only where ``host_id`` matches."""
+    host_id: str = ""
+    """Boot id and pid namespace of the worker's host (``handshake.host_id``): equal on both
+    sides exactly when ``pid`` names a process the peer can watch (shm: the same host)."""
 
 
 class Hello(PeerInfo, tag=True):
@@ -128,6 +141,9 @@ class ReserveState(_Struct, tag=True):
     aux_slot_id: NonNegInt
     token_ranges: dict[str, tuple[NonNegInt, NonNegInt]]
     """Component name -> [token_start, token_end) decode expects that component to hold."""
+    epoch: NonNegInt = 0
+    """The fence epoch of decode's link when it reserved: prefill writes for this room only
+    while no ``Fence`` with a larger epoch has arrived from that decode."""
 
     def __post_init__(self) -> None:
         # NOTE: msgspec runs this on decode too, turning the ValueError into a ProtocolError.
@@ -172,6 +188,21 @@ class Abort(_Struct, tag=True):
     reason: str
 
 
+class Fence(_Struct, tag=True):
+    """decode -> prefill: decode failed this prefill. Stop every room of this decode reserved
+    under an epoch below ``epoch`` (no push for them from now on) and confirm."""
+
+    epoch: NonNegInt
+    reason: str
+
+
+class FenceAck(_Struct, tag=True):
+    """prefill -> decode: no room of this decode reserved below ``epoch`` is in flight here
+    any more -- no batch for them runs or will run; their units may be freed."""
+
+    epoch: NonNegInt
+
+
 class Ping(_Struct, tag=True):
     seq: NonNegInt
 
@@ -181,9 +212,12 @@ class Pong(_Struct, tag=True):
     """The ``seq`` of the ``Ping`` it answers."""
 
 
-Message = Hello | HelloAck | ReserveState | StateDone | StateFailed | Abort | Ping | Pong
+Message = (
+    Hello | HelloAck | ReserveState | StateDone | StateFailed | Abort | Fence | FenceAck | Ping
+    | Pong
+)  # fmt: skip
 MESSAGE_TYPES: tuple[type[_Struct], ...] = (
-    Hello, HelloAck, ReserveState, StateDone, StateFailed, Abort, Ping, Pong,
+    Hello, HelloAck, ReserveState, StateDone, StateFailed, Abort, Fence, FenceAck, Ping, Pong,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

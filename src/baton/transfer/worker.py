@@ -17,8 +17,10 @@ Every wait has a deadline and every failure is a state (DESIGN.md principle 6)::
             ◀────────────────────────────────── StateDone | StateFailed(stopped_writing)
     no state in waiting_for_state_s: the request ends FAILED now; Abort ──▶ drop the room,
             ◀────────────────────────────────── StateFailed(stopped_writing=True)
-    its units are freed on that confirmation, or after abort_grace_s (a dead prefill never
-    confirms; prefill also drops rooms older than waiting_for_state_s instead of pushing them)
+    its units are freed on that confirmation only (or once its process is seen gone); past
+    abort_grace_s unconfirmed, or peer_silence_s silent, decode fences the prefill: Fence ──▶
+    stop every room of mine, ◀── FenceAck; no request goes there until then (decode_client.py;
+    prefill also drops rooms older than waiting_for_state_s instead of pushing them)
 
 Nothing a peer sends raises into either loop: the channel drops bad frames, and messages
 that make no sense here are answered with ``StateFailed`` or logged.
@@ -90,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
         "--debug-stall-s", type=float, default=0.0,
         help="prefill, tests only: hold pushes this long after each request arrives",
     )  # fmt: skip
+    p.add_argument(
+        "--debug-step-pause-s", type=float, default=0.0,
+        help="prefill, tests only: sleep this long between each step and its pushes",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -122,7 +128,7 @@ def _run_prefill(
 ) -> int:
     server = PrefillServer(
         args.model, config, args.host, args.port, token, args.backend, deadlines,
-        debug_stall_s=args.debug_stall_s,
+        debug_stall_s=args.debug_stall_s, debug_step_pause_s=args.debug_step_pause_s,
     )  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
