@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        app = build_app(engine, name, core.platform_info)
+        app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))
         server = uvicorn.Server(uvicorn.Config(
             app, host=args.host, port=args.port, log_level="info",
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
