@@ -13,8 +13,11 @@ from baton.request import SamplingParams
 from baton.transfer.protocol import (
     MAX_ID,
     MESSAGE_TYPES,
+    NONCE_BYTES,
     PROTOCOL_VERSION,
     Abort,
+    ChannelChallenge,
+    ChannelOpen,
     ComponentStats,
     Fence,
     FenceAck,
@@ -28,7 +31,9 @@ from baton.transfer.protocol import (
     StateDone,
     StateFailed,
     decode,
+    decode_handshake,
     encode,
+    encode_handshake,
     new_nonce,
     new_room,
     sampling_params_from_wire,
@@ -216,3 +221,20 @@ msgpack_values = st.recursive(
 def test_random_structured_frames_only_raise_protocol_error(type_name, fields):
     with contextlib.suppress(ProtocolError):
         decode(wire(PROTOCOL_VERSION, {"type": type_name, **fields}))
+
+
+def test_handshake_messages_are_a_separate_vocabulary():
+    """The channel's own frames round-trip through their own pair, never as a ``Message``."""
+    for msg in (
+        ChannelOpen(nonce=b"\1" * NONCE_BYTES),
+        ChannelChallenge(nonce=b"\2" * NONCE_BYTES),
+    ):
+        assert decode_handshake(encode_handshake(msg)) == msg
+        with pytest.raises(ProtocolError, match="unknown message type"):
+            decode(encode_handshake(msg))
+    with pytest.raises(ProtocolError, match="unknown message type 'Ping'"):
+        decode_handshake(encode(Ping(seq=1)))
+    with pytest.raises(ProtocolError, match="malformed ChannelOpen"):
+        decode_handshake(wire(PROTOCOL_VERSION, {"type": "ChannelOpen", "nonce": b"short"}))
+    with pytest.raises(TypeError):
+        encode(ChannelOpen(nonce=b"\1" * NONCE_BYTES))

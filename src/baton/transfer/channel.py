@@ -1,30 +1,34 @@
-"""The authenticated PD control channel: typed messages over ZMQ, signed with a shared token.
+"""The authenticated PD control channel: typed messages over ZMQ, in per-connection sessions.
 
 This module owns the control plane's sockets and nothing else: it moves ``protocol``
-messages and proves who sent them. Pairing rules live in ``handshake.py``; what a message
-*means* is the sender's and receiver's business. The prefill worker runs a ``ControlServer``
-(ROUTER, its bootstrap endpoint); each decode worker connects a ``ControlClient`` (DEALER).
+messages and, through ``session.py``, proves who sent them, on which connection and in what
+order. Pairing rules live in ``handshake.py``; what a message *means* is the sender's and
+receiver's business. The prefill worker runs a ``ControlServer`` (ROUTER, its bootstrap
+endpoint); each decode worker connects a ``ControlClient`` (DEALER).
 
-Frames are ``[mac, payload]`` (the ROUTER adds the peer identity in front), where
-``payload = protocol.encode(msg)`` and ``mac = HMAC-SHA256(token, direction | payload)``.
-The direction label stops a frame from being reflected back to its sender. A frame with a
-bad or missing MAC, or whose payload is not a valid message, is dropped and logged on
-``baton.transfer`` with the peer's identity and address; it never raises into the
-caller's loop (DESIGN.md principle 6). Every wait takes a timeout; ``send`` never blocks
-and reports a full queue or an unknown peer by returning False.
+Frames are ``[mac, seq, payload]`` (the ROUTER adds the peer identity in front), with
+``payload = protocol.encode(msg)``. A connection starts with a challenge-response that makes
+a session key from the shared token and both sides' fresh nonces; every later frame is
+MACed with that key and numbered (``session.py`` has the picture). A client queues what it
+sends until the server's challenge has arrived (its ``recv`` handles the challenge: a client
+must be read to make progress, which every caller does); a server hands the application
+nothing of a connection before the client has proven the key. A frame that is malformed,
+has a bad MAC, is replayed or reordered, comes before or outside a session, or is not a
+valid message is refused: counted, logged on ``baton.transfer`` at most once a minute per
+peer address (with the count), never raised into the caller's loop (DESIGN.md principle 6).
+Every wait takes a timeout; ``send`` never blocks and reports a full queue, an unknown peer
+or a peer without a session by returning False.
 
 NOTE: the MAC authenticates, it does not encrypt (prompt token ids cross the wire in the
-clear) and it does not stop a replay of a whole valid frame: receivers must treat a second
-``ReserveState`` for a live room as an error. A socket is owned by one thread.
+clear). A socket is owned by one thread.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import logging
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from types import TracebackType
 from typing import Self, TypeVar
@@ -32,72 +36,68 @@ from typing import Self, TypeVar
 import zmq
 
 from baton.transfer.protocol import Message, ProtocolError, decode, encode
+from baton.transfer.session import (
+    HANDSHAKE_SEQ,
+    MAC_BYTES,
+    RefusalLog,
+    Session,
+    accept_challenge,
+    answer_open,
+    new_handshake_nonce,
+    open_frames,
+    parse,
+    token_key,
+)
+
+__all__ = ["DEFAULT_HOST", "MAC_BYTES", "ControlClient", "ControlServer", "wait_any"]
 
 logger = logging.getLogger("baton.transfer")
 
 DEFAULT_HOST = "127.0.0.1"
-MAC_BYTES = 32
 MAX_FRAME_BYTES = 256 * 2**20
 """A peer sending a larger frame is disconnected (ZMQ_MAXMSGSIZE)."""
-MAX_DROPS_PER_RECV = 64
-"""``recv`` gives up after dropping this many bad frames, so a flood cannot pin the caller."""
-_TO_SERVER = b"baton-control/to-server\0"
-_TO_CLIENT = b"baton-control/to-client\0"
+MAX_FRAMES_PER_RECV = 64
+"""``recv`` gives up after this many frames that were no message for the caller (refused,
+or the handshake's), so a flood cannot pin the caller."""
+MAX_SESSIONS = 1024
+"""Proven sessions a server keeps; past it the least recently used is forgotten."""
+MAX_PENDING_SESSIONS = 256
+"""Handshakes a server keeps waiting for the client's first frame; past it the oldest go."""
+MAX_QUEUED_BEFORE_SESSION = 1000
+"""Messages a client queues before the handshake ends (zmq's default send high-water mark)."""
+_MALFORMED = "malformed frame (not [mac, seq, payload])"
 
 T = TypeVar("T")
 
 
-def _key(token: str | bytes) -> bytes:
-    key = token.encode() if isinstance(token, str) else bytes(token)
-    if not key:
-        raise ValueError("the control channel token must not be empty")
-    return key
-
-
 class _Endpoint:
-    """One socket with signing, verification and deadline-bounded receive."""
+    """One socket with refusal accounting and deadline-bounded receive."""
 
     def __init__(
         self,
         socket_type: int,
         token: str | bytes,
-        send_label: bytes,
-        recv_label: bytes,
         context: zmq.Context | None,
         max_frame_bytes: int,
     ) -> None:
-        self._key = _key(token)
-        self._send_label, self._recv_label = send_label, recv_label
+        self._token = token_key(token)
         self._socket = (context or zmq.Context.instance()).socket(socket_type)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
-        self.num_dropped = 0
+        self.refusals = RefusalLog()
         self.last_send_error: int | None = None
         """errno of the last failed send (``zmq.EHOSTUNREACH``: that peer is gone)."""
-        """Frames dropped for a bad MAC or an invalid message (a counter for metrics)."""
 
-    def _mac(self, label: bytes, payload: bytes) -> bytes:
-        mac = hmac.new(self._key, label, hashlib.sha256)
-        mac.update(payload)
-        return mac.digest()
+    @property
+    def num_dropped(self) -> int:
+        """Frames refused (bad MAC, replayed, malformed, invalid message): for metrics."""
+        return self.refusals.num_refused
 
-    def _sign(self, msg: Message) -> list[bytes]:
-        payload = encode(msg)
-        return [self._mac(self._send_label, payload), payload]
-
-    def _open(self, frames: list[bytes], peer: str) -> Message | None:
-        """The message of ``[mac, payload]``, or None (logged) if it is not authentic/valid."""
-        if len(frames) != 2 or len(frames[0]) != MAC_BYTES:
-            logger.warning("control frame from %s dropped: missing or malformed MAC", peer)
-            return None
-        mac, payload = frames
-        if not hmac.compare_digest(mac, self._mac(self._recv_label, payload)):
-            logger.warning("control frame from %s dropped: bad MAC (wrong token?)", peer)
-            return None
+    def _decode(self, payload: bytes, peer_key: str, peer: str) -> Message | None:
         try:
             return decode(payload)
         except ProtocolError as e:
-            logger.warning("control frame from %s dropped: %s", peer, e)
+            self.refusals.refuse(peer_key, peer, str(e))
             return None
 
     def _recv_frames(self, timeout_ms: int) -> list[zmq.Frame] | None:
@@ -112,7 +112,7 @@ class _Endpoint:
         if timeout_ms < 0:
             raise ValueError(f"timeout_ms must be >= 0 (every wait has a deadline): {timeout_ms}")
         deadline = time.monotonic() + timeout_ms / 1000
-        for _ in range(MAX_DROPS_PER_RECV):
+        for _ in range(MAX_FRAMES_PER_RECV):
             remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
             frames = self._recv_frames(remaining_ms)
             if frames is None:
@@ -120,7 +120,6 @@ class _Endpoint:
             result = accept(frames)
             if result is not None:
                 return result
-            self.num_dropped += 1
         return None
 
     def _send(self, frames: list[bytes], peer: str) -> bool:
@@ -157,12 +156,16 @@ class _Endpoint:
         self.close()
 
 
-def _describe(identity: bytes, frame: zmq.Frame) -> str:
+def _describe(identity: bytes, frame: zmq.Frame) -> tuple[str, str]:
+    """(what rate-limits its refusals: the address where known, how a log line names it)."""
     try:
         address = frame.get("Peer-Address")
     except zmq.ZMQError:  # not every transport reports one
         address = "?"
-    return f"peer {identity.hex()} ({address})"
+    # NOTE: keyed by address, not identity: a peer reconnecting for every frame would get a
+    # fresh identity, and so a line, per frame.
+    key = address if address != "?" else identity.hex()
+    return key, f"peer {identity.hex()} ({address})"
 
 
 class ControlServer(_Endpoint):
@@ -177,9 +180,13 @@ class ControlServer(_Endpoint):
         context: zmq.Context | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        super().__init__(zmq.ROUTER, token, _TO_CLIENT, _TO_SERVER, context, max_frame_bytes)
+        super().__init__(zmq.ROUTER, token, context, max_frame_bytes)
         # Sending to a peer that is gone raises (and so returns False) instead of vanishing.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sessions: OrderedDict[bytes, Session] = OrderedDict()
+        """Identity -> proven session, least recently used first."""
+        self._pending: OrderedDict[bytes, Session] = OrderedDict()
+        """Identity -> session challenged but not yet proven, oldest first."""
         try:
             if port == 0:
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
@@ -194,29 +201,81 @@ class ControlServer(_Endpoint):
 
     def recv(self, timeout_ms: int = 0) -> tuple[bytes, Message] | None:
         """The next authentic message and its sender's identity, or None after ``timeout_ms``
-        (bad frames in between are dropped and logged, never raised)."""
+        (handshakes are answered and bad frames refused in between, never raised)."""
         return self._recv_until(timeout_ms, self._accept)
 
     def _accept(self, frames: list[zmq.Frame]) -> tuple[bytes, Message] | None:
         identity = frames[0].bytes
-        msg = self._open([f.bytes for f in frames[1:]], _describe(identity, frames[0]))
+        peer_key, peer = _describe(identity, frames[0])
+        parsed = parse([f.bytes for f in frames[1:]])
+        if parsed is None:
+            self.refusals.refuse(peer_key, peer, _MALFORMED)
+            return None
+        mac, seq, payload = parsed
+        if seq == HANDSHAKE_SEQ:
+            self._on_open(identity, mac, payload, peer_key, peer)
+            return None
+        session = self._sessions.get(identity) or self._pending.get(identity)
+        if session is None:
+            self.refusals.refuse(peer_key, peer, "no session (no handshake on this connection)")
+            return None
+        problem = session.check(mac, seq, payload)
+        if problem is not None:
+            self.refusals.refuse(peer_key, peer, problem)
+            return None
+        if self._pending.pop(identity, None) is not None:
+            self._sessions[identity] = session  # proven: the client holds the token
+            while len(self._sessions) > MAX_SESSIONS:
+                forgotten, _ = self._sessions.popitem(last=False)
+                logger.warning("control session of peer %s forgotten (too many)", forgotten.hex())
+        self._sessions.move_to_end(identity)
+        msg = self._decode(payload, peer_key, peer)
         return None if msg is None else (identity, msg)
 
+    def _on_open(self, identity: bytes, mac: bytes, payload: bytes, key: str, peer: str) -> None:
+        """Answer a ``ChannelOpen`` with a fresh challenge. It replaces any session of that
+        identity: ZMQ refuses a second live connection with one identity, so an earlier
+        session's connection is gone."""
+        answer = answer_open(self._token, mac, payload)
+        if isinstance(answer, str):
+            self.refusals.refuse(key, peer, answer)
+            return
+        session, challenge = answer
+        self._sessions.pop(identity, None)
+        self._pending.pop(identity, None)
+        self._pending[identity] = session
+        while len(self._pending) > MAX_PENDING_SESSIONS:
+            self._pending.popitem(last=False)
+        if not self._send([identity, *challenge], peer):
+            del self._pending[identity]
+
     def send(self, peer_identity: bytes, msg: Message) -> bool:
-        """Queue ``msg`` for ``peer_identity``; False (logged) if that peer is unknown or its
-        queue is full. Never blocks."""
-        return self._send([peer_identity, *self._sign(msg)], f"peer {peer_identity.hex()}")
+        """Queue ``msg`` for ``peer_identity``; False (logged) if that peer is unknown, has no
+        proven session or its queue is full. Never blocks."""
+        peer = f"peer {peer_identity.hex()}"
+        session = self._sessions.get(peer_identity)
+        if session is None:
+            logger.warning("control message to %s not sent: no session with it", peer)
+            self.last_send_error = zmq.EHOSTUNREACH
+            return False
+        if not self._send([peer_identity, *session.seal(encode(msg))], peer):
+            if self.is_gone():
+                del self._sessions[peer_identity]
+            return False
+        return True
 
     def is_gone(self) -> bool:
         """Whether the last failed ``send`` found no connection to its peer (the peer's
-        process died or closed its socket), as opposed to a full queue."""
+        process died or closed its socket) or no session with it, as opposed to a full
+        queue."""
         return self.last_send_error == zmq.EHOSTUNREACH
 
 
 class ControlClient(_Endpoint):
     """The decode side: a DEALER connected to a prefill worker's ``ControlServer.endpoint``.
 
-    Messages sent before the server is up are queued and delivered once it is reachable.
+    The handshake starts at construction. Messages sent before the server is up, or before
+    its challenge was read, are queued and go out, in order, once ``recv`` has read it.
     """
 
     def __init__(
@@ -228,26 +287,75 @@ class ControlClient(_Endpoint):
         context: zmq.Context | None = None,
         max_frame_bytes: int = MAX_FRAME_BYTES,
     ) -> None:
-        super().__init__(zmq.DEALER, token, _TO_SERVER, _TO_CLIENT, context, max_frame_bytes)
+        super().__init__(zmq.DEALER, token, context, max_frame_bytes)
         if identity is not None:  # NOTE: must be unique per server; a duplicate is refused
             self._socket.setsockopt(zmq.ROUTING_ID, identity)
         self.endpoint = endpoint
+        self._peer = f"server {endpoint}"
+        self._nonce = new_handshake_nonce()
+        self._session: Session | None = None
+        self._queued: list[bytes] = []
+        """Payloads sent before the session exists."""
         try:
             self._socket.connect(endpoint)
         except zmq.ZMQError:
             self.close()
             raise
+        self._send(open_frames(self._token, self._nonce), self._peer)
+
+    @property
+    def has_session(self) -> bool:
+        """Whether the server's challenge has arrived (sends now go out at once)."""
+        return self._session is not None
 
     def send(self, msg: Message) -> bool:
         """Queue ``msg`` for the server; False (logged) if the queue is full. Never blocks."""
-        return self._send(self._sign(msg), f"server {self.endpoint}")
+        payload = encode(msg)
+        if self._session is not None:
+            return self._send(self._session.seal(payload), self._peer)
+        if len(self._queued) >= MAX_QUEUED_BEFORE_SESSION:
+            logger.warning("control message to %s not sent: no session yet, queue full",
+                           self._peer)  # fmt: skip
+            self.last_send_error = zmq.EAGAIN
+            return False
+        self._queued.append(payload)
+        return True
 
     def recv(self, timeout_ms: int = 0) -> Message | None:
         """The next authentic message from the server, or None after ``timeout_ms``."""
         return self._recv_until(timeout_ms, self._accept)
 
     def _accept(self, frames: list[zmq.Frame]) -> Message | None:
-        return self._open([f.bytes for f in frames], f"server {self.endpoint}")
+        parsed = parse([f.bytes for f in frames])
+        if parsed is None:
+            self.refusals.refuse(self.endpoint, self._peer, _MALFORMED)
+            return None
+        mac, seq, payload = parsed
+        if seq == HANDSHAKE_SEQ:
+            self._on_challenge(mac, payload)
+            return None
+        if self._session is None:
+            self.refusals.refuse(self.endpoint, self._peer, "frame before the handshake")
+            return None
+        problem = self._session.check(mac, seq, payload)
+        if problem is not None:
+            self.refusals.refuse(self.endpoint, self._peer, problem)
+            return None
+        return self._decode(payload, self.endpoint, self._peer)
+
+    def _on_challenge(self, mac: bytes, payload: bytes) -> None:
+        """Make the session from the server's challenge and send what was queued."""
+        if self._session is not None:
+            self.refusals.refuse(self.endpoint, self._peer, "second handshake (replayed?)")
+            return
+        session = accept_challenge(self._token, self._nonce, mac, payload)
+        if isinstance(session, str):
+            self.refusals.refuse(self.endpoint, self._peer, session)
+            return
+        self._session = session
+        queued, self._queued = self._queued, []
+        for queued_payload in queued:
+            self._send(session.seal(queued_payload), self._peer)
 
 
 def wait_any(clients: list[ControlClient], timeout_ms: int) -> list[ControlClient]:

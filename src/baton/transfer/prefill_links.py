@@ -111,7 +111,7 @@ class PrefillLinks:
             raise TimeoutError(
                 f"decode: no HelloAck from the prefill at {link.endpoint} within the "
                 f"{self.deadlines.bootstrap_s} s bootstrap deadline (is it running? same token? "
-                "a prefill logs every frame it drops for a bad MAC)"
+                "a prefill logs the frames it refuses, once a minute per peer)"
             )
         self.accept(link, msg)
 

@@ -1,9 +1,11 @@
 """The PD control protocol: typed, versioned messages and their wire encoding.
 
 This module owns the *shape* of every control message a prefill and a decode worker
-exchange (DESIGN.md §3, §5) and the one encoder/decoder pair for them. It is pure data:
-no sockets (``channel.py`` moves the bytes and authenticates them), no pairing rules
-(``handshake.py``), no scheduling. Sender, receiver, router and tests import it.
+exchange (DESIGN.md §3, §5), of the two frames of the channel's own handshake
+(``ChannelOpen`` / ``ChannelChallenge``, see ``session.py``), and the one encoder/decoder
+pair for them. It is pure data: no sockets (``channel.py`` moves the bytes, ``session.py``
+authenticates them), no pairing rules (``handshake.py``), no scheduling. Sender, receiver,
+router and tests import it.
 
 Wire format: a msgpack array ``[PROTOCOL_VERSION, message]`` where ``message`` is a msgpack
 map tagged by its ``type`` field (the class name). No pickle anywhere: a peer can only ever
@@ -14,6 +16,7 @@ field type, an out-of-range id) into a ``ProtocolError`` that names it.
 Message flow of one PD request (``room`` is the router's random 63-bit id)::
 
     decode                                   prefill
+      (ChannelOpen ▶ ◀ ChannelChallenge: the channel's own, once per connection)
       Hello ──────────────────────────────▶      (once per peer, at bootstrap)
             ◀────────────────────────────── HelloAck
       ReserveState(room, epoch, dst units) ▶      (per request)
@@ -40,13 +43,17 @@ import msgspec
 
 from baton.request import SamplingParams
 
-PROTOCOL_VERSION = 2
-"""Bumped on any incompatible change to a message; peers of different versions never pair."""
+PROTOCOL_VERSION = 3
+"""Bumped on any incompatible change to a message; peers of different versions never pair.
+Version 3: every frame after the channel handshake is MACed with a per-connection session key
+and carries a sequence number (``session.py``)."""
 
 MAX_ID = 2**63 - 1
 Id63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
 """A room or nonce: a non-negative 63-bit int (fits every signed 64-bit field downstream)."""
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+NONCE_BYTES = 32
+"""Length of each side's channel-handshake nonce."""
 Role = Literal["prefill", "decode"]
 
 
@@ -212,6 +219,21 @@ class Pong(_Struct, tag=True):
     """The ``seq`` of the ``Ping`` it answers."""
 
 
+class ChannelOpen(_Struct, tag=True):
+    """Channel handshake, client -> server, first frame of a connection (not a ``Message``:
+    the channel consumes it)."""
+
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+    """The client's fresh random contribution to the session key."""
+
+
+class ChannelChallenge(_Struct, tag=True):
+    """Channel handshake, server -> client, the answer to ``ChannelOpen``."""
+
+    nonce: Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+    """The server's fresh random contribution to the session key."""
+
+
 Message = (
     Hello | HelloAck | ReserveState | StateDone | StateFailed | Abort | Fence | FenceAck | Ping
     | Pong
@@ -219,6 +241,8 @@ Message = (
 MESSAGE_TYPES: tuple[type[_Struct], ...] = (
     Hello, HelloAck, ReserveState, StateDone, StateFailed, Abort, Fence, FenceAck, Ping, Pong,
 )  # fmt: skip
+HandshakeMessage = ChannelOpen | ChannelChallenge
+HANDSHAKE_TYPES: tuple[type[_Struct], ...] = (ChannelOpen, ChannelChallenge)
 
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
@@ -230,12 +254,24 @@ class _Header(msgspec.Struct):
 
 _HEADER = msgspec.msgpack.Decoder(_Header)
 _DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in MESSAGE_TYPES}
+_HANDSHAKE_DECODERS = {cls.__name__: msgspec.msgpack.Decoder(cls) for cls in HANDSHAKE_TYPES}
 
 
 def encode(msg: Message) -> bytes:
     """The wire bytes of ``msg``; a value msgpack cannot carry is a ``ProtocolError``."""
     if not isinstance(msg, MESSAGE_TYPES):
         raise TypeError(f"not a control message: {type(msg).__name__}")
+    return _encode(msg)
+
+
+def encode_handshake(msg: HandshakeMessage) -> bytes:
+    """The wire bytes of a channel-handshake frame's payload."""
+    if not isinstance(msg, HANDSHAKE_TYPES):
+        raise TypeError(f"not a channel handshake message: {type(msg).__name__}")
+    return _encode(msg)
+
+
+def _encode(msg: msgspec.Struct) -> bytes:
     try:
         return _ENCODER.encode((PROTOCOL_VERSION, msg))
     except (msgspec.EncodeError, OverflowError, TypeError) as e:
@@ -244,6 +280,15 @@ def encode(msg: Message) -> bytes:
 
 def decode(data: bytes) -> Message:
     """The message in ``data``; anything else raises ``ProtocolError`` naming the problem."""
+    return _decode(data, _DECODERS)  # type: ignore[return-value]
+
+
+def decode_handshake(data: bytes) -> HandshakeMessage:
+    """The channel-handshake message in ``data`` (a ``Message`` there is a ``ProtocolError``)."""
+    return _decode(data, _HANDSHAKE_DECODERS)  # type: ignore[return-value]
+
+
+def _decode(data: bytes, decoders: dict[str, msgspec.msgpack.Decoder]) -> msgspec.Struct:
     try:
         version, raw = _ENVELOPE.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -256,9 +301,9 @@ def decode(data: bytes) -> Message:
         type_name = _HEADER.decode(raw).type
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise ProtocolError(f"message without a valid `type` tag: {e}") from e
-    decoder = _DECODERS.get(type_name)
+    decoder = decoders.get(type_name)
     if decoder is None:
-        known = ", ".join(sorted(_DECODERS))
+        known = ", ".join(sorted(decoders))
         raise ProtocolError(f"unknown message type {type_name!r} (known: {known})")
     try:
         return decoder.decode(raw)
