@@ -16,6 +16,7 @@ test oracle here; serving never imports it.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -118,6 +119,23 @@ class Tokenizer:
         return None if token is None else self._backend.token_to_id(token)
 
     # ---- encode / decode -----------------------------------------------------------------
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any one token decodes to: a text of ``n`` bytes is at least
+        ``n / max_token_bytes`` tokens (minus the special tokens added), a bound checked
+        before tokenizing a huge prompt at all."""
+        size = self._backend.get_vocab_size(with_added_tokens=True)
+        return (
+            max(
+                (
+                    len(self._backend.decode([i], skip_special_tokens=False).encode())
+                    for i in range(size)
+                ),
+                default=1,
+            )
+            or 1
+        )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._backend.encode(text, add_special_tokens=add_special_tokens).ids

@@ -259,6 +259,24 @@ def test_a_body_over_the_limit_is_refused_before_parsing(server, chunked):
     assert httpx.get(base + "/health").status_code == 200
 
 
+def test_a_huge_prompt_is_refused_without_tokenizing_and_holds_nobody(server):
+    """A text longer (in bytes) than any tokenization of it could fit in the context is a
+    400 before the tokenizer sees it; tokenizing happens off the engine thread anyway."""
+    import concurrent.futures
+
+    base = server[1]
+    huge = {"model": MODEL, "prompt": "def f(x):\n    return x\n" * 400_000, "max_tokens": 1}
+    small = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        big = pool.submit(httpx.post, base + "/v1/completions", json=huge, timeout=30)
+        ok = pool.submit(httpx.post, base + "/v1/completions", json=small, timeout=30)
+        resp, other = big.result(), ok.result()
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and "bytes, at least" in error["message"]
+    assert other.status_code == 200  # (the message says the bound refused it: no tokenizing)
+
+
 def test_client_disconnect_aborts_the_request(server):
     engine, base = server
     aborted: list[str] = []

@@ -142,8 +142,9 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return None, list(prompt["prompt_token_ids"])
+            if "prompt_token_ids" in prompt:  # the text, when given, is the ids' (tokenized)
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, list(prompt["prompt_token_ids"])
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             if self.tokenizer is None:
