@@ -116,6 +116,25 @@ async def _parse(request: Request, model: type[BaseModel], max_body_bytes: int) 
         raise _validation_error(exc) from exc
 
 
+def _request_body(model: type[BaseModel], model_name: str) -> dict:
+    """The OpenAPI request body of a route that parses its own (``_parse``): the pydantic
+    model's JSON schema with its definitions inlined and ``model`` the served name, so
+    ``/openapi.json`` describes what the route takes (schemathesis fuzzes from it)."""
+    schema = model.model_json_schema()
+    definitions = schema.pop("$defs", {})
+    schema["properties"]["model"] = {"type": "string", "enum": [model_name]}
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(definitions[node["$ref"].rsplit("/", 1)[1]])
+            return {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    content = {"application/json": {"schema": inline(schema)}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
 def _usage(out: RequestOutput) -> dict[str, int]:
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {
@@ -280,7 +299,7 @@ def build_app(
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
         return _error(ApiError(f"internal error: {exc}", 500, type="server_error"))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_request_body(CompletionRequest, model_name))
     async def completions(request: Request) -> Response:
         req: CompletionRequest = await _parse(request, CompletionRequest, max_body_bytes)
         check_model(req.model)
@@ -317,7 +336,9 @@ def build_app(
         }
         return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions", openapi_extra=_request_body(ChatCompletionRequest, model_name)
+    )
     async def chat_completions(request: Request) -> Response:
         req: ChatCompletionRequest = await _parse(request, ChatCompletionRequest, max_body_bytes)
         check_model(req.model)
