@@ -160,15 +160,27 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     server = PrefillServer(
         args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args)
     )
-    loop = PrefillLoop(server).start()
+    loop = PrefillLoop(server)
+    http = uvicorn.Server(uvicorn.Config(
+        build_prefill_app(loop), host=args.host, port=args.port, log_level="warning",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    ))  # fmt: skip
+    # A failed loop stops the server and the process exits 1 (see _serve), never a prefill
+    # that stays up answering 503.
+    loop.on_failure = lambda: setattr(http, "should_exit", True)
+    loop.start()
     print(json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}),
           flush=True)  # fmt: skip
     for sig in (signal.SIGINT, signal.SIGTERM):  # see _serve: let the cleanup below run
         signal.signal(sig, lambda *_: None)
     try:
-        uvicorn.run(build_prefill_app(loop), host=args.host, port=args.port, log_level="warning")
+        http.run()
     finally:
         loop.stop()
+    if loop.error is not None:
+        print(f"error: the prefill loop failed ({loop.error!r}); the server stopped",
+              file=sys.stderr)  # fmt: skip
+        return 1
     return 0
 
 

@@ -184,3 +184,27 @@ def test_a_request_queued_during_the_failing_step_is_answered():
 
     asyncio.run(asyncio.wait_for(scenario(), 10))
     engine.shutdown()
+
+
+def test_a_failing_prefill_loop_closes_and_calls_back():
+    """``baton serve --role prefill`` stops its HTTP server (and exits 1) through this
+    callback: a prefill whose loop died must not stay up answering 503."""
+    from baton.server.prefill_app import PrefillLoop
+
+    class _Server:
+        last_turn = time.monotonic()
+        closed = False
+
+        def serve_once(self) -> None:
+            raise KeyError("boom")
+
+        def close(self) -> None:
+            self.closed = True
+
+    server = _Server()
+    called = threading.Event()
+    loop = PrefillLoop(server)  # type: ignore[arg-type]
+    loop.on_failure = called.set
+    loop.start()
+    assert called.wait(5)
+    assert isinstance(loop.error, KeyError) and server.closed and not loop.is_alive

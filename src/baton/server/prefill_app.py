@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -44,6 +45,8 @@ class PrefillLoop:
         self.snapshot: dict = {"rooms": 0, "units": {}, "bytes": {}, "seconds": {},
                                "requests": {"done": 0, "failed": 0}}  # fmt: skip
         self._thread = threading.Thread(target=self._run, name="baton-prefill", daemon=True)
+        self.on_failure: Callable[[], None] | None = None
+        """Called on the loop's thread after it failed and closed (``baton serve`` exits)."""
 
     def start(self) -> PrefillLoop:
         self._thread.start()
@@ -75,6 +78,8 @@ class PrefillLoop:
             self.error = exc
         finally:
             server.close()
+        if self.error is not None and self.on_failure is not None:
+            self.on_failure()
 
 
 def build_prefill_app(loop: PrefillLoop) -> FastAPI:
