@@ -236,3 +236,52 @@ def test_health_checks_eject_after_three_failures_or_a_refused_port():
 
     seen = asyncio.run(run())
     assert seen == [True, True, True, True, True, True, False, True, False, True]
+
+
+def test_a_dropped_connection_is_sent_again_not_taken_for_a_dead_decode(servers):
+    """A decode that closes a connection without answering (as after an error on a
+    kept-alive one) gets the request once more on a new connection; it stays healthy."""
+    import http.server
+    import threading
+
+    posts: list[str] = []
+
+    class Decode(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # quiet
+            pass
+
+        def _answer(self, body: bytes) -> None:
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:
+            self._answer(b'{"status": "ok"}')
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["content-length"]))
+            posts.append(self.path)
+            if len(posts) == 1:
+                self.close_connection = True  # closed without a response
+                return
+            self._answer(b'{"choices": [{"text": "ok"}]}')
+
+    decode = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Decode)
+    threading.Thread(target=decode.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{decode.server_address[1]}"
+        router = _router(servers, [servers(_prefill_app()).url], [url], interval_s=600)
+        resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"},
+                          timeout=10)  # fmt: skip
+        assert resp.status_code == 200, resp.text
+        assert len(posts) == 2
+        listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()
+        assert all(i["healthy"] for i in listed["instances"])
+        metrics = httpx.get(f"{router}/metrics", timeout=10).text
+        assert 'baton_router_retries_total{reason="connection_dropped"} 1.0' in metrics
+    finally:
+        decode.shutdown()

@@ -53,6 +53,9 @@ logger = logging.getLogger("baton.router")
 
 HEALTH_INTERVAL_S = 2.0
 HEALTH_TIMEOUT_S = 2.0
+CONNECTION_DROPPED = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+"""Errors of a connection the other end closed (not refused): a kept-alive connection the
+upstream closed while it sat in the pool."""
 HEALTH_FAILURES_TO_EJECT = 3
 """Slow or failed health checks in a row before a healthy instance leaves the rotation: one
 slow answer under CPU starvation is not a dead worker (it ejected instances 5 times in 4 idle
@@ -172,7 +175,9 @@ class Router:
             prefill.outstanding += 1
             release = _Release(decode, prefill)
             try:
-                upstream = await self._send(request, decode, prefill, room, path, body)
+                upstream = await self._send_once_more_if_dropped(
+                    request, decode, prefill, room, path, body
+                )
             except httpx.TransportError as exc:
                 release()
                 decode.healthy, decode.last_error = False, f"unreachable: {exc}"
@@ -206,6 +211,22 @@ class Router:
         assert failure is not None
         self.metrics.requests.labels(str(failure.status_code)).inc()
         return JSONResponse(failure.body(), status_code=failure.status_code)
+
+    async def _send_once_more_if_dropped(
+        self, request: Request, decode: Instance, prefill: Instance, room: int, path: str,
+        body: bytes,
+    ) -> httpx.Response:  # fmt: skip
+        """``_send``, sent a second time to the same decode when the first found its pooled
+        connection closed by the decode (it had closed it after an error): that is no sign
+        the decode is down, and taking it for one ejected the only decode for a health
+        interval and answered an innocent request 502."""
+        try:
+            return await self._send(request, decode, prefill, room, path, body)
+        except CONNECTION_DROPPED as exc:
+            logger.warning("router: decode %s dropped a pooled connection (%s); sending again "
+                           "on a new one", decode.url, exc or type(exc).__name__)  # fmt: skip
+            self.metrics.retries.labels("connection_dropped").inc()
+            return await self._send(request, decode, prefill, room, path, body)
 
     async def _send(
         self, request: Request, decode: Instance, prefill: Instance, room: int, path: str,
