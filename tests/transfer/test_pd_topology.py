@@ -115,6 +115,31 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
         assert out.outputs[0].finish_reason == "length"
 
 
+def test_a_prefill_that_never_answered_gets_its_rooms_freed(pd_dir, prefill_server):
+    """A prefill dead before the channel handshake (the fault matrix's kill -9 at bootstrap):
+    nothing but ``ChannelOpen`` ever reached it, so its failed request's units come back as
+    soon as decode fails it -- they stayed quarantined for good, with no pid to watch."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there
+    deadlines = Deadlines(
+        bootstrap_s=30.0, waiting_for_state_s=60.0, abort_grace_s=1.0, peer_silence_s=1.5
+    )
+    with _client(pd_dir, prefill_server.endpoint, deadlines) as client:
+        start_free = _free_units(client.engine)
+        prompt, params = _requests()[2]
+        room = client.add_request(prompt, params, prefill=dead)
+        out = _run(client, timeout_s=15.0)[request_id_of(room)]
+        assert out.outputs[0].finish_reason == "error"
+        _drain_releases(client, timeout_s=5.0)
+        assert _free_units(client.engine) == start_free
+        assert dead not in client.links
+        room = client.add_request(prompt, params)  # the live prefill still serves
+        assert _run(client)[request_id_of(room)].outputs[0].finish_reason == "length"
+
+
 def test_prefill_forgets_a_dead_decode_and_unmaps_its_pools(pd_dir, spawn_prefill):
     """A decode killed (-9) with requests in flight at prefill: prefill notices the lost
     connection by its periodic ping, drops the decode's rooms and unmaps its shared pools."""

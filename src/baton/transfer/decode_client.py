@@ -7,7 +7,9 @@ only once nothing can still write into them:
 * prefill confirms for that room: ``StateDone``, or ``StateFailed(stopped_writing=True)``
   (the answer to an ``Abort``, or a refusal);
 * prefill confirms a ``Fence`` covering the room's epoch (``FenceAck``);
-* the prefill's process is seen gone (same host and pid namespace only, ``PrefillLink.is_gone``).
+* the prefill's process is seen gone (same host and pid namespace only, ``PrefillLink.is_gone``);
+* the channel handshake never completed: then nothing but ``ChannelOpen`` was sent to it
+  (the rest waits in the client's queue, dropped when the link closes).
 
 Until then the room sits in ``releasing`` (quarantine): its units belong to nobody and are
 never handed out, so a late write -- a prefill paused by SIGSTOP, GC or its VM that resumes
@@ -388,6 +390,17 @@ class DecodeClient:
         if link.fenced is None or link.endpoint not in self.links:
             return
         mine = [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]
+        if mine and not link.client.has_session:
+            # NOTE: no challenge ever came back, so nothing but our ChannelOpen left this
+            # process (the rest is queued in the client, dropped by the close below): the
+            # prefill never saw a reservation and cannot write. A prefill killed before it
+            # answered kept these units quarantined for good (the fault matrix's bootstrap
+            # cell): without its HelloAck there is no pid to watch.
+            logger.warning("decode: the prefill at %s never answered the channel handshake: "
+                           "%d quarantined rooms freed", link.endpoint, len(mine))  # fmt: skip
+            for room in mine:
+                self._release(room)
+            mine = []
         if mine and link.is_gone():
             logger.warning("decode: the prefill process at %s has exited: %d quarantined rooms "
                            "freed", link.endpoint, len(mine))  # fmt: skip
