@@ -178,27 +178,37 @@ def _check_admin_token(base_url: str, banner: str) -> str:
     return token_path
 
 
-def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_engine: dict) -> str:
-    """``baton launch`` answering the official client (a completion equal to the offline
-    engine's, a streamed chat), then SIGINT: exit 0, no child or segment left. Its stderr."""
-    openai = pytest.importorskip("openai")
-    port = _free_port()
+def _start_launch(model_dir, tmp_path, flags: list[str], env: dict):
+    """``baton launch`` of ``model_dir`` on a free port; (process, stdout path, stderr path)."""
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
     path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", "launch", "--model", str(model_dir),
-             "--port", str(port), "--threads", "1", *flags],
+             "--port", str(_free_port()), "--threads", "1", *flags],
             stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **env},
         )  # fmt: skip
+    return proc, out_path, err_path
+
+
+def _wait_for_url(proc, out_path: Path, err_path: Path) -> str:
+    """The API URL the launcher prints once the deployment is healthy."""
+    deadline = time.monotonic() + 60
+    while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
+        assert proc.poll() is None, f"launch exited {proc.returncode}:\n{err_path.read_text()}"
+        assert time.monotonic() < deadline, f"no URL printed:\n{err_path.read_text()}"
+        time.sleep(0.1)
+    return match.group(1)
+
+
+def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_engine: dict) -> str:
+    """``baton launch`` answering the official client (a completion equal to the offline
+    engine's, a streamed chat), then SIGINT: exit 0, no child or segment left. Its stderr."""
+    openai = pytest.importorskip("openai")
+    proc, out_path, err_path = _start_launch(model_dir, tmp_path, flags, env)
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 60
-        while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
-            assert proc.poll() is None, f"launch exited {proc.returncode}:\n{err_path.read_text()}"
-            assert time.monotonic() < deadline, f"no URL printed:\n{err_path.read_text()}"
-            time.sleep(0.1)
-        base_url = match.group(1)
+        base_url = _wait_for_url(proc, out_path, err_path)
         assert "curl" in out_path.read_text()
         children = _children(proc.pid)
         assert len(children) == 3, children  # prefill + decode + router
@@ -264,22 +274,11 @@ def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_di
     deployment answers again; a launcher killed hard takes every child with it, and the
     decode, stopped by SIGTERM, removes its shared memory."""
     openai = pytest.importorskip("openai")
-    port = _free_port()
-    out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
-    path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
-    with open(out_path, "w") as out, open(err_path, "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "launch", "--model", str(text_model_dir),
-             "--port", str(port), "--dtype", "float32", "--threads", "1"],
-            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path},
-        )  # fmt: skip
+    proc, out_path, err_path = _start_launch(text_model_dir, tmp_path, ["--dtype", "float32"], {})
     seen: set[int] = set()
     try:
-        deadline = time.monotonic() + 60
-        while not (match := re.search(r"serving the OpenAI API at (\S+)", out_path.read_text())):
-            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
-            time.sleep(0.1)
-        client = openai.OpenAI(base_url=match.group(1), api_key="x", max_retries=0, timeout=30)
+        base_url = _wait_for_url(proc, out_path, err_path)
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0, timeout=30)
         model = Path(text_model_dir).name
         first = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
         (decode,) = [p for p in _children(proc.pid) if "--role decode" in _cmdline(p)]
