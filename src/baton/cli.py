@@ -69,11 +69,10 @@ def _engine_options(args: argparse.Namespace) -> dict:
 def _serve(args: argparse.Namespace) -> int:
     import logging
 
-    import uvicorn
-
     from baton.config import EngineConfig, RuntimeEnv
     from baton.server.api import build_app
     from baton.server.async_engine import AsyncEngine
+    from baton.server.http import server as http_server
 
     # the engine's start-up line (platform, dtype) and the PD layers' warnings
     logging.basicConfig(
@@ -100,10 +99,8 @@ def _serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: None)
     try:
         app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))
-        server = uvicorn.Server(uvicorn.Config(
-            app, host=args.host, port=args.port, log_level="info",
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        ))  # fmt: skip
+        server = http_server(app, args.host, args.port, log_level="info",
+                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
         # A failed engine stops the server: the process exits non-zero (below) for a
         # supervisor to restart, instead of staying up answering 503.
         engine.on_failure = lambda: setattr(server, "should_exit", True)
@@ -148,8 +145,7 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     import json
     import os
 
-    import uvicorn
-
+    from baton.server.http import server as http_server
     from baton.server.prefill_app import PrefillLoop, build_prefill_app
     from baton.transfer.prefill_server import PrefillServer
 
@@ -161,10 +157,8 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
         args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args)
     )
     loop = PrefillLoop(server)
-    http = uvicorn.Server(uvicorn.Config(
-        build_prefill_app(loop), host=args.host, port=args.port, log_level="warning",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    ))  # fmt: skip
+    http = http_server(build_prefill_app(loop), args.host, args.port, log_level="warning",
+                       timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     # A failed loop stops the server and the process exits 1 (see _serve), never a prefill
     # that stays up answering 503.
     loop.on_failure = lambda: setattr(http, "should_exit", True)
@@ -188,9 +182,8 @@ def _router(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    import uvicorn
-
     from baton.router.router import Router, build_router_app
+    from baton.server.http import server as http_server
 
     admin_token = os.environ.get(args.admin_token_env) or None
     if admin_token is None and not _is_loopback(args.host):
@@ -208,7 +201,7 @@ def _router(args: argparse.Namespace) -> int:
         return 2
     # one access line per relayed request, health changes, retries
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port, log_level="info")
+    http_server(build_router_app(router), args.host, args.port, log_level="info").run()
     return 0
 
 

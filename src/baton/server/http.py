@@ -1,0 +1,68 @@
+"""The HTTP connection settings every baton server shares (OpenAI server, prefill, router).
+
+uvicorn closes a kept-alive connection that stays idle (``timeout_keep_alive``) but has no
+deadline for a request that is arriving: a client that sends half a request line, or
+headers without their end, or a body slower than a trickle, held its connection (and a
+slot of the server) forever. ``ReadDeadlineH11Protocol`` gives every request
+``REQUEST_READ_TIMEOUT_S`` from its first byte (or from the connection's opening) to
+arrive in full, headers and body, and closes the connection past it. Responses -- a long
+SSE stream included -- are not limited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+REQUEST_READ_TIMEOUT_S = 30.0
+"""From a request's first byte (or the connection's opening) to its last."""
+_ARRIVED = (h11.DONE, h11.MUST_CLOSE)
+"""The client's h11 states once its request is in full (MUST_CLOSE: it said Connection:
+close)."""
+
+
+class ReadDeadlineH11Protocol(H11Protocol):
+    read_timeout_s = REQUEST_READ_TIMEOUT_S
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._read_deadline: asyncio.TimerHandle | None = None
+        self._arm()  # a connection that never sends a byte is closed too
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state in _ARRIVED:  # the request has arrived in full
+            self._disarm()
+        elif data and self._read_deadline is None:
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._on_deadline)
+
+    def _disarm(self) -> None:
+        if getattr(self, "_read_deadline", None) is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _on_deadline(self) -> None:
+        self._read_deadline = None
+        if self.conn.their_state not in _ARRIVED and not self.transport.is_closing():
+            self.logger.warning("closing a connection whose request did not arrive in %g s",
+                                self.read_timeout_s)  # fmt: skip
+            self.transport.close()
+
+
+def server(app: Any, host: str, port: int, **options: Any) -> uvicorn.Server:
+    """A uvicorn server with baton's connection settings (``options``: more of
+    ``uvicorn.Config``)."""
+    return uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, http=ReadDeadlineH11Protocol, **options)
+    )
