@@ -247,7 +247,7 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_body_over_the_limit_is_refused_before_parsing(server, chunked):
     """413 by Content-Length, or while a chunked body streams in; the server stays up."""
-    from baton.server.api import MAX_BODY_BYTES
+    from baton.server.request_body import MAX_BODY_BYTES
 
     base = server[1]
     body = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"x" * MAX_BODY_BYTES + b'"}'

@@ -154,8 +154,15 @@ class AsyncEngine:
         return self._iterate(request_id, outputs)
 
     async def _tokenize(self, text: str, loop: asyncio.AbstractEventLoop) -> dict:
-        """Tokenize off the engine thread (a 10 MB prompt held every request for 11 s), after
-        refusing, without tokenizing, a text too long for the context whatever its tokens."""
+        """Tokenize off the engine thread and the event loop (a 10 MB prompt held every
+        request for 11 s): ``_encode_bounded`` in an executor."""
+        token_ids = await loop.run_in_executor(None, self._encode_bounded, text)
+        return {"prompt": text, "prompt_token_ids": token_ids}
+
+    def _encode_bounded(self, text: str) -> list[int]:
+        """The text's token ids, after refusing, without tokenizing, a text too long for the
+        context whatever its tokens (``Tokenizer.max_token_bytes``, found once, here too:
+        it decodes the whole vocabulary)."""
         tokenizer = self.tokenizer
         num_bytes = len(text.encode("utf-8", "surrogatepass"))
         at_least = num_bytes // tokenizer.max_token_bytes
@@ -164,8 +171,7 @@ class AsyncEngine:
                 f"the prompt is {num_bytes} bytes, at least {at_least} tokens; the context is "
                 f"{self.max_model_len}"
             )
-        token_ids = await loop.run_in_executor(None, tokenizer.encode, text)
-        return {"prompt": text, "prompt_token_ids": token_ids}
+        return tokenizer.encode(text)
 
     async def _iterate(
         self, request_id: str, outputs: asyncio.Queue
