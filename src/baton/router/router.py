@@ -46,8 +46,7 @@ from prometheus_client import (
 
 from baton.router.admin import add_admin_routes
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy
-from baton.server.api import PREFILL_HEADER, ROOM_HEADER
-from baton.server.protocol import ApiError
+from baton.server.protocol import PREFILL_HEADER, ROOM_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
 

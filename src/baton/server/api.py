@@ -24,7 +24,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
-from baton.server.protocol import ApiError, ChatCompletionRequest, CompletionRequest
+from baton.server.protocol import (
+    PREFILL_HEADER,
+    ROOM_HEADER,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from baton.server.request_body import MAX_BODY_BYTES, openapi_body, parse_body, validation_error
 
 
@@ -347,12 +353,6 @@ async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
     if last is None:
         raise ApiError("the engine returned no output", 500, type="server_error")
     return last
-
-
-PREFILL_HEADER = "x-baton-prefill"
-ROOM_HEADER = "x-baton-room"
-"""PD routing a router adds to a decode server's request: the prefill's control endpoint
-and the room id (both sides of the handoff and the router's logs share it)."""
 
 
 def _route(request: Request) -> dict:

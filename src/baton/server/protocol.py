@@ -3,7 +3,9 @@ conversion to ``SamplingParams``.
 
 Unknown fields that do not change the output (``user``, ``metadata``, ...) are ignored;
 known fields this server cannot honour (``n > 1``, ``echo``, ``logit_bias``, tools, ...)
-raise ``ApiError`` (a 400), never silently produce a different answer.
+raise ``ApiError`` (a 400), never silently produce a different answer. Also the headers a
+router adds to the requests it forwards to a decode server (``PREFILL_HEADER``,
+``ROOM_HEADER``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,11 @@ Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
 Bool = Annotated[bool, Strict()]
 Str = Annotated[str, Strict()]
+
+PREFILL_HEADER = "x-baton-prefill"
+ROOM_HEADER = "x-baton-room"
+"""PD routing a router adds to a decode server's request: the prefill's control endpoint
+and the room id (both sides of the handoff and the router's logs share it)."""
 
 
 class ApiError(Exception):
