@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import baton.kernels.paged_attention as kernel
-from baton.engine.paged_attention import PagedAttention, Segment
 from baton.kernels import library
 from baton.memory import PagedPool, RingPool, StateRegistry
+from baton.model.paged_attention import PagedAttention, Segment
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
 pytestmark = [

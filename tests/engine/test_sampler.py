@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from baton.engine.sampler import Sampler, SamplingState
 from baton.request import SamplingParams
+from baton.sampling.sampler import Sampler, SamplingState
 
 VOCAB = 64
 EOS = 1
@@ -242,7 +242,7 @@ def test_extreme_draws_land_on_tokens_with_mass(u: float, monkeypatch: pytest.Mo
 
 
 def test_rounding_past_a_block_stays_on_its_last_token_with_mass():
-    from baton.engine.sampler import inverse_cdf
+    from baton.sampling.sampler import inverse_cdf
 
     # fp32: 1 + 0.6 * 2**-23 rounds up to 1 + 2**-23, above the exact float64 sum.
     probs = torch.tensor([[1.0, 0.6 * 2.0**-23, 0.0, 0.0]])

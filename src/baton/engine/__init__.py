@@ -1,1 +1,1 @@
-"""The engine: scheduler, runner, sampler and the offline ``LLM`` API."""
+"""The engine: scheduler, runner and the offline ``LLM`` API (sampling is ``baton.sampling``)."""

@@ -23,7 +23,6 @@ from baton.config import EngineConfig
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
-from baton.engine.sampler import Sampler, SamplingState
 from baton.engine.scheduler import Scheduler
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
@@ -31,6 +30,7 @@ from baton.memory.cache import CacheGroup, ModelCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.sampling.sampler import Sampler, SamplingState
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 

@@ -18,12 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.engine.paged_attention import PagedAttention, Segment
-from baton.engine.sampler import Sampler, SamplerOutput, SamplingState
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.logits import argmax_rows, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
+from baton.model.paged_attention import PagedAttention, Segment
+from baton.sampling.sampler import Sampler, SamplerOutput, SamplingState
 from baton.speculative.proposer import DraftProposer, PendingPairs
 from baton.speculative.verify import greedy_chain, verify_chain
 

@@ -23,7 +23,7 @@
  * summed in fp32 -- what torch's CPU flash attention does in bf16 (transformers' SDPA), and
  * a quarter off the kernel's time.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
- * baton/engine/paged_attention.py, which tests compare it with.
+ * baton/model/paged_attention.py, which tests compare it with.
  */
 #include <math.h>
 #include <omp.h>

@@ -2,7 +2,7 @@
 
 ``PagedAttentionCall`` is built once per pool and forward from the batch plan's index lists
 (int32 tensors it keeps alive) and run once per layer with that layer's q, output and pool
-storage. Who calls it: ``baton.engine.paged_attention``, whose torch path is the reference.
+storage. Who calls it: ``baton.model.paged_attention``, whose torch path is the reference.
 """
 
 from __future__ import annotations

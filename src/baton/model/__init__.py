@@ -1,6 +1,9 @@
-"""Pure-torch models: specs from HF configs, the decoder, the MTP draft, the loader.
+"""Pure-torch models: specs from HF configs, the decoder, the MTP draft, the loader, and
+``paged_attention``, the attention backend that runs the model over the ``baton.memory``
+pools.
 
-Never imports the scheduler, transfer or server packages.
+Imports only ``kernels``, ``memory`` and the base modules; never the sampler, speculative,
+engine, transfer or server packages.
 """
 
 from baton.model.attention import DenseAttention, StaticKVCache

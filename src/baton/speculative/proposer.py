@@ -22,11 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.engine.paged_attention import PagedAttention, Segment
 from baton.kernels.logits import argmax_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.model.draft import MTPDraft
+from baton.model.paged_attention import PagedAttention, Segment
 
 
 @dataclass

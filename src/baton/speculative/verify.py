@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from baton.engine.sampler import Sampler, SamplingState, inverse_cdf
+from baton.sampling.sampler import Sampler, SamplingState, inverse_cdf
 
 ACCEPT_STREAM = 1
 RESAMPLE_STREAM = 2

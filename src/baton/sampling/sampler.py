@@ -30,8 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.engine.sampling_state import SamplingState, TokenCounts
 from baton.request import SamplingParams
+from baton.sampling.sampling_state import SamplingState, TokenCounts
 
 _CDF_BLOCK = 1024
 """Columns per block of the two-level inverse CDF."""

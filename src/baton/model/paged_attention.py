@@ -1,4 +1,4 @@
-"""The attention backend of the engine: variable-length requests over the state pools.
+"""The attention backend of runner and proposer: variable-length requests over the pools.
 
 A step's tokens are flattened into one row (``[1, num_tokens]``); each request owns a
 contiguous segment of it. A query at position p of a layer with window W sees keys
