@@ -293,9 +293,42 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _RegistryNames:
+    """argparse ``choices``: the names in ``module.attr``, imported only when argparse needs
+    them (to check a value given, or to print the help that lists them)."""
+
+    def __init__(self, module: str, attr: str) -> None:
+        self.module, self.attr = module, attr
+
+    def _names(self) -> tuple[str, ...]:
+        import importlib
+
+        return tuple(getattr(importlib.import_module(self.module), self.attr))
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+def _worker_backend_choices(action: argparse.Action) -> None:
+    """``--backend`` takes a transfer backend that crosses a process boundary
+    (``WORKER_BACKENDS``). Set after ``add_argument``, which would list the choices at once:
+    their module imports torch, and ``baton --help``, ``router`` and ``bench`` never need it."""
+    action.choices = _RegistryNames("baton.transfer.worker_base", "WORKER_BACKENDS")
+
+
+def _policy_names() -> tuple[str, ...]:
+    from baton.router.policy import POLICIES  # light: no torch
+
+    return tuple(POLICIES)
+
+
+def _add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="offline generation on a local model directory")
     gen.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -309,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_false",
         help="do not use the MTP draft even if the model has one",
     )
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_engine_args(serve)
     serve.add_argument(
@@ -320,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         help="decode: a prefill control endpoint (tcp://HOST:PORT) for requests that name none "
         "(repeatable; without it only a router's requests, which name theirs, are served)",
     )  # fmt: skip
-    serve.add_argument("--backend", default="shm", choices=("shm", "nixl", "mooncake"),
-                       help="PD: how state moves (shm: one host)")  # fmt: skip
+    backend = serve.add_argument("--backend", default="shm",
+                                 help="PD: how state moves (shm: one host)")  # fmt: skip
+    _worker_backend_choices(backend)
     serve.add_argument("--pd-host", default="127.0.0.1", help="prefill: control endpoint host")
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
@@ -333,32 +370,39 @@ def main(argv: list[str] | None = None) -> int:
     for f in dataclasses.fields(Deadlines):
         serve.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default,
                            help=f"PD deadline in seconds (default {f.default:g})")  # fmt: skip
+
+
+def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router = sub.add_parser("router", help="the OpenAI API in front of prefill/decode instances")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
     router.add_argument("--prefill", action="append", help="a prefill's HTTP URL (repeatable)")
     router.add_argument("--decode", action="append", help="a decode's HTTP URL (repeatable)")
-    router.add_argument("--policy", default="round_robin",
-                        choices=("round_robin", "least_outstanding"))  # fmt: skip
+    router.add_argument("--policy", default="round_robin", choices=_policy_names())
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
         "--admin-token-env", default="BATON_ADMIN_TOKEN",
         help="env var with the /admin bearer token (unset: the admin API is disabled, and a "
         "router bound to a non-loopback address refuses to start)",
     )  # fmt: skip
+
+
+def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
     # NOTE: launch pins prefill and decode to halves of the cores, one thread per core.
     launch.set_defaults(threads=None)
     launch.add_argument("--num-prefill", type=int, default=1)
     launch.add_argument("--num-decode", type=int, default=1)
-    launch.add_argument("--policy", default="round_robin",
-                        choices=("round_robin", "least_outstanding"))  # fmt: skip
+    launch.add_argument("--policy", default="round_robin", choices=_policy_names())
     launch.add_argument("--no-restart", dest="restart", action="store_false",
                         help="stop everything when a child dies (default: restart it)")  # fmt: skip
     for role in ("prefill", "decode"):
         launch.add_argument(f"--{role}-cpus", type=_cpu_list, default=None,
                             help=f"pin {role} workers to these cores, e.g. 0 or 0,1")  # fmt: skip
+
+
+def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     bench.add_argument("--model", default=BUNDLED_MODEL.name, help="the served model name")
@@ -381,7 +425,28 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
     bench.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
+
+
+_COMMANDS = {
+    "generate": (_add_generate_parser, _generate),
+    "serve": (_add_serve_parser, _serve),
+    "router": (_add_router_parser, _router),
+    "launch": (_add_launch_parser, _launch),
+    "bench": (_add_bench_parser, _bench),
+}
+"""Sub-command -> (the function that adds its parser, the function that runs it)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add_parser, _ in _COMMANDS.values():
+        add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command in ("generate", "serve", "launch"):
         from baton import platform
 
@@ -390,17 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    if args.command == "generate":
-        return _generate(args)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "router":
-        return _router(args)
-    if args.command == "launch":
-        return _launch(args)
-    if args.command == "bench":
-        return _bench(args)
-    return 2
+    _, run = _COMMANDS[args.command]
+    return run(args)
 
 
 if __name__ == "__main__":

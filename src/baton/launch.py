@@ -67,11 +67,10 @@ def launch(
     ``restart`` is off (exit 1); with it on, a dead child is started again (``Supervisor``)."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
-    options = {k: v for k, v in (engine_options or {}).items() if v is not None}
-    if options.get("dtype", "auto") == "auto":
-        options["dtype"] = resolved_dtype(model)
+    options = _child_engine_options(model, engine_options)
     if prefill_cpus is None and decode_cpus is None:
         prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
+    shape = {"prefill": (num_prefill, prefill_cpus), "decode": (num_decode, decode_cpus)}
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
@@ -81,24 +80,14 @@ def launch(
     supervisor = Supervisor(restart)
     try:
         workers = _start_workers(supervisor, model, options, served_model_name, env, shm_prefix,
-                                 {"prefill": (num_prefill, prefill_cpus),
-                                  "decode": (num_decode, decode_cpus)})  # fmt: skip
+                                 shape)  # fmt: skip
         for url in workers["prefill"] + workers["decode"]:
             _wait_healthy(url, supervisor, stop)
-        router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
-        for role, urls in workers.items():
-            router_args += [item for url in urls for item in (f"--{role}", url)]
-        admin_token, token_path = admin_token_file(admin_dir)
-        supervisor.start(Child("router", router_args, {**env, ADMIN_TOKEN_ENV: admin_token}))
-        url = f"http://{_url_host(host)}:{port}"
+        url, token_path = _start_router(supervisor, workers, env, admin_dir, host, port, policy)
         _wait_healthy(url, supervisor, stop)
         if not stop.is_set():
             _print_banner(url, served_model_name or Path(model).name, workers, token_path)
-        while not stop.wait(0.5):
-            if reason := supervisor.watch():
-                print(f"error: {reason}; stopping", file=sys.stderr)
-                return 1
-        return 0
+        return _watch(supervisor, stop)
     except LaunchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -108,6 +97,37 @@ def launch(
         shutil.rmtree(admin_dir, ignore_errors=True)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _child_engine_options(model: str, engine_options: dict | None) -> dict:
+    """The engine options every worker gets: the ones set, ``dtype`` made concrete."""
+    options = {k: v for k, v in (engine_options or {}).items() if v is not None}
+    if options.get("dtype", "auto") == "auto":
+        options["dtype"] = resolved_dtype(model)
+    return options
+
+
+def _start_router(
+    supervisor: Supervisor, workers: dict[str, list[str]], env: dict, admin_dir: str,
+    host: str, port: int, policy: str,
+) -> tuple[str, str | None]:  # fmt: skip
+    """Start the router child in front of ``workers``; its URL and the admin token's file
+    (None: the token is ``$BATON_ADMIN_TOKEN``)."""
+    router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
+    for role, urls in workers.items():
+        router_args += [item for url in urls for item in (f"--{role}", url)]
+    admin_token, token_path = admin_token_file(admin_dir)
+    supervisor.start(Child("router", router_args, {**env, ADMIN_TOKEN_ENV: admin_token}))
+    return f"http://{_url_host(host)}:{port}", token_path
+
+
+def _watch(supervisor: Supervisor, stop: threading.Event) -> int:
+    """Wait for ``stop`` (exit 0), or for a child death the supervisor will not mend (1)."""
+    while not stop.wait(0.5):
+        if reason := supervisor.watch():
+            print(f"error: {reason}; stopping", file=sys.stderr)
+            return 1
+    return 0
 
 
 def _start_workers(

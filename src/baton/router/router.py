@@ -320,61 +320,76 @@ def _relay(
 
 
 def build_router_app(router: Router) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
-        timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=30.0)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-        async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
-            router.http = http
-            await router.check_all()
-            task = asyncio.create_task(router.health_loop())
-            try:
-                yield
-            finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-                router.http = None
-
-    app = FastAPI(title="baton router", docs_url=None, redoc_url=None, lifespan=lifespan)
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models() -> Response:
-        decode = router.choose("decode")
-        if decode is None:
-            raise ApiError("no healthy decode instance", 503, type="server_error",
-                           code="no_instance")  # fmt: skip
-        assert router.http is not None
-        try:
-            resp = await router.http.get(f"{decode.url}/v1/models", timeout=HEALTH_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            raise ApiError(f"decode {decode.url}: {exc}", 502, type="server_error") from exc
-        return Response(resp.content, resp.status_code, media_type="application/json")
-
-    @app.get("/health")
-    async def health() -> Response:
-        counts = {role: len(router.table.healthy(role)) for role in ROLES}
-        if all(counts.values()):
-            return JSONResponse({"status": "ok", "healthy": counts})
-        missing = [role for role, n in counts.items() if not n]
-        error = ApiError(f"no healthy {' or '.join(missing)} instance", 503, type="server_error")
-        return JSONResponse(error.body(), status_code=503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    """The router's FastAPI app; ``router`` is kept on ``app.state.router`` for the routes."""
+    app = FastAPI(title="baton router", docs_url=None, redoc_url=None, lifespan=_lifespan)
+    app.state.router = router
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_api_route("/v1/completions", _completions, methods=["POST"], name="completions")
+    app.add_api_route(
+        "/v1/chat/completions", _chat_completions, methods=["POST"], name="chat_completions"
+    )
+    app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
+    app.add_api_route("/health", _health, methods=["GET"], name="health")
+    app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics")
     add_admin_routes(app, router)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """The upstream HTTP client and the health loop, for as long as the app serves."""
+    router: Router = app.state.router
+    timeout = httpx.Timeout(connect=CONNECT_TIMEOUT_S, read=None, write=30.0, pool=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        router.http = http
+        await router.check_all()
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            router.http = None
+
+
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status_code)
+
+
+# -- routes (no docstrings: FastAPI would publish them in /openapi.json) ---------------------
+async def _completions(request: Request) -> Response:
+    return await request.app.state.router.forward(request, "/v1/completions")
+
+
+async def _chat_completions(request: Request) -> Response:
+    return await request.app.state.router.forward(request, "/v1/chat/completions")
+
+
+async def _models(request: Request) -> Response:
+    router: Router = request.app.state.router
+    decode = router.choose("decode")
+    if decode is None:
+        raise ApiError("no healthy decode instance", 503, type="server_error",
+                       code="no_instance")  # fmt: skip
+    assert router.http is not None
+    try:
+        resp = await router.http.get(f"{decode.url}/v1/models", timeout=HEALTH_TIMEOUT_S)
+    except httpx.HTTPError as exc:
+        raise ApiError(f"decode {decode.url}: {exc}", 502, type="server_error") from exc
+    return Response(resp.content, resp.status_code, media_type="application/json")
+
+
+async def _health(request: Request) -> Response:
+    router: Router = request.app.state.router
+    counts = {role: len(router.table.healthy(role)) for role in ROLES}
+    if all(counts.values()):
+        return JSONResponse({"status": "ok", "healthy": counts})
+    missing = [role for role, n in counts.items() if not n]
+    error = ApiError(f"no healthy {' or '.join(missing)} instance", 503, type="server_error")
+    return JSONResponse(error.body(), status_code=503)
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(request.app.state.router.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming as SSE and
 not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every error is
 OpenAI's ``{"error": {...}}`` JSON with a 4xx (5xx only for a failed engine); a bad request
-never reaches the engine thread's state and never takes the server down.
+never reaches the engine thread's state and never takes the server down. Each route is a
+module-level function that finds what the routes share (``_Server``) on ``app.state``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -52,6 +54,19 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return others[:n] if n else []
 
 
+@dataclass
+class _Server:
+    """What the routes share, kept on ``app.state.server``: the engine, the served model's
+    name, the platform ``/health`` reports, the body limit and the Prometheus metrics."""
+
+    engine: AsyncEngine
+    model_name: str
+    platform_info: dict | None
+    max_body_bytes: int
+    tokenizer: Any
+    metrics: ServerMetrics
+
+
 def build_app(
     engine: AsyncEngine,
     model_name: str,
@@ -61,260 +76,327 @@ def build_app(
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
     ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
-    metrics = ServerMetrics()
-    tokenizer = engine.tokenizer
-
-    def token_str(token_id: int) -> str:
-        return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-
-    def completion_logprobs(delta: CompletionOutput, n: int, offset: int) -> dict | None:
-        if delta.logprobs is None:
-            return None
-        tokens = [token_str(t) for t in delta.token_ids]
-        offsets = []
-        for tok in tokens:
-            offsets.append(offset)
-            offset += len(tok)
-        return {
-            "tokens": tokens,
-            "token_logprobs": [
-                lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
-            ],
-            "top_logprobs": [
-                {token_str(i): v for i, v in _top(lp, n)}
-                for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
-            ],
-            "text_offset": offsets,
-        }
-
-    def chat_logprobs(delta: CompletionOutput, n: int) -> dict | None:
-        if delta.logprobs is None:
-            return None
-
-        def item(token_id: int, value: float) -> dict:
-            text = token_str(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
-
-        content = [
-            {**item(t, lp[t]), "top_logprobs": [item(i, v) for i, v in _top(lp, n)]}
-            for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
-        ]
-        return {"content": content}
-
-    async def run(prompt: Any, params: Any, route: dict) -> AsyncIterator[RequestOutput]:
-        """The engine's outputs, with latency and token metrics recorded on the way. A
-        request that fails before its first token (a PD prefill died, ...) is a 503 here,
-        before any response starts, so a router can retry it."""
-        arrival = time.monotonic()
-        try:
-            stream = await engine.add(prompt, params, **route)
-        except ValueError as exc:
-            raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
-        except RuntimeError as exc:
-            raise ApiError(str(exc), 503, type="server_error") from exc
-        first = await anext(stream)  # an EngineFailed here is a 500 (its handler below)
-        failed = first.outputs[0]
-        if first.finished and failed.finish_reason == "error" and not failed.token_ids:
-            await stream.aclose()
-            code = "prefill_failed" if engine.is_pd else None
-            message = first.error or "the request failed before its first token"
-            raise ApiError(message, 503, type="server_error", code=code)
-
-        async def replayed() -> AsyncIterator[RequestOutput]:
-            yield first
-            async for out in stream:
-                yield out
-
-        async def observed() -> AsyncIterator[RequestOutput]:
-            last = None
-            try:
-                async for out in replayed():
-                    num_new = len(out.delta.token_ids) if out.delta else 0
-                    if num_new:
-                        now = time.monotonic()
-                        if last is None:
-                            metrics.ttft.observe(now - arrival)
-                        else:
-                            metrics.itl.observe((now - last) / num_new)
-                        last = now
-                        metrics.generation_tokens.inc(num_new)
-                    if out.finished:
-                        metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-                        if (accepted := out.metrics.acceptance_length) is not None:
-                            metrics.acceptance.observe(accepted)
-                    yield out
-            finally:
-                await stream.aclose()
-
-        return observed()
-
-    def check_model(name: str) -> None:
-        if name != model_name:
-            raise ApiError(
-                f"the model {name!r} does not exist; this server serves {model_name!r}",
-                404, param="model", code="model_not_found",
-            )  # fmt: skip
-
-    def sse(
-        outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
-        usage_head: dict | None,
-    ) -> StreamingResponse:  # fmt: skip
-        """The SSE stream of ``chunk(out)`` per output; with ``usage_head`` (the client asked
-        for ``stream_options.include_usage``) a last chunk carrying the usage."""
-
-        async def body() -> AsyncIterator[str]:
-            last = None
-            try:
-                async for out in outputs:
-                    last = out
-                    data = chunk(out)
-                    if data is not None:
-                        yield f"data: {json.dumps(data)}\n\n"
-                if usage_head is not None and last is not None:
-                    usage = {**usage_head, "choices": [], "usage": _usage(last)}
-                    yield f"data: {json.dumps(usage)}\n\n"
-            except Exception as exc:  # the engine died mid-stream: tell the client, then end
-                err = (
-                    _engine_failed(exc)
-                    if isinstance(exc, EngineFailed)
-                    else ApiError(f"the engine failed: {exc}", 500, type="server_error")
-                )
-                yield f"data: {json.dumps(err.body())}\n\n"
-            finally:
-                await outputs.aclose()
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(body(), media_type="text/event-stream")
-
-    @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error(validation_error(exc))
-
-    @app.exception_handler(EngineFailed)
-    async def _engine_failure(_: Request, exc: EngineFailed) -> JSONResponse:
-        return _error(_engine_failed(exc))
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        return _error(ApiError(f"internal error: {exc}", 500, type="server_error"))
-
-    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest, model_name))
-    async def completions(request: Request) -> Response:
-        req: CompletionRequest = await parse_body(request, CompletionRequest, max_body_bytes)
-        check_model(req.model)
-        params = req.sampling_params()
-        outputs = await run(req.engine_prompt(), params, _route(request))
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        n_top = req.logprobs or 0
-        head = {"id": rid, "object": "text_completion", "created": created, "model": model_name}
-        if req.stream:
-            offset = 0
-
-            def chunk(out: RequestOutput) -> dict | None:
-                nonlocal offset
-                delta = out.delta
-                if not delta.text and not delta.token_ids and not out.finished:
-                    return None
-                choice = {
-                    "index": 0,
-                    "text": delta.text,
-                    "logprobs": completion_logprobs(delta, n_top, offset),
-                    "finish_reason": delta.finish_reason,
-                }
-                offset += len(delta.text)
-                return {**head, "choices": [choice]}
-
-            return sse(outputs, chunk, head if req.include_usage else None)
-        final = await _last_unless_disconnected(request, outputs)
-        completion = final.outputs[0]
-        choice = {
-            "index": 0,
-            "text": completion.text,
-            "logprobs": completion_logprobs(completion, n_top, 0),
-            "finish_reason": completion.finish_reason,
-        }
-        return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
-
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest, model_name))
-    async def chat_completions(request: Request) -> Response:
-        req: ChatCompletionRequest = await parse_body(
-            request, ChatCompletionRequest, max_body_bytes
-        )
-        check_model(req.model)
-        params = req.sampling_params()
-        if tokenizer is None:
-            raise ApiError("this model has no tokenizer; chat needs one", param="messages")
-        try:
-            prompt = tokenizer.apply_chat_template(
-                req.template_messages(), add_generation_prompt=True
-            )
-        except ValueError as exc:
-            raise ApiError(str(exc), param="messages") from exc
-        outputs = await run(prompt, params, _route(request))
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        n_top = req.top_logprobs or 0
-        if req.stream:
-            head = {
-                "id": rid,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model_name,
-            }
-            is_first = True
-
-            def chunk(out: RequestOutput) -> dict | None:
-                nonlocal is_first
-                delta = out.delta
-                if not is_first and not delta.text and not delta.token_ids and not out.finished:
-                    return None
-                message = (
-                    {"role": "assistant", "content": delta.text}
-                    if is_first
-                    else {"content": delta.text}
-                )
-                is_first = False
-                choice = {
-                    "index": 0,
-                    "delta": message,
-                    "logprobs": chat_logprobs(delta, n_top),
-                    "finish_reason": delta.finish_reason,
-                }
-                return {**head, "choices": [choice]}
-
-            return sse(outputs, chunk, head if req.include_usage else None)
-        final = await _last_unless_disconnected(request, outputs)
-        completion = final.outputs[0]
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": completion.text},
-            "logprobs": chat_logprobs(completion, n_top),
-            "finish_reason": completion.finish_reason,
-        }
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": model_name}
-        return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
-
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "baton",
-                "max_model_len": engine.max_model_len, "platform": platform_info}  # fmt: skip
-        return {"object": "list", "data": [card]}
-
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_alive:
-            return _error(ApiError("the engine thread is not running", 503, type="server_error"))
-        return JSONResponse({"status": "ok", "platform": platform_info})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        metrics.update(engine)
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
+    app.state.server = _Server(
+        engine, model_name, platform_info, max_body_bytes, engine.tokenizer, ServerMetrics()
+    )
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _request_validation)
+    app.add_exception_handler(EngineFailed, _engine_failure)
+    app.add_exception_handler(Exception, _internal)
+    app.add_api_route(
+        "/v1/completions", _completions, methods=["POST"], name="completions",
+        openapi_extra=openapi_body(CompletionRequest, model_name),
+    )  # fmt: skip
+    app.add_api_route(
+        "/v1/chat/completions", _chat_completions, methods=["POST"], name="chat_completions",
+        openapi_extra=openapi_body(ChatCompletionRequest, model_name),
+    )  # fmt: skip
+    app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
+    app.add_api_route("/health", _health, methods=["GET"], name="health")
+    app.add_api_route("/metrics", _prometheus, methods=["GET"], name="prometheus")
     return app
+
+
+def _server(request: Request) -> _Server:
+    return request.app.state.server
+
+
+# -- errors ----------------------------------------------------------------------------------
+async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+    return _error(exc)
+
+
+async def _request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return _error(validation_error(exc))
+
+
+async def _engine_failure(_: Request, exc: EngineFailed) -> JSONResponse:
+    return _error(_engine_failed(exc))
+
+
+async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    return _error(ApiError(f"internal error: {exc}", 500, type="server_error"))
+
+
+# -- routes (no docstrings: FastAPI would publish them in /openapi.json) ---------------------
+async def _completions(request: Request) -> Response:
+    server = _server(request)
+    req: CompletionRequest = await parse_body(request, CompletionRequest, server.max_body_bytes)
+    _check_model(server, req.model)
+    params = req.sampling_params()
+    outputs = await _run(server, req.engine_prompt(), params, _route(request))
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    n_top = req.logprobs or 0
+    head = {"id": rid, "object": "text_completion", "created": created,
+            "model": server.model_name}  # fmt: skip
+    if req.stream:
+        chunk = _completion_chunks(server.tokenizer, head, n_top)
+        return _sse(outputs, chunk, head if req.include_usage else None)
+    final = await _last_unless_disconnected(request, outputs)
+    completion = final.outputs[0]
+    choice = {
+        "index": 0,
+        "text": completion.text,
+        "logprobs": _completion_logprobs(server.tokenizer, completion, n_top, 0),
+        "finish_reason": completion.finish_reason,
+    }
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+
+
+async def _chat_completions(request: Request) -> Response:
+    server = _server(request)
+    req: ChatCompletionRequest = await parse_body(
+        request, ChatCompletionRequest, server.max_body_bytes
+    )
+    _check_model(server, req.model)
+    params = req.sampling_params()
+    prompt = _chat_prompt(server.tokenizer, req)
+    outputs = await _run(server, prompt, params, _route(request))
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    n_top = req.top_logprobs or 0
+    if req.stream:
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": server.model_name,
+        }
+        chunk = _chat_chunks(server.tokenizer, head, n_top)
+        return _sse(outputs, chunk, head if req.include_usage else None)
+    final = await _last_unless_disconnected(request, outputs)
+    completion = final.outputs[0]
+    choice = {
+        "index": 0,
+        "message": {"role": "assistant", "content": completion.text},
+        "logprobs": _chat_logprobs(server.tokenizer, completion, n_top),
+        "finish_reason": completion.finish_reason,
+    }
+    head = {"id": rid, "object": "chat.completion", "created": created,
+            "model": server.model_name}  # fmt: skip
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+
+
+async def _models(request: Request) -> dict:
+    server = _server(request)
+    card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "baton",
+            "max_model_len": server.engine.max_model_len,
+            "platform": server.platform_info}  # fmt: skip
+    return {"object": "list", "data": [card]}
+
+
+async def _health(request: Request) -> Response:
+    server = _server(request)
+    if not server.engine.is_alive:
+        return _error(ApiError("the engine thread is not running", 503, type="server_error"))
+    return JSONResponse({"status": "ok", "platform": server.platform_info})
+
+
+async def _prometheus(request: Request) -> Response:
+    server = _server(request)
+    server.metrics.update(server.engine)
+    return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+# -- helpers of the routes -------------------------------------------------------------------
+def _check_model(server: _Server, name: str) -> None:
+    if name != server.model_name:
+        raise ApiError(
+            f"the model {name!r} does not exist; this server serves {server.model_name!r}",
+            404, param="model", code="model_not_found",
+        )  # fmt: skip
+
+
+def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Any:
+    if tokenizer is None:
+        raise ApiError("this model has no tokenizer; chat needs one", param="messages")
+    try:
+        return tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+    except ValueError as exc:
+        raise ApiError(str(exc), param="messages") from exc
+
+
+async def _run(
+    server: _Server, prompt: Any, params: Any, route: dict
+) -> AsyncIterator[RequestOutput]:
+    """The engine's outputs, with latency and token metrics recorded on the way. A
+    request that fails before its first token (a PD prefill died, ...) is a 503 here,
+    before any response starts, so a router can retry it."""
+    arrival = time.monotonic()
+    try:
+        stream = await server.engine.add(prompt, params, **route)
+    except ValueError as exc:
+        raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
+    except RuntimeError as exc:
+        raise ApiError(str(exc), 503, type="server_error") from exc
+    first = await anext(stream)  # an EngineFailed here is a 500 (its handler above)
+    failed = first.outputs[0]
+    if first.finished and failed.finish_reason == "error" and not failed.token_ids:
+        await stream.aclose()
+        code = "prefill_failed" if server.engine.is_pd else None
+        message = first.error or "the request failed before its first token"
+        raise ApiError(message, 503, type="server_error", code=code)
+    return _observed(server.metrics, arrival, first, stream)
+
+
+async def _replayed(
+    first: RequestOutput, stream: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in stream:
+        yield out
+
+
+async def _observed(
+    metrics: ServerMetrics, arrival: float, first: RequestOutput,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    """``first``, then ``stream``, recording TTFT, ITL and token counts; closes ``stream``."""
+    last = None
+    try:
+        async for out in _replayed(first, stream):
+            num_new = len(out.delta.token_ids) if out.delta else 0
+            if num_new:
+                now = time.monotonic()
+                if last is None:
+                    metrics.ttft.observe(now - arrival)
+                else:
+                    metrics.itl.observe((now - last) / num_new)
+                last = now
+                metrics.generation_tokens.inc(num_new)
+            if out.finished:
+                metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                if (accepted := out.metrics.acceptance_length) is not None:
+                    metrics.acceptance.observe(accepted)
+            yield out
+    finally:
+        await stream.aclose()
+
+
+def _completion_chunks(
+    tokenizer: Any, head: dict, n_top: int
+) -> Callable[[RequestOutput], dict | None]:
+    """The SSE chunk of each streamed completion output (None: nothing to send)."""
+    offset = 0
+
+    def chunk(out: RequestOutput) -> dict | None:
+        nonlocal offset
+        delta = out.delta
+        if not delta.text and not delta.token_ids and not out.finished:
+            return None
+        choice = {
+            "index": 0,
+            "text": delta.text,
+            "logprobs": _completion_logprobs(tokenizer, delta, n_top, offset),
+            "finish_reason": delta.finish_reason,
+        }
+        offset += len(delta.text)
+        return {**head, "choices": [choice]}
+
+    return chunk
+
+
+def _chat_chunks(tokenizer: Any, head: dict, n_top: int) -> Callable[[RequestOutput], dict | None]:
+    """The SSE chunk of each streamed chat output (None: nothing to send); the first one
+    carries the assistant's role."""
+    is_first = True
+
+    def chunk(out: RequestOutput) -> dict | None:
+        nonlocal is_first
+        delta = out.delta
+        if not is_first and not delta.text and not delta.token_ids and not out.finished:
+            return None
+        message = (
+            {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
+        )
+        is_first = False
+        choice = {
+            "index": 0,
+            "delta": message,
+            "logprobs": _chat_logprobs(tokenizer, delta, n_top),
+            "finish_reason": delta.finish_reason,
+        }
+        return {**head, "choices": [choice]}
+
+    return chunk
+
+
+def _sse(
+    outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
+    usage_head: dict | None,
+) -> StreamingResponse:  # fmt: skip
+    """The SSE stream of ``chunk(out)`` per output; with ``usage_head`` (the client asked
+    for ``stream_options.include_usage``) a last chunk carrying the usage."""
+    return StreamingResponse(_sse_body(outputs, chunk, usage_head), media_type="text/event-stream")
+
+
+async def _sse_body(
+    outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
+    usage_head: dict | None,
+) -> AsyncIterator[str]:  # fmt: skip
+    last = None
+    try:
+        async for out in outputs:
+            last = out
+            data = chunk(out)
+            if data is not None:
+                yield f"data: {json.dumps(data)}\n\n"
+        if usage_head is not None and last is not None:
+            usage = {**usage_head, "choices": [], "usage": _usage(last)}
+            yield f"data: {json.dumps(usage)}\n\n"
+    except Exception as exc:  # the engine died mid-stream: tell the client, then end
+        err = (
+            _engine_failed(exc)
+            if isinstance(exc, EngineFailed)
+            else ApiError(f"the engine failed: {exc}", 500, type="server_error")
+        )
+        yield f"data: {json.dumps(err.body())}\n\n"
+    finally:
+        await outputs.aclose()
+    yield "data: [DONE]\n\n"
+
+
+# -- logprobs --------------------------------------------------------------------------------
+def _token_str(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+def _completion_logprobs(
+    tokenizer: Any, delta: CompletionOutput, n: int, offset: int
+) -> dict | None:
+    if delta.logprobs is None:
+        return None
+    tokens = [_token_str(tokenizer, t) for t in delta.token_ids]
+    offsets = []
+    for tok in tokens:
+        offsets.append(offset)
+        offset += len(tok)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)],
+        "top_logprobs": [
+            {_token_str(tokenizer, i): v for i, v in _top(lp, n)}
+            for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+        ],
+        "text_offset": offsets,
+    }
+
+
+def _chat_logprobs(tokenizer: Any, delta: CompletionOutput, n: int) -> dict | None:
+    if delta.logprobs is None:
+        return None
+    content = [
+        {
+            **_chat_logprob(tokenizer, t, lp[t]),
+            "top_logprobs": [_chat_logprob(tokenizer, i, v) for i, v in _top(lp, n)],
+        }
+        for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
+    ]
+    return {"content": content}
+
+
+def _chat_logprob(tokenizer: Any, token_id: int, value: float) -> dict:
+    text = _token_str(tokenizer, token_id)
+    return {"token": text, "logprob": value, "bytes": list(text.encode())}
 
 
 def _engine_failed(exc: EngineFailed) -> ApiError:
