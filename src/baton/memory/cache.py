@@ -14,15 +14,15 @@ import torch
 
 from baton.config import CacheConfig, SchedulerConfig
 from baton.memory.allocator import StorageAllocator
+from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.pools import PagedPool, RingPool, StatePool
 from baton.memory.state import StateRegistry
-from baton.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 
 class ModelCache:
     def __init__(
         self,
-        spec: ModelSpec,
+        spec: CacheLayout,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         dtype: torch.dtype,

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FULL_ATTENTION = "full_attention"
-SLIDING_ATTENTION = "sliding_attention"
+# The attention kinds live with the memory that sizes pools by them (memory never imports
+# the model); re-exported here for the registry and the draft.
+from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION
+
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
