@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from baton.tokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, Tokenizer
+from baton.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from baton.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

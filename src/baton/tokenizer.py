@@ -5,7 +5,7 @@ Owns three things the serving path needs from a model's tokenizer files:
 * ``Tokenizer``: encode/decode through the ``tokenizers`` library, the special-token ids
   (including every id generation should stop on), and chat-template rendering that matches
   ``transformers``' ``apply_chat_template(..., tokenize=False)``.
-* ``IncrementalDetokenizer`` (in ``detokenizer.py``, re-exported here): turns the ids a
+* ``IncrementalDetokenizer`` (in ``baton.detokenizer``, not imported here): turns the ids a
   sequence generates, as they arrive, into text deltas that are safe to stream (never half a
   UTF-8 character).
 
@@ -350,8 +350,3 @@ def _compile_template(source: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
-
-
-from baton.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer  # noqa: E402
-
-__all__ = ["REPLACEMENT_CHAR", "IncrementalDetokenizer", "Tokenizer"]
