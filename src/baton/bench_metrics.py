@@ -8,10 +8,11 @@ into the acceptance length and the PD transfer rate of the run.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import httpx
+
+from baton.config import ADMIN_TOKEN_ENV, read_secret_env
 
 if TYPE_CHECKING:
     from baton.bench import BenchConfig
@@ -22,7 +23,7 @@ async def workers_of(client: httpx.AsyncClient, config: BenchConfig) -> list[str
     ``config.url`` is a baton router that lists them, its instances (with the bearer token
     ``config.admin_token``, else ``$BATON_ADMIN_TOKEN``)."""
     urls = list(config.metrics_urls)
-    token = config.admin_token or os.environ.get("BATON_ADMIN_TOKEN")
+    token = config.admin_token or read_secret_env(ADMIN_TOKEN_ENV)
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         resp = await client.get("/admin/instances", headers=headers)

@@ -119,13 +119,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _decode_engine(args: argparse.Namespace, config):
     """A ``PDEngine`` paired with the prefill at ``--prefill``; None (after saying why) when
     the pairing fails."""
-    import os
-
+    from baton.config import read_secret_env
     from baton.server.pd_engine import PDEngine
     from baton.transfer.decode_client import DecodeClient
     from baton.transfer.handshake import PairingError
 
-    token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
+    token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return None
@@ -143,13 +142,13 @@ def _decode_engine(args: argparse.Namespace, config):
 def _serve_prefill(args: argparse.Namespace, config) -> int:
     """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
     import json
-    import os
 
+    from baton.config import read_secret_env
     from baton.server.http import server as http_server
     from baton.server.prefill_app import PrefillLoop, build_prefill_app
     from baton.transfer.prefill_server import PrefillServer
 
-    token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
+    token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
@@ -180,12 +179,12 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     import logging
-    import os
 
+    from baton.config import read_secret_env
     from baton.router.router import Router, build_router_app
     from baton.server.http import server as http_server
 
-    admin_token = os.environ.get(args.admin_token_env) or None
+    admin_token = read_secret_env(args.admin_token_env) or None
     if admin_token is None and not _is_loopback(args.host):
         print(f"error: a router bound to {args.host} (not loopback) needs an admin token: set "
               f"${args.admin_token_env}", file=sys.stderr)  # fmt: skip
@@ -373,6 +372,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_router_parser(sub: argparse._SubParsersAction) -> None:
+    from baton.config import ADMIN_TOKEN_ENV
+
     router = sub.add_parser("router", help="the OpenAI API in front of prefill/decode instances")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
@@ -381,7 +382,7 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--policy", default="round_robin", choices=_policy_names())
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
-        "--admin-token-env", default="BATON_ADMIN_TOKEN",
+        "--admin-token-env", default=ADMIN_TOKEN_ENV,
         help="env var with the /admin bearer token (unset: the admin API is disabled, and a "
         "router bound to a non-loopback address refuses to start)",
     )  # fmt: skip

@@ -4,7 +4,9 @@ Facts discovered at start-up (pages that fit, the schema hash) go into new objec
 back into these. ``EngineConfig.from_kwargs`` maps flat vLLM-style keyword arguments
 (``LLM(model, page_size=32, max_num_seqs=8)``) onto the tree. ``Deadlines`` are the PD
 workers' waits (read by ``baton.transfer``; here so a CLI can build its flags without
-importing torch).
+importing torch). Every environment variable baton reads is read here: ``RuntimeEnv``
+(baton's own), ``read_secret_env`` (tokens, under names the command line chooses) and the
+optional transfer engines' ``mooncake_tcp_proto`` and ``nixl_log_level``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 
 @dataclass(frozen=True)
 class RuntimeEnv:
-    """The environment variables baton reads -- read here and nowhere else."""
+    """The ``BATON_*`` variables (and ``CC``) that configure baton -- read here and nowhere
+    else (as are the tokens and the transfer engines' variables, by the functions below)."""
 
     cpu_isa: str | None = None
     """``BATON_CPU_ISA``: cap the native kernels' instruction-set level (and, below
@@ -61,6 +64,29 @@ class RuntimeEnv:
                 environ, "BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS"
             ),
         )
+
+
+ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
+"""The router's ``/admin`` bearer token (``baton router --admin-token-env``' default; ``baton
+launch`` and ``baton bench`` read it)."""
+
+
+def read_secret_env(name: str, environ: Mapping[str, str] = os.environ) -> str:
+    """The token in environment variable ``name``; "" when unset. Tokens travel only in the
+    environment: argv is visible to every user (``ps``)."""
+    return environ.get(name, "")
+
+
+def mooncake_tcp_proto(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``MC_TCP_PROTO``, Mooncake's TCP completion mode (the mooncake backend refuses ``1``,
+    which reports completion before the data lands); None when unset."""
+    return environ.get("MC_TCP_PROTO")
+
+
+def nixl_log_level(environ: Mapping[str, str] = os.environ) -> str | None:
+    """``NIXL_LOG_LEVEL``, NIXL's own log level: when it is set (even empty) the nixl backend
+    leaves NIXL's logger as NIXL sets it; None when unset."""
+    return environ.get("NIXL_LOG_LEVEL")
 
 
 def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:

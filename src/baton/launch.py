@@ -37,11 +37,11 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from baton.config import ADMIN_TOKEN_ENV, read_secret_env
 from baton.memory.allocator import SHM_DIR
 from baton.supervisor import Child, Supervisor
 
 TOKEN_ENV = "BATON_PD_TOKEN"
-ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
 READY_TIMEOUT_S = 120.0
 
 
@@ -220,7 +220,7 @@ def resolved_dtype(model: str) -> str:
 def admin_token_file(directory: str) -> tuple[str, str | None]:
     """The router's admin token, and the file holding it (None when it came from
     ``$BATON_ADMIN_TOKEN``): a new random token in ``directory``, readable by this user only."""
-    if token := os.environ.get(ADMIN_TOKEN_ENV):
+    if token := read_secret_env(ADMIN_TOKEN_ENV):
         return token, None
     token = secrets.token_hex(32)
     path = os.path.join(directory, "admin-token")

@@ -24,13 +24,13 @@ before the bytes land, so it is refused.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from baton.config import mooncake_tcp_proto
 from baton.transfer.backends.base import (
     DONE,
     RegionDescriptor,
@@ -75,7 +75,7 @@ class MooncakeBackend(TransferBackend):
         ``protocol``: Mooncake transport (``tcp``; ``rdma`` in clusters with ``device_name``
         naming the NICs). ``max_batch_entries``: runs per engine call, at most 1024."""
         super().__init__()
-        if os.environ.get("MC_TCP_PROTO") == "1":
+        if mooncake_tcp_proto() == "1":
             raise ValueError(
                 "mooncake: MC_TCP_PROTO=1 reports completion before the data lands; unset it"
             )

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from baton.config import nixl_log_level
 from baton.transfer.backends.base import (
     DONE,
     RegionDescriptor,
@@ -71,7 +72,7 @@ def import_nixl() -> ModuleType:
         if hasattr(module, "nixl_agent"):
             # NOTE: NIXL logs every agent start at INFO on stdout; keep only warnings unless
             # the user asked for more with NIXL_LOG_LEVEL.
-            if "NIXL_LOG_LEVEL" not in os.environ:
+            if nixl_log_level() is None:
                 logging.getLogger("nixl").setLevel(logging.WARNING)
             return module
     raise ImportError(INSTALL_HINT)
