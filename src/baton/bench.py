@@ -204,7 +204,7 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
     timeout = httpx.Timeout(config.timeout_s)
     max_conns = httpx.Limits(max_connections=config.concurrency or len(records))
     async with httpx.AsyncClient(base_url=config.url, timeout=timeout, limits=max_conns) as client:
-        workers = await workers_of(client, config)
+        workers = await workers_of(client, config.metrics_urls, config.admin_token)
         metrics_before = await scrape(client)
         workers_before = [await scrape(client, url) for url in workers]
 

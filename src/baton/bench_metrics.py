@@ -8,22 +8,21 @@ into the acceptance length and the PD transfer rate of the run.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
 
 import httpx
 
 from baton.config import ADMIN_TOKEN_ENV, read_secret_env
 
-if TYPE_CHECKING:
-    from baton.bench import BenchConfig
 
-
-async def workers_of(client: httpx.AsyncClient, config: BenchConfig) -> list[str]:
-    """The servers whose metrics to diff besides ``config.url``: ``metrics_urls`` and, when
-    ``config.url`` is a baton router that lists them, its instances (with the bearer token
-    ``config.admin_token``, else ``$BATON_ADMIN_TOKEN``)."""
-    urls = list(config.metrics_urls)
-    token = config.admin_token or read_secret_env(ADMIN_TOKEN_ENV)
+async def workers_of(
+    client: httpx.AsyncClient, metrics_urls: Iterable[str] = (), admin_token: str | None = None
+) -> list[str]:
+    """The servers whose metrics to diff besides ``client``'s base URL: ``metrics_urls``
+    and, when that URL is a baton router that lists them, its instances (with the bearer
+    token ``admin_token``, else ``$BATON_ADMIN_TOKEN``)."""
+    urls = list(metrics_urls)
+    token = admin_token or read_secret_env(ADMIN_TOKEN_ENV)
     headers = {"authorization": f"Bearer {token}"} if token else {}
     try:
         resp = await client.get("/admin/instances", headers=headers)
