@@ -15,7 +15,6 @@ from baton.transfer.plan import (
     plan_request,
     plan_stats,
     reference_plan,
-    total_stats,
 )
 
 __all__ = [
@@ -27,5 +26,4 @@ __all__ = [
     "plan_request",
     "plan_stats",
     "reference_plan",
-    "total_stats",
 ]

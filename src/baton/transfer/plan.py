@@ -96,20 +96,14 @@ def plan_request(components: Mapping[str, ComponentUnits]) -> TransferPlan:
     }
 
 
-def plan_ops(
-    plan: Mapping[str, Sequence[Run]],
-    src_regions: Mapping[str, str] | None = None,
-    dst_regions: Mapping[str, str] | None = None,
-) -> list[TransferOp]:
-    """One backend batch for the whole plan. Regions are named after their components
-    unless ``src_regions`` / ``dst_regions`` map a component to another region name."""
-    src_regions = src_regions or {}
-    dst_regions = dst_regions or {}
-    ops: list[TransferOp] = []
-    for name, runs in plan.items():
-        src, dst = src_regions.get(name, name), dst_regions.get(name, name)
-        ops.extend(TransferOp(src, r.src_offset, dst, r.dst_offset, r.nbytes) for r in runs)
-    return ops
+def plan_ops(plan: Mapping[str, Sequence[Run]]) -> list[TransferOp]:
+    """One backend batch for the whole plan; both sides' regions are named after their
+    components."""
+    return [
+        TransferOp(name, r.src_offset, name, r.dst_offset, r.nbytes)
+        for name, runs in plan.items()
+        for r in runs
+    ]
 
 
 @dataclass(frozen=True)
@@ -133,5 +127,5 @@ def plan_stats(plan: Mapping[str, Sequence[Run]]) -> dict[str, PlanStats]:
 
 
 def total_stats(plan: Mapping[str, Sequence[Run]]) -> PlanStats:
-    """Run count and bytes of the whole plan."""
+    """Run count and bytes of the whole plan (``benchmarks/transfer.py``)."""
     return run_stats(r for runs in plan.values() for r in runs)
