@@ -1,4 +1,26 @@
-"""Layering rules of ``src/baton``, checked from the source with ``ast``.
+"""The package layering of ``src/baton``, checked from the source with ``ast``.
+
+Every ``.py`` file belongs to a *unit*: the first component of its path under ``baton`` -- a
+subpackage (``engine``, ``memory``, ...) or a top-level module (``tokenizer``, ``config``,
+...); ``baton/__init__.py`` is the unit ``baton``. Every import of ``baton.X...`` counts,
+at module level or inside a function, ``if TYPE_CHECKING:`` blocks included (a type-only
+import is still a dependency of the reader). The layers, lowest first; a unit may import
+its own layer and the ones below it, never one above::
+
+    config, request, platform, tokenizer, detokenizer    (base)
+    kernels
+    memory
+    model
+    sampling
+    speculative
+    engine
+    transfer
+    server
+    router
+    cli, launch
+
+Units the list does not name (``bench``, ``corpus``, ``supervisor``, ``baton``) are held
+only to the no-cycle rule.
 
 The environment is read in ``baton/config.py`` only (``RuntimeEnv`` and the functions
 beside it), so that one module lists every variable baton reads.
@@ -7,11 +29,239 @@ beside it), so that one module lists every variable baton reads.
 from __future__ import annotations
 
 import ast
+from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "baton"
+
+LAYERS: list[set[str]] = [
+    {"config", "request", "platform", "tokenizer", "detokenizer"},
+    {"kernels"},
+    {"memory"},
+    {"model"},
+    {"sampling"},
+    {"speculative"},
+    {"engine"},
+    {"transfer"},
+    {"server"},
+    {"router"},
+    {"cli", "launch"},
+]
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+
+KNOWN_CYCLES: dict[frozenset[str], str] = {}
+"""Cycles being removed elsewhere: the unit set -> why it is tolerated for now."""
+
+Edge = tuple[str, str]
+Site = tuple[str, int]  # (file relative to src/, line)
+
+
+def _units() -> set[str]:
+    return {p.stem if p.is_file() else p.name for p in SRC.iterdir() if _is_unit(p)}
+
+
+def _is_unit(path: Path) -> bool:
+    if path.is_dir():
+        return (path / "__init__.py").is_file()
+    return path.suffix == ".py" and path.name != "__init__.py"
+
+
+def _unit_of_file(path: Path) -> str:
+    rel = path.relative_to(SRC)
+    if rel.parts == ("__init__.py",):
+        return "baton"
+    return rel.parts[0] if len(rel.parts) > 1 else rel.stem
+
+
+def _package_of_file(path: Path) -> list[str]:
+    """The dotted package a file's relative imports start from, as components."""
+    parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    return parts[:-1]  # a module's package; ``pkg/__init__`` -> ``pkg`` as well
+
+
+def _imported_units(node: ast.AST, path: Path, units: set[str]) -> list[str]:
+    """The baton units one import statement reaches."""
+    if isinstance(node, ast.Import):
+        modules = [alias.name.split(".") for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module.split(".") if node.module else []
+        if node.level:
+            package = _package_of_file(path)
+            base = package[: len(package) - (node.level - 1)] + base
+        if base == ["baton"]:
+            # ``from baton import platform`` imports the unit; ``from baton import LLM`` the root
+            return [a.name if a.name in units else "baton" for a in node.names]
+        modules = [base]
+    else:
+        return []
+    found = []
+    for parts in modules:
+        if parts[:1] == ["baton"]:
+            found.append(parts[1] if len(parts) > 1 else "baton")
+    return found
+
+
+def import_graph() -> dict[Edge, list[Site]]:
+    """(importer unit, imported unit) -> every file:line that makes that edge."""
+    units = _units()
+    edges: dict[Edge, list[Site]] = defaultdict(list)
+    for path in sorted(SRC.rglob("*.py")):
+        source = _unit_of_file(path)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            for target in _imported_units(node, path, units):
+                where = (str(path.relative_to(SRC.parent)), node.lineno)
+                if target != source and where not in edges[(source, target)]:
+                    edges[(source, target)].append(where)
+    return dict(edges)
+
+
+def _cycles(edges: dict[Edge, list[Site]]) -> list[list[str]]:
+    """The strongly connected components with more than one unit (Tarjan)."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for a, b in edges:
+        graph[a].add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return components
+
+
+def _cycle_path(component: list[str], edges: dict[Edge, list[Site]]) -> list[str]:
+    """One closed walk through a strongly connected component: a -> b -> ... -> a."""
+    members = set(component)
+    start = component[0]
+    # Breadth-first from ``start`` back to itself inside the component.
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for a in frontier:
+            for b in sorted(b for (x, b) in edges if x == a and b in members):
+                if b == start:
+                    path = [start]
+                    while a != start:
+                        path.append(a)
+                        a = parent[a]
+                    return [start, *reversed(path[1:]), start]
+                if b not in parent:
+                    parent[b] = a
+                    nxt.append(b)
+        frontier = nxt
+    raise AssertionError(f"{component} is not a cycle")
+
+
+def _describe(path: list[str], edges: dict[Edge, list[Site]]) -> str:
+    lines = [" -> ".join(path)]
+    for a, b in zip(path, path[1:], strict=False):
+        sites = ", ".join(f"{f}:{n}" for f, n in edges[(a, b)])
+        lines.append(f"  {a} -> {b}: {sites}")
+    return "\n".join(lines)
+
+
+def test_no_import_cycle_between_packages():
+    edges = import_graph()
+    assert edges, "found no baton imports at all: is SRC right?"
+    cycles = _cycles(edges)
+    known = [c for c in cycles if frozenset(c) in KNOWN_CYCLES]
+    unknown = [c for c in cycles if frozenset(c) not in KNOWN_CYCLES]
+    assert not unknown, "import cycles between baton units:\n" + "\n".join(
+        _describe(_cycle_path(c, edges), edges) for c in unknown
+    )
+    if known:
+        pytest.xfail(
+            "; ".join(
+                f"{KNOWN_CYCLES[frozenset(c)]}: {' -> '.join(_cycle_path(c, edges))}" for c in known
+            )
+        )
+
+
+def test_imports_and_cycles_are_found():
+    units = {"engine", "model", "platform", "sampling"}
+    source = """from baton.model.spec import ModelSpec
+from baton import platform, LLM
+from . import runner
+from ..sampling import sampler
+import baton.model, os
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from baton.sampling.sampler import Sampler
+def f():
+    import baton.platform
+"""
+    path = SRC / "engine" / "example.py"
+    found = [
+        (node.lineno, unit)
+        for node in ast.walk(ast.parse(source))
+        for unit in _imported_units(node, path, units)
+    ]
+    assert sorted(found) == [
+        (1, "model"),
+        (2, "baton"),
+        (2, "platform"),
+        (3, "engine"),
+        (4, "sampling"),
+        (5, "model"),
+        (8, "sampling"),
+        (10, "platform"),
+    ]
+    edges = {("a", "b"): [], ("b", "c"): [], ("c", "a"): [], ("c", "d"): [], ("d", "e"): []}
+    assert _cycles(edges) == [["a", "b", "c"]]
+    assert _cycle_path(["a", "b", "c"], edges) == ["a", "b", "c", "a"]
+
+
+def test_layers_import_only_downwards():
+    edges = import_graph()
+    tolerated = {(a, b) for cycle in KNOWN_CYCLES for a in cycle for b in cycle if (a, b) in edges}
+    upward = {
+        (a, b): sites
+        for (a, b), sites in edges.items()
+        if a in LAYER_OF and b in LAYER_OF and LAYER_OF[a] < LAYER_OF[b]
+    }
+    violations = [
+        f"{f}:{n}: {a} (layer {LAYER_OF[a]}) imports {b} (layer {LAYER_OF[b]})"
+        for (a, b), sites in sorted(upward.items())
+        if (a, b) not in tolerated
+        for f, n in sites
+    ]
+    assert not violations, "a lower layer imports a higher one:\n" + "\n".join(violations)
+    known = sorted(set(upward) & tolerated)
+    if known:
+        pytest.xfail(
+            "upward imports of a known cycle: "
+            + "; ".join(f"{a} -> {b} ({edges[(a, b)][0][0]})" for a, b in known)
+        )
+
 
 ENV_READER = "config.py"
 """The one module of ``src/baton`` that reads the environment."""
