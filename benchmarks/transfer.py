@@ -46,6 +46,7 @@ import torch  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.memory.allocator import SharedMemoryAllocator  # noqa: E402
+from baton.memory.state import PushPhase  # noqa: E402
 from baton.model import DraftSpec, MTPDraft, load_model  # noqa: E402
 from baton.model.loader import save_draft  # noqa: E402
 from baton.transfer.backends import backend_class  # noqa: E402
@@ -88,15 +89,17 @@ def engines(directory: Path, max_len: int, allocator):
 
 def hold(engine: LLMEngine, request_id: str, num_tokens: int) -> None:
     """Give a request units for ``num_tokens`` positions in every pool, as after prefill."""
-    for cache, end in zip(engine.caches, (num_tokens, num_tokens - 1), strict=False):
-        cache.grow(request_id, 0, end)
-        cache.trim(request_id, end)
+    for c in engine.registry:
+        if c.push is not PushPhase.LAST:  # each component over its own handoff range
+            start, end = c.handoff_range(num_tokens)
+            c.owner.grow(request_id, start, end)
+            c.owner.trim(request_id, end)
 
 
 def state_plan(prefill: LLMEngine, decode: LLMEngine, request_id: str):
     components = {}
     for c in prefill.registry:
-        if c.name == prefill.aux.name:
+        if c.push is PushPhase.LAST:
             continue
         src = list(c.index(request_id).unit_ids)
         dst = list(decode.registry.get(c.name).index(request_id).unit_ids)
@@ -202,7 +205,7 @@ def measure(directory: Path, length: int, allocator, args) -> dict:
         ops = plan_ops(plan)
         state = stats.total_bytes / timed(lambda b=sender, o=ops: push(b, o), args.repeats) / 1e9
         for c in decode.registry:  # the bytes really landed
-            if c.name != decode.aux.name:
+            if c.push is not PushPhase.LAST:
                 ids = list(c.index(rid).unit_ids)
                 other = prefill.registry.get(c.name)
                 src_ids = list(other.index(rid).unit_ids)
@@ -345,7 +348,9 @@ def ttft(directory: Path, length: int) -> dict:
     """Time to first token of one request, colocated vs PD in one process over shm (PD:
     reserve -> prefill computes -> push -> decode admits; the two sides take turns)."""
     from baton.request import SamplingParams
-    from baton.transfer.pd import DecodeWorker, PrefillWorker
+    from baton.transfer.protocol import request_id_of
+    from baton.transfer.receiver import Receiver
+    from baton.transfer.sender import Sender
 
     prompt = torch.randint(0, 1000, (length,), generator=torch.Generator().manual_seed(0))
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -362,15 +367,19 @@ def ttft(directory: Path, length: int) -> dict:
         regions = {
             c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
         }
-        prefill = PrefillWorker(colocated, ShmBackend())
+        prefill = Sender(colocated, ShmBackend())
         prefill.connect(regions)
-        decode = DecodeWorker(decode_engine)
+        decode = Receiver(decode_engine)
         start = time.perf_counter()
-        prefill.on_reserve(decode.reserve(1, prompt.tolist(), params))
+        decode_engine.handoff.add_for_decode(
+            {"prompt_token_ids": prompt.tolist()}, params, request_id_of(1)
+        )
+        (reservation,) = decode_engine.handoff.reserve_queued()
+        prefill.on_reserve(decode.reserve_state(1, reservation))
         replies = []
         while not replies:
             replies = prefill.step()
-        decode.on_done(replies[0])
+        decode.admit(replies[0])
         pd_s = time.perf_counter() - start
         receiver.close()
         prefill.backend.close()

@@ -125,7 +125,8 @@ def test_pd_without_draft_state_shows_the_early_acceptance_drop(held_out_prompts
     from baton.config import EngineConfig
     from baton.engine.engine import LLMEngine
     from baton.transfer.backends.loopback import LoopbackBackend
-    from baton.transfer.pd import DecodeWorker, PrefillWorker
+    from baton.transfer.sender import Sender
+    from tests.transfer.inprocess import InProcessDecode
 
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     config = EngineConfig.from_kwargs(dtype="float32")
@@ -137,10 +138,10 @@ def test_pd_without_draft_state_shows_the_early_acceptance_drop(held_out_prompts
         regions = {
             c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
         }
-        prefill = PrefillWorker(LLMEngine(BUNDLED, config), LoopbackBackend())
+        prefill = Sender(LLMEngine(BUNDLED, config), LoopbackBackend())
         prefill.debug_skip_components = skip
         prefill.connect(regions)
-        decode = DecodeWorker(decode_engine)
+        decode = InProcessDecode(decode_engine)
         for room, prompt in enumerate(prompts):
             assert prefill.on_reserve(decode.reserve(room, prompt, params)) is None
         done = {}

@@ -117,11 +117,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _decode_engine(args: argparse.Namespace, config):
-    """A ``PDEngine`` paired with the prefill at ``--prefill``; None (after saying why) when
-    the pairing fails."""
+    """A ``DecodeEngine`` paired with the prefill at ``--prefill``; None (after saying why)
+    when the pairing fails."""
     from baton.config import read_secret_env
-    from baton.server.pd_engine import PDEngine
-    from baton.transfer.decode_client import DecodeClient
+    from baton.transfer.decode import DecodeEngine
     from baton.transfer.handshake import PairingError
 
     token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
@@ -129,14 +128,13 @@ def _decode_engine(args: argparse.Namespace, config):
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return None
     try:
-        client = DecodeClient(
+        return DecodeEngine(
             args.model, config, args.prefill or [], token, args.backend, _deadlines(args),
             shm_prefix=args.shm_prefix,
         )  # fmt: skip
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
-    return PDEngine(client)
 
 
 def _serve_prefill(args: argparse.Namespace, config) -> int:
@@ -146,7 +144,7 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     from baton.config import read_secret_env
     from baton.server.http import server as http_server
     from baton.server.prefill_app import PrefillLoop, build_prefill_app
-    from baton.transfer.prefill_server import PrefillServer
+    from baton.transfer.prefill import PrefillServer
 
     token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
@@ -318,7 +316,7 @@ def _worker_backend_choices(action: argparse.Action) -> None:
     """``--backend`` takes a transfer backend that crosses a process boundary
     (``WORKER_BACKENDS``). Set after ``add_argument``, which would list the choices at once:
     their module imports torch, and ``baton --help``, ``router`` and ``bench`` never need it."""
-    action.choices = _RegistryNames("baton.transfer.worker_base", "WORKER_BACKENDS")
+    action.choices = _RegistryNames("baton.transfer.backends", "WORKER_BACKENDS")
 
 
 def _policy_names() -> tuple[str, ...]:

@@ -198,7 +198,7 @@ class Deadlines:
     """Seconds each wait of a PD pair may last; both sides read the same values."""
 
     bootstrap_s: float = 30.0
-    """Decode: Hello sent -> HelloAck received; past it ``DecodeClient`` raises."""
+    """Decode: Hello sent -> HelloAck received; past it ``DecodeEngine`` raises."""
     waiting_for_state_s: float = 60.0
     """ReserveState sent -> state landed. Decode fails the request past it; prefill drops a
     room older than this (its decode has given up) instead of computing and pushing it."""
@@ -210,12 +210,19 @@ class Deadlines:
     (same host) -- since a paused prefill may resume and finish its push."""
     transferring_s: float = 60.0
     """Prefill: the longest wait for one push batch; past it its rooms fail (without
-    claiming the writes stopped: the backend has no cancel) -- ``PrefillWorker.transfer_s``."""
+    claiming the writes stopped: the backend has no cancel) -- ``Sender.transfer_s``."""
     peer_silence_s: float = 10.0
     """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
-    sent every ``PING_INTERVAL_S``) this long is failed (fenced, as past ``abort_grace_s``):
+    sent every ``ping_interval_s``) this long is failed (fenced, as past ``abort_grace_s``):
     its requests fail now, not at ``waiting_for_state_s``, so a router can retry them
     elsewhere; their units stay quarantined until it confirms."""
+    ping_interval_s: float = 1.0
+    """Decode pings each prefill that owes it state this often (and resends a ``Fence``)."""
+    peer_check_s: float = 2.0
+    """Prefill pings its paired decodes this often: one whose connection is gone (its
+    process died) is forgotten -- its rooms dropped, its regions unmapped."""
+    idle_wait_s: float = 0.02
+    """How long a PD loop with nothing to compute waits on its channel per turn."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

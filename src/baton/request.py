@@ -162,13 +162,19 @@ class FinishReason(StrEnum):
 
 
 class RequestStatus(Enum):
-    """Where a request is in its life; the scheduler owns the transitions."""
+    """Where a request is in its life; the engine owns the transitions (the diagram is in
+    docs/architecture.md), the scheduler those between its queues."""
 
     WAITING = "waiting"
+    WAITING_FOR_UNITS = "waiting_for_units"
+    """Decode side of a PD pair: validated, queued until every component has room for it."""
     WAITING_FOR_STATE = "waiting_for_state"
     """Decode side of a PD pair: units reserved, waiting for prefill's state to land."""
     RUNNING = "running"
     PREEMPTED = "preempted"
+    HELD = "held"
+    """Prefill side of a PD pair: prompt and first token computed, every unit kept until the
+    sender has pushed it (``Handoff.release``)."""
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

@@ -20,10 +20,7 @@ from pathlib import Path
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from baton.memory.allocator import SHM_DIR
-from baton.server.pd_engine import PDEngine
-from baton.transfer.worker_base import request_id_of
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "def add(a, b):\n    return"
@@ -58,79 +55,6 @@ def _is_running(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
-
-
-class _FakeEngine:
-    tokenizer = None
-    max_model_len = 64
-    scheduler = None
-
-    def encode_prompt(self, prompt):
-        return None, list(prompt)
-
-    def validate(self, token_ids, params):
-        if not token_ids:
-            raise ValueError("empty prompt")
-
-
-class _FakeClient:
-    """Holds ``capacity`` requests; each finishes on the step after it was added."""
-
-    def __init__(self, capacity: int) -> None:
-        self.engine = _FakeEngine()
-        self.capacity = capacity
-        self.rooms: list[int] = []
-        self.releasing: dict = {}
-        self.aborted: list[int] = []
-        self._next_room = 100
-        self.default_endpoints = ["tcp://127.0.0.1:1"]
-        self.failure_reasons: dict[str, str] = {}
-
-    def add_request(self, prompt_token_ids, params, room=None, prefill=None):
-        if len(self.rooms) >= self.capacity:
-            raise MemoryError("full")
-        self._next_room += 1
-        self.rooms.append(self._next_room)
-        return self._next_room
-
-    def step(self):
-        rooms, self.rooms = self.rooms, []
-        done = CompletionOutput(index=0, text="x", token_ids=[1], finish_reason="length")
-        return [
-            RequestOutput(request_id_of(r), None, [1], [done], True, RequestMetrics(0.0))
-            for r in rooms
-        ]
-
-    def abort(self, room):
-        self.rooms.remove(room)
-        self.aborted.append(room)
-
-    def has_unfinished_requests(self):
-        return bool(self.rooms)
-
-
-def test_pd_engine_maps_ids_and_queues_when_full():
-    client = _FakeClient(capacity=1)
-    engine = PDEngine(client)
-    params = SamplingParams(max_tokens=1)
-    for request_id in ("a", "b", "c"):
-        engine.add_request([1, 2], params, request_id)
-    with pytest.raises(ValueError, match="already in use"):
-        engine.add_request([1], params, "b")
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request([], params, "d")
-    engine.abort_request("c")  # still queued: never reaches the client
-    assert [o.request_id for o in engine.step()] == ["a"]
-    assert engine.has_unfinished_requests()  # "b" was admitted by that step
-    engine.abort_request("b")
-    assert client.aborted == [102] and not engine.has_unfinished_requests()
-    assert engine.step() == []
-
-
-def test_pd_engine_refuses_what_never_fits():
-    engine = PDEngine(_FakeClient(capacity=0))
-    with pytest.raises(ValueError, match="does not fit"):
-        engine.add_request([1, 2], SamplingParams(), "a")
 
 
 def _forced_no_bf16_level() -> str:

@@ -295,7 +295,7 @@ def test_client_disconnect_aborts_the_request(server):
             if line.startswith("data: {"):
                 break
     deadline = time.monotonic() + 20
-    while engine.num_running or engine.num_waiting or engine.engine.tracks:
+    while engine.stats.num_running or engine.stats.num_waiting or engine.engine.tracks:
         assert time.monotonic() < deadline, "the disconnected request kept running"
         time.sleep(0.05)
     del engine.engine.abort_request
@@ -324,7 +324,7 @@ def test_client_disconnect_aborts_a_non_streaming_request(server):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
         deadline = time.monotonic() + 10
-        while engine.num_running or engine.num_waiting or engine.engine.tracks:
+        while engine.stats.num_running or engine.stats.num_waiting or engine.engine.tracks:
             assert time.monotonic() < deadline, "the disconnected request kept running"
             time.sleep(0.05)
     finally:

@@ -1,6 +1,6 @@
 """PD pushes as prefill chunks complete, and the deadline of one transfer.
 
-With a small chunk budget and a long prompt, ``PrefillWorker`` must push the target's
+With a small chunk budget and a long prompt, ``Sender`` must push the target's
 full-attention pages in several batches *before* the last chunk (each page once, into the
 unit decode reserved for it), the sliding / ring / draft components only at the end, the
 aux record last -- and decode's outputs and every component's bytes still equal a
@@ -25,8 +25,9 @@ from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.backends.base import TransferOp, failed
 from baton.transfer.backends.loopback import LoopbackBackend
-from baton.transfer.pd import DecodeWorker, PrefillWorker, component_checksums
 from baton.transfer.protocol import StateDone, StateFailed
+from baton.transfer.sender import Sender, component_checksums
+from tests.transfer.inprocess import InProcessDecode
 
 VOCAB = 256
 LENGTHS = [150, 5, 37]  # many chunks, shorter than a page, a few pages
@@ -85,10 +86,10 @@ class _Pair:
             for c in self.decode_engine.registry
         }
         self.backend = backend
-        self.prefill = PrefillWorker(self.prefill_engine, backend)
+        self.prefill = Sender(self.prefill_engine, backend)
         self.prefill.keep_checksums = True
         self.prefill.connect(regions)
-        self.decode = DecodeWorker(self.decode_engine)
+        self.decode = InProcessDecode(self.decode_engine)
         self.rooms: dict[int, str] = {}
 
     def reserve(self, prompts: list[list[int]]) -> None:

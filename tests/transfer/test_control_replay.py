@@ -1,6 +1,6 @@
 """A captured control conversation replayed without the token moves nothing (issue 16.3).
 
-A real prefill (``PrefillServer``, serving in a thread) and a real decode (``DecodeClient``,
+A real prefill (``PrefillServer``, serving in a thread) and a real decode (``DecodeEngine``,
 shared-memory pools) in this process pair and finish one request while every frame decode
 puts on the wire is captured. Replaying all of them -- handshake, Hello, ReserveState -- from
 a new connection must not pair, compute or write a byte into decode's pools, must cost one
@@ -25,9 +25,8 @@ from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.channel import ControlClient
-from baton.transfer.decode_client import DecodeClient
-from baton.transfer.prefill_server import PrefillServer
-from baton.transfer.worker_base import request_id_of
+from baton.transfer.decode import DecodeEngine
+from baton.transfer.prefill import PrefillServer
 from tests.transfer.conftest import TEST_PREFIX
 
 TOKEN = "replay-test-" + secrets.token_hex(8)
@@ -65,13 +64,13 @@ def _serve(server: PrefillServer, stop: threading.Event) -> None:
         server.serve_once()
 
 
-def _run(client: DecodeClient, room: int) -> list[int]:
+def _run(client: DecodeEngine, request_id: str) -> list[int]:
     deadline = time.monotonic() + 20
     while True:
         assert time.monotonic() < deadline, "decode did not finish"
         for out in client.step():
-            if out.finished and out.request_id == request_id_of(room):
-                assert not client.failure_reasons, client.failure_reasons
+            if out.finished and out.request_id == request_id:
+                assert out.error is None, out.error
                 return out.outputs[0].token_ids
 
 
@@ -88,7 +87,7 @@ def test_replayed_hello_and_reserve_without_the_token_move_nothing(
 
     monkeypatch.setattr(ControlClient, "_send", sniff)
     deadlines = Deadlines(bootstrap_s=20.0, waiting_for_state_s=20.0)
-    with DecodeClient(
+    with DecodeEngine(
         pd_dir, EngineConfig.from_kwargs(**CONFIG), prefill.endpoint, TOKEN, "shm", deadlines,
         shm_prefix=f"{TEST_PREFIX}-{secrets.token_hex(3)}",
     ) as client:  # fmt: skip

@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from baton.transfer.pd import component_checksums
-from baton.transfer.worker import Deadlines, request_id_of
+from baton.config import Deadlines
+from baton.transfer.sender import component_checksums
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import require_backend
 from tests.transfer.test_pd_processes import _client, _colocated, _free_units, _requests, _run
@@ -50,6 +50,10 @@ def _units(client, request_id: str) -> dict[str, set[int]]:
     return {c.name: set(c.index(request_id).unit_ids) for c in client.engine.registry}
 
 
+def _is_waiting(client, request_id: str) -> bool:
+    return any(p.request_id == request_id for p in client.rooms.waiting.values())
+
+
 def _step_for(client, seconds: float) -> list:
     outputs, end = [], time.monotonic() + seconds
     while time.monotonic() < end:
@@ -68,25 +72,24 @@ def test_paused_prefill_never_writes_into_reused_units(pd_dir, spawn_prefill, ba
     with _client(pd_dir, stalled.endpoint, DEADLINES, backend=backend) as client:
         baseline = _free_units(client.engine)
         stale = client.add_request(*requests[STALE])
-        stale_units = _units(client, request_id_of(stale))
+        stale_units = _units(client, stale)
         stalled.wait_for_log("debug pause", timeout_s=10.0)  # A computed chunk 1: in the pause
         stalled.proc.send_signal(signal.SIGSTOP)
         try:
             deadline = time.monotonic() + DEADLINES.peer_silence_s + 5.0
-            while stale in client.waiting:
+            errors = {}
+            while _is_waiting(client, stale):
                 assert time.monotonic() < deadline, "decode never failed the silent prefill"
-                client.step()
-            assert client.failure_reasons[request_id_of(stale)]
-            assert "answered nothing" in client.failure_reasons[request_id_of(stale)]
+                errors.update({o.request_id: o.error for o in client.step() if o.finished})
+            assert "answered nothing" in errors[stale]
             _step_for(client, 1.0)  # well past abort_grace_s
 
             # B's requests, while A is stopped: admitted (their state landed, decoding).
-            rooms = [client.add_request(*requests[i], prefill=other.endpoint) for i in SERVED]
+            ids = [client.add_request(*requests[i], prefill=other.endpoint) for i in SERVED]
             deadline = time.monotonic() + 20.0
-            while any(r in client.waiting for r in rooms):
+            while any(_is_waiting(client, r) for r in ids):
                 assert time.monotonic() < deadline, "B's requests were never admitted"
                 client.step()
-            ids = [request_id_of(r) for r in rooms]
             overlap = {
                 (request_id, name): sorted(units & stale_units[name])
                 for request_id in ids
@@ -119,14 +122,14 @@ def test_paused_prefill_never_writes_into_reused_units(pd_dir, spawn_prefill, ba
 
         # A answers the fence (or its late StateDone lands): the quarantine ends, nothing leaks.
         deadline = time.monotonic() + 10.0
-        while client.releasing:
-            assert time.monotonic() < deadline, f"quarantine never confirmed: {client.releasing}"
+        while client.rooms.releasing:
+            assert time.monotonic() < deadline, f"quarantine never confirmed: {client.rooms}"
             client.step()
         assert _free_units(client.engine) == baseline
         assert stalled.endpoint not in client.links  # fenced, then closed once confirmed
 
         # A pairs afresh and serves again.
-        room = client.add_request(*requests[0], prefill=stalled.endpoint)
-        again = _run(client, timeout_s=30.0)[request_id_of(room)]
+        request_id = client.add_request(*requests[0], prefill=stalled.endpoint)
+        again = _run(client, timeout_s=30.0)[request_id]
         assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
         assert _free_units(client.engine) == baseline

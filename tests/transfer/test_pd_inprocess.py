@@ -18,7 +18,8 @@ from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
-from baton.transfer.pd import DecodeWorker, PrefillWorker, component_checksums
+from baton.transfer.sender import Sender, component_checksums
+from tests.transfer.inprocess import InProcessDecode
 
 VOCAB = 256
 LENGTHS = [3, 8, 16, 83, 1, 17]  # shorter than a page, a page, the window, many windows
@@ -62,10 +63,10 @@ def _pd(directory, mode, params, skip=()):
     regions = {
         c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
     }
-    prefill = PrefillWorker(prefill_engine, LoopbackBackend())
+    prefill = Sender(prefill_engine, LoopbackBackend())
     prefill.keep_checksums = True
     prefill.connect(regions)
-    decode = DecodeWorker(decode_engine)
+    decode = InProcessDecode(decode_engine)
     rooms = {}
     for room, prompt in enumerate(_prompts(), start=100):
         msg = decode.reserve(room, prompt, params)
@@ -114,7 +115,7 @@ def test_handshake_refuses_a_missing_component(pd_dir):
     hello_p = build_hello(prefill_engine, pd_dir, worker_id="p", role="prefill", backend="loopback")
     hello_d = build_hello(decode_engine, pd_dir, worker_id="d", role="decode", backend="loopback")
     check_pairing(hello_d, hello_p)  # identical workers pair
-    prefill_engine.registry.unregister("draft.swa")  # the classic bug, as a debug switch
+    prefill_engine.registry._components.pop("draft.swa")  # the classic bug: a piece not declared
     hello_p = build_hello(prefill_engine, pd_dir, worker_id="p", role="prefill", backend="loopback")
     with pytest.raises(PairingError, match="draft.swa"):
         check_pairing(hello_d, hello_p)

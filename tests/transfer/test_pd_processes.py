@@ -1,7 +1,7 @@
 """PD across processes: prefill in a child process, decode here, over the control channel.
 
 The prefill runs as ``python -m baton.transfer.worker --role prefill`` (its own interpreter
-and resource tracker); the decode is a ``DecodeClient`` in the test process whose pools live
+and resource tracker); the decode is a ``DecodeEngine`` in the test process whose pools live
 in shared memory. Checked: outputs and acceptance equal a colocated engine's and decode
 computes no prompt token; a wrong token or a mismatched schema fails the handshake with a
 clear error; a prefill killed (-9) or stalled while requests wait for their state turns
@@ -25,14 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.config import EngineConfig
+from baton.config import Deadlines, EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import SamplingParams
+from baton.transfer.decode import DecodeEngine
 from baton.transfer.handshake import PairingError
-from baton.transfer.worker import Deadlines, DecodeClient, request_id_of
 from tests.transfer.conftest import TEST_PREFIX, our_segments, require_backend
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,10 +154,10 @@ def _client(
     token: str = TOKEN,
     config: EngineConfig | None = None,
     backend: str = "shm",
-) -> DecodeClient:
+) -> DecodeEngine:
     """A decode in this process; its segments carry the session's leak-checked prefix."""
     prefix = f"{TEST_PREFIX}-{secrets.token_hex(3)}"
-    return DecodeClient(
+    return DecodeEngine(
         pd_dir, config or _config(), endpoint, token, backend, deadlines, shm_prefix=prefix
     )
 
@@ -177,21 +177,22 @@ def _free_units(engine: LLMEngine) -> dict[str, int]:
     return {**free, engine.aux.name: engine.aux.num_free_units}
 
 
-def _run(client: DecodeClient, timeout_s: float = 20.0) -> dict[str, object]:
-    """Step until no request is left; request id -> its final output."""
+def _run(client: DecodeEngine, timeout_s: float = 20.0) -> dict[str, object]:
+    """Step until every request has ended (failed ones may stay quarantined); request id ->
+    its final output."""
     done = {}
     deadline = time.monotonic() + timeout_s
-    while client.has_unfinished_requests():
+    while client.routes:
         assert time.monotonic() < deadline, "decode did not finish its requests"
         done.update({o.request_id: o for o in client.step() if o.finished})
     return done
 
 
-def _drain_releases(client: DecodeClient, timeout_s: float) -> float:
+def _drain_releases(client: DecodeEngine, timeout_s: float) -> float:
     """Step until every failed request's units are freed; returns when that happened."""
     deadline = time.monotonic() + timeout_s
-    while client.releasing:
-        assert time.monotonic() < deadline, f"units never released: {client.releasing}"
+    while client.rooms.releasing:
+        assert time.monotonic() < deadline, f"units never released: {client.rooms.releasing}"
         assert client.step() == []
         time.sleep(0.01)
     return time.monotonic()
@@ -233,7 +234,7 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
         start_free = _free_units(client.engine)
         rooms = [client.add_request(p, params) for p, params in _requests()]
         done = _run(client)
-        outs = [done[request_id_of(room)] for room in rooms]
+        outs = [done[room] for room in rooms]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
         assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(LENGTHS)
         assert [o.metrics.accepted_lengths for o in outs] == [
@@ -241,17 +242,17 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
         ]
         assert client.engine.runner.num_computed_prompt_tokens == 0
         names = set(client.engine.registry.names())
-        assert set(client.decode.bytes_received) == names
-        assert all(n > 0 for n in client.decode.bytes_received.values())
+        assert set(client.transfer_bytes) == names
+        assert all(n > 0 for n in client.transfer_bytes.values())
         assert _free_units(client.engine) == start_free
-        assert not client.failure_reasons
+        assert all(o.error is None for o in outs)
     assert our_segments() == before
 
     # A restarted decode (new segments, new identity) pairs with the same prefill again.
     with _client(pd_dir, prefill_server.endpoint) as client:
         prompt, params = _requests()[3]
         room = client.add_request(prompt, params)
-        out = _run(client)[request_id_of(room)]
+        out = _run(client)[room]
         assert out.outputs[0].token_ids == expected[3].outputs[0].token_ids
     assert our_segments() == before
 
@@ -269,13 +270,13 @@ def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, back
         start_free = _free_units(client.engine)
         rooms = [client.add_request(p, params) for p, params in _requests()]
         done = _run(client, timeout_s=60.0)
-        outs = [done[request_id_of(room)] for room in rooms]
+        outs = [done[room] for room in rooms]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
         assert [o.metrics.accepted_lengths for o in outs] == [
             o.metrics.accepted_lengths for o in expected
         ]
         assert client.engine.runner.num_computed_prompt_tokens == 0
-        assert all(n > 0 for n in client.decode.bytes_received.values())
+        assert all(n > 0 for n in client.transfer_bytes.values())
         assert _free_units(client.engine) == start_free
 
 
@@ -321,14 +322,14 @@ def test_prefill_killed_while_requests_wait(pd_dir, spawn_prefill):
         assert _free_units(client.engine) != start_free  # reserved while waiting
         done = _run(client, timeout_s=10.0)
         failed_at = time.monotonic()
-        assert sorted(done) == sorted(request_id_of(r) for r in rooms)
+        assert sorted(done) == sorted(r for r in rooms)
         assert all(o.outputs[0].finish_reason == "error" for o in done.values())
         assert all(o.outputs[0].token_ids == [] for o in done.values())
         assert failed_at - added < deadlines.waiting_for_state_s + 3.0  # + a loaded CI step
         for room in rooms:
-            assert "no state from prefill" in client.failure_reasons[request_id_of(room)]
+            assert "no state from prefill" in done[room].error
         # Nobody confirms it stopped writing: the units wait for the grace, then come back.
-        assert len(client.releasing) == len(rooms)
+        assert len(client.rooms.releasing) == len(rooms)
         released_at = _drain_releases(client, timeout_s=5.0)
         assert released_at >= start + deadlines.waiting_for_state_s + deadlines.abort_grace_s
         assert _free_units(client.engine) == start_free
@@ -343,7 +344,7 @@ def test_stalled_prefill_confirms_the_abort(pd_dir, spawn_prefill):
         start_free = _free_units(client.engine)
         rooms = [client.add_request(p, params) for p, params in _requests()[:3]]
         done = _run(client, timeout_s=10.0)
-        assert [done[request_id_of(r)].outputs[0].finish_reason for r in rooms] == ["error"] * 3
+        assert [done[r].outputs[0].finish_reason for r in rooms] == ["error"] * 3
         # The stalled prefill drops the rooms and confirms: no need to wait for the grace.
         _drain_releases(client, timeout_s=5.0)
         assert _free_units(client.engine) == start_free
@@ -364,12 +365,12 @@ def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
         start = time.monotonic()
         done = _run(client)
         assert time.monotonic() - start < DEADLINES.waiting_for_state_s
-        short, long = (done[request_id_of(r)].outputs[0] for r in rooms)
+        short, long = (done[r].outputs[0] for r in rooms)
         assert short.finish_reason == "length" and len(short.token_ids) == 20
         assert long.finish_reason == "error" and long.token_ids == []
-        reason = client.failure_reasons[request_id_of(rooms[1])]
+        reason = done[rooms[1]].error
         assert "prefill failed the request" in reason and "the context is 64" in reason
-        assert not client.releasing  # prefill confirmed: freed at once
+        assert not client.rooms.releasing  # prefill confirmed: freed at once
         assert _free_units(client.engine) == start_free
     prefill.wait_for_log("refused")
     assert our_segments() == before
@@ -394,7 +395,7 @@ def test_pd_processes_bundled_model(tmp_path, backend, mode):
         with _client(BUNDLED, prefill.endpoint, backend=backend, config=config) as client:
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
-            outs = [done[request_id_of(room)] for room in rooms]
+            outs = [done[room] for room in rooms]
             assert [o.outputs[0].token_ids for o in outs] == [
                 o.outputs[0].token_ids for o in expected
             ]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from baton.config import Deadlines
 from baton.memory.allocator import SHM_DIR
-from baton.transfer.worker import Deadlines, request_id_of
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import our_segments
 from tests.transfer.test_pd_processes import (
@@ -50,7 +50,7 @@ def test_one_decode_two_prefills(pd_dir, prefill_server, spawn_prefill):
             target = other.endpoint if i % 2 else None  # None: the default prefill
             rooms.append(client.add_request(prompt, params, prefill=target))
         done = _run(client)
-        outs = [done[request_id_of(room)] for room in rooms]
+        outs = [done[room] for room in rooms]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
         assert [o.metrics.accepted_lengths for o in outs] == [
             o.metrics.accepted_lengths for o in expected
@@ -80,9 +80,9 @@ def test_two_decodes_share_one_prefill(pd_dir, prefill_server):
             for client in (a, b):
                 done.update({(id(client), o.request_id): o for o in client.step() if o.finished})
         for i, (client, room) in rooms.items():
-            out = done[(id(client), request_id_of(room))]
+            out = done[(id(client), room)]
             assert out.outputs[0].token_ids == expected[i].outputs[0].token_ids, i
-        assert not a.failure_reasons and not b.failure_reasons
+        assert all(o.error is None for o in done.values())
 
 
 def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
@@ -100,10 +100,10 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
         stalled.proc.kill()
         stalled.proc.wait()
         killed = time.monotonic()
-        out = _run(client, timeout_s=10.0)[request_id_of(room)]
+        out = _run(client, timeout_s=10.0)[room]
         assert out.outputs[0].finish_reason == "error"
         assert time.monotonic() - killed < deadlines.peer_silence_s + 3.0
-        assert "answered nothing" in client.failure_reasons[request_id_of(room)]
+        assert "answered nothing" in out.error
         assert stalled.endpoint not in client.links
         _drain_releases(client, timeout_s=5.0)
         assert _free_units(client.engine) == start_free
@@ -111,7 +111,7 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
         # The next request names a live prefill and is served.
         fresh = spawn_prefill()
         room = client.add_request(prompt, params, prefill=fresh.endpoint)
-        out = _run(client)[request_id_of(room)]
+        out = _run(client)[room]
         assert out.outputs[0].finish_reason == "length"
 
 
@@ -131,13 +131,13 @@ def test_a_prefill_that_never_answered_gets_its_rooms_freed(pd_dir, prefill_serv
         start_free = _free_units(client.engine)
         prompt, params = _requests()[2]
         room = client.add_request(prompt, params, prefill=dead)
-        out = _run(client, timeout_s=15.0)[request_id_of(room)]
+        out = _run(client, timeout_s=15.0)[room]
         assert out.outputs[0].finish_reason == "error"
         _drain_releases(client, timeout_s=5.0)
         assert _free_units(client.engine) == start_free
         assert dead not in client.links
         room = client.add_request(prompt, params)  # the live prefill still serves
-        assert _run(client)[request_id_of(room)].outputs[0].finish_reason == "length"
+        assert _run(client)[room].outputs[0].finish_reason == "length"
 
 
 def test_prefill_forgets_a_dead_decode_and_unmaps_its_pools(pd_dir, spawn_prefill):

@@ -1,10 +1,13 @@
-"""LLMEngine and the offline ``LLM`` API.
+"""LLMEngine: one model, its state pools, a scheduler, a runner -- and each request's life.
 
-The engine owns one model, its ``ModelCache`` (pools registered in a ``StateRegistry``), a
-``Scheduler`` and a ``ModelRunner``. ``add_request`` validates everything about a request
-before it touches any state, so a bad request raises ``ValueError`` and the others keep
-running. ``step`` runs one scheduled batch and returns the requests it advanced; stop
-conditions (EOS, stop ids, stop strings, max_tokens, the context) are checked here.
+The engine owns one model, its ``ModelCache``s (pools registered in a ``StateRegistry``), a
+``Scheduler`` and a ``ModelRunner``, and every request's lifecycle, PD states included
+(the diagram is in docs/architecture.md): only the engine changes a request's status or
+frees its units, in one function (``free_units``). ``add_request`` validates everything
+about a request before it touches any state, so a bad request raises ``ValueError`` and the
+others keep running. ``step`` runs one scheduled batch and returns the requests it
+advanced. The PD handoff is ``engine.handoff`` (``engine/handoff.py``), a documented
+interface composed around the engine; nothing outside ``engine/`` touches its internals.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,16 +25,19 @@ import torch
 from baton import platform
 from baton.config import EngineConfig
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.engine.handoff import Handoff
+from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
+from baton.engine.tracks import HeldRequest, Track
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
-from baton.memory.cache import CacheGroup, ModelCache
+from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
-from baton.sampling.sampler import Sampler, SamplingState
+from baton.sampling.sampler import Sampler
+from baton.sampling.sampling_state import SamplingState
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 
@@ -39,46 +46,38 @@ FINISH = {
     FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
     FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
 }
+StateFactory = Callable[[StateRegistry, EngineConfig, StorageAllocator | None], object]
+"""Builds an extra per-request state component: registers it in the registry (as every
+pool does) and returns its owner. The engine grows, trims, frees and hands it off with the
+rest -- nothing else needs an edit."""
 
 
-@dataclass
-class _Track:
-    """Engine-side bookkeeping of one request."""
+@dataclass(frozen=True)
+class EngineStats:
+    """What ``/metrics`` reads after each step (engine-core protocol, ``baton.engine.core``)."""
 
-    request: Request
-    prompt: str | None
-    sampling: SamplingState
-    detok: IncrementalDetokenizer | NullDetokenizer
-    metrics: RequestMetrics
-    max_tokens: int
-    text: str = ""
-    num_emitted_chars: int = 0
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: FinishReason | None = None
-    new_token_ids: list[int] = field(default_factory=list)
-    hold: bool = False
-    """PD prefill: keep every unit after finishing, until ``release``."""
-
-
-@dataclass
-class HeldRequest:
-    """A finished prefill-only request whose state waits to be transferred."""
-
-    request: Request
-    first_token: Committed
-    seed_hidden: torch.Tensor | None
-    """[hidden] the target's last prompt hidden state (the draft seed); None without draft."""
+    num_running: int
+    num_waiting: int
+    units_in_use: dict[str, int]
+    transfer: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """PD decode: per component, bytes received and seconds of the batches carrying them."""
+    push_seconds: float = 0.0
+    """PD decode: seconds prefills spent pushing state here, all components together."""
 
 
 class LLMEngine:
+    is_disaggregated = False
+    """Colocated: requests take no PD route (``EngineCore``)."""
+
     def __init__(
         self,
         model_dir: str | os.PathLike,
         config: EngineConfig | None = None,
         allocator: StorageAllocator | None = None,
+        extra_state: Sequence[StateFactory] = (),
     ) -> None:
-        """``allocator`` places the pools' storage (shared memory for a PD decode worker)."""
+        """``allocator`` places the pools' storage (shared memory for a PD decode worker);
+        ``extra_state`` adds per-request state components beside the model's pools."""
         self.model_dir = Path(model_dir)
         self.config = config = config or EngineConfig()
         if config.num_threads:
@@ -112,8 +111,8 @@ class LLMEngine:
         proposer = None
         if draft is not None:
             draft_cache = ModelCache(
-                draft.spec, config.cache, config.scheduler, dtype,
-                self.registry, prefix="draft", slack=2 * slack, allocator=allocator,
+                draft.spec, config.cache, config.scheduler, dtype, self.registry,
+                prefix="draft", slack=2 * slack, allocator=allocator, token_lag=1,
             )  # fmt: skip
             self.caches.append(draft_cache)
             proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
@@ -122,17 +121,25 @@ class LLMEngine:
         self.aux = AuxPool(
             2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
         )
+        for factory in extra_state:
+            factory(self.registry, config, allocator)
         self.held: dict[str, HeldRequest] = {}
+        """PD prefill: requests computed to their first token, units kept (``HELD``)."""
+        self.quarantined: set[str] = set()
+        """PD decode: failed requests whose units a prefill may still write (``FAILED``)."""
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.scheduler = Scheduler(
-            config.scheduler, CacheGroup(self.caches), self._num_spec_tokens if proposer else None
+            config.scheduler, StateGroup(self.registry), self._num_spec_tokens if proposer else None
         )
         self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
-        self.tracks: dict[str, _Track] = {}
+        self.tracks: dict[str, Track] = {}
+        """Every live request (not finished), whatever its status."""
         self._ids = itertools.count()
         self._seeds = itertools.count(config.seed * 1_000_003)
+        self.handoff = Handoff(self)
+        """The PD handoff: reserve / admit (decode), add_for_prefill / release (prefill), fail."""
 
     @property
     def platform_info(self) -> dict:
@@ -174,12 +181,12 @@ class LLMEngine:
                 f"context of {self.max_model_len} tokens"
             )
         total = len(token_ids) + max_tokens + self.num_spec
-        for pool in (p for c in self.caches for p in c.pools):
-            need = pool.peak_units(total)
-            if need > pool.component.num_units:
+        for component in self.registry:
+            need = component.owner.peak_units(total)
+            if need > component.num_units:
                 raise ValueError(
-                    f"a request of {total} tokens needs {need} units of {pool.name}, which "
-                    f"has {pool.component.num_units}; raise num_pages or kv_cache_memory_mb"
+                    f"a request of {total} tokens needs {need} units of {component.name}, which "
+                    f"has {component.num_units}; raise num_pages or kv_cache_memory_mb"
                 )
         return max_tokens
 
@@ -189,13 +196,15 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
     ) -> str:
+        """Queue a request to compute here (colocated); returns its id (``req-N`` unless
+        given). Raises ``ValueError`` for a bad request, keeping nothing."""
         track = self._new_track(prompt, params, request_id)
         self.scheduler.add(track.request)
         return track.request.request_id
 
     def _new_track(
         self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
-    ) -> _Track:
+    ) -> Track:
         """Validate a request and create its bookkeeping; touches no memory."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -203,12 +212,12 @@ class LLMEngine:
         text, token_ids = self.encode_prompt(prompt)
         max_tokens = self.validate(token_ids, params)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.tracks:
+        if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params)
         seed = params.seed if params.seed is not None else next(self._seeds)
         vocab = self.model.spec.vocab_size
-        self.tracks[request_id] = _Track(
+        self.tracks[request_id] = Track(
             request=request,
             prompt=text,
             sampling=SamplingState(params, token_ids, vocab, seed=seed),
@@ -226,30 +235,57 @@ class LLMEngine:
         return self.tracks[request_id]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request now and free all its units. NOTE: for a PD request waiting for its
-        state, only once the sender confirmed it stopped writing (the decode client's job).
-        """
-        track = self.tracks.pop(request_id, None)
+        """End a live request now (None if there is none). Its units are freed now, except
+        a PD decode request waiting for its state: a prefill may still write there, so it
+        fails into quarantine (``Handoff.fail``) until ``Handoff.release``."""
+        track = self.tracks.get(request_id)
         if track is None:
             return None
-        if self.scheduler.abort(request_id) is None:
-            # Not queued: a PD decode request waiting for its state holds reserved units.
-            for cache in self.caches:
-                cache.free(request_id)
-        self.aux.free(request_id)
+        if track.request.status in (
+            RequestStatus.WAITING_FOR_UNITS,
+            RequestStatus.WAITING_FOR_STATE,
+        ):
+            return self.handoff.fail(request_id, "aborted", FinishReason.ABORT, False)
+        del self.tracks[request_id]
+        self.scheduler.abort(request_id)
+        track.request.status = RequestStatus.FINISHED_ABORTED
+        self.free_units(request_id)
+        track.metrics.finished_time = time.monotonic()
+        return track.output(finish=FinishReason.ABORT)
+
+    def free_units(self, request_id: str) -> None:
+        """Free every unit ``request_id`` holds in every registered component, and the
+        draft's per-request state: the one place a request's memory is given back (its end,
+        a PD release). The scheduler's preemption frees computed state only (``StateGroup``)."""
+        for component in self.registry:
+            component.owner.free(request_id)
         if self.proposer is not None:
             self.proposer.free(request_id)
-        track.metrics.finished_time = time.monotonic()
-        return self._output(track, finish=FinishReason.ABORT)
 
     def units_in_use(self) -> dict[str, int]:
         """Per state component: units requests hold now (for metrics)."""
-        free = {name: n for cache in self.caches for name, n in cache.num_free_units().items()}
-        free[self.aux.name] = self.aux.num_free_units
-        return {c.name: c.num_units - free[c.name] for c in self.registry}
+        return {c.name: c.num_units - c.owner.num_free_units for c in self.registry}
 
     def has_unfinished_requests(self) -> bool:
+        """Whether the scheduler holds requests to compute (a PD decode's requests waiting
+        for their state are not: the decode side waits on its channel for those)."""
         return self.scheduler.has_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions so far (a PD sender resends a preempted prompt's pages)."""
+        return self.scheduler.num_preemptions
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.num_running, self.num_waiting, self.units_in_use())
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -276,25 +312,30 @@ class LLMEngine:
             track = self.tracks[request_id]
             if spec[request_id]:
                 self._record_acceptance(track.metrics, committed, spec[request_id])
-            self._append(track, committed, now)
-            outputs.append(self._output(track, finish=track.finish_reason))
+            self.append(track, committed, now)
+            outputs.append(track.output(finish=track.finish_reason))
             if track.finish_reason is not None:
-                self._finish(track, committed)
+                self.finish(track, committed)
         return outputs
 
-    def _finish(self, track: _Track, committed: Committed | None) -> None:
+    def append(self, track: Track, committed: Committed, now: float) -> None:
+        """Append committed tokens to ``track`` (stop conditions checked as they come)."""
+        track.append(committed, now, self.eos_token_ids, self.max_model_len)
+
+    def finish(self, track: Track, committed: Committed | None) -> None:
+        """A request reached its finish reason: off the queues; a PD prefill's is ``HELD``
+        with every unit kept (``Handoff.release`` frees them), any other's units are freed."""
         request_id = track.request.request_id
-        status = FINISH[track.finish_reason]
         if track.hold:
-            self.scheduler.finish(track.request, status, free=False)
+            self.scheduler.finish(track.request, RequestStatus.HELD)
             seed = self.proposer.pending.pop(request_id, None) if self.proposer else None
             hidden = seed.hidden[-1] if seed is not None else None
             self.held[request_id] = HeldRequest(track.request, committed, hidden)
+            if self.proposer is not None:
+                self.proposer.free(request_id)
         else:
-            self.scheduler.finish(track.request, status)
-            self.aux.free(request_id)
-        if self.proposer is not None:
-            self.proposer.free(request_id)
+            self.scheduler.finish(track.request, FINISH[track.finish_reason])
+            self.free_units(request_id)
         del self.tracks[request_id]
 
     def _num_spec_tokens(self, request: Request) -> int:
@@ -310,97 +351,3 @@ class LLMEngine:
             metrics.accepted_per_position.extend([0] * (k - len(metrics.accepted_per_position)))
         for i in range(num_accepted):
             metrics.accepted_per_position[i] += 1
-
-    def _append(self, track: _Track, committed: Committed, now: float) -> None:
-        """Take a step's committed tokens in order until one ends the request."""
-        request, params = track.request, track.request.sampling_params
-        # NOTE: without stop strings the text of the step's tokens is decoded in one call
-        # (two tokenizer decodes per call: a speculative step's 3-4 tokens cost a quarter);
-        # stop strings need the text token by token, to cut the tokens after a match.
-        text_ids: list[int] = []
-        for i, token in enumerate(committed.token_ids):
-            request.output_token_ids.append(token)
-            track.new_token_ids.append(token)
-            track.metrics.first_token_time = track.metrics.first_token_time or now
-            track.metrics.num_generated_tokens += 1
-            track.cumulative_logprob += committed.logprobs[i]
-            if track.logprobs is not None:
-                entry = {token: committed.logprobs[i]}
-                entry.update(dict(committed.top_logprobs[i] or []))
-                track.logprobs.append(entry)
-            if token in params.stop_token_ids:
-                track.finish_reason, request.stop_reason = FinishReason.STOP, token
-            elif token in self.eos_token_ids and not params.ignore_eos:
-                track.finish_reason = FinishReason.STOP
-            elif params.stop:
-                delta = track.detok.step([token])
-                track.text += delta
-                self._check_stop_strings(track, len(track.text) - len(delta))
-            else:
-                text_ids.append(token)
-            if track.finish_reason is None and (
-                request.num_output_tokens >= track.max_tokens
-                or request.num_tokens >= self.max_model_len
-            ):
-                track.finish_reason = FinishReason.LENGTH
-            if track.finish_reason is not None:
-                break
-        if text_ids:
-            track.text += track.detok.step(text_ids)
-        if track.finish_reason is not None:
-            track.metrics.finished_time = now
-            if track.finish_reason is FinishReason.LENGTH and request.stop_reason is None:
-                track.text += track.detok.flush()
-
-    def _check_stop_strings(self, track: _Track, delta_start: int) -> None:
-        params = track.request.sampling_params
-        if not params.stop or track.request.num_output_tokens < params.min_tokens:
-            return
-        # Only a match overlapping the new delta is new.
-        longest = max(len(s) for s in params.stop)
-        tail_start = max(0, delta_start - longest + 1)
-        for stop in params.stop:
-            idx = track.text.find(stop, tail_start)
-            if idx >= 0:
-                cut = idx + len(stop) if params.include_stop_str_in_output else idx
-                track.text = track.text[:cut]
-                track.finish_reason, track.request.stop_reason = FinishReason.STOP, stop
-                return
-
-    def _output(self, track: _Track, finish: FinishReason | None) -> RequestOutput:
-        params = track.request.sampling_params
-        text = track.text
-        if finish is None and params.stop:
-            # Hold back what could still become a stop string.
-            text = text[: max(track.num_emitted_chars, len(text) - max(map(len, params.stop)) + 1)]
-        delta_text = text[track.num_emitted_chars :]
-        track.num_emitted_chars = len(text)
-        n_new = len(track.new_token_ids)
-        logprobs = track.logprobs
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(track.request.output_token_ids),
-            cumulative_logprob=track.cumulative_logprob,
-            logprobs=logprobs,
-            finish_reason=finish.value if finish else None,
-            stop_reason=track.request.stop_reason,
-        )
-        delta = CompletionOutput(
-            index=0,
-            text=delta_text,
-            token_ids=list(track.new_token_ids),
-            logprobs=logprobs[-n_new:] if logprobs and n_new else None,
-            finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason,
-        )
-        track.new_token_ids = []
-        return RequestOutput(
-            request_id=track.request.request_id,
-            prompt=track.prompt,
-            prompt_token_ids=track.request.prompt_token_ids,
-            outputs=[completion],
-            finished=finish is not None,
-            metrics=track.metrics,
-            delta=delta,
-        )

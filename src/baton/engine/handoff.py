@@ -1,63 +1,63 @@
-"""The engine's side of a PD handoff: what a prefill worker keeps, what a decode admits.
+"""Handoff: the engine's PD interface -- what a prefill keeps, what a decode reserves and admits.
 
-Prefill: ``add_prefill_request`` computes the prompt (chunked, with the draft's prompt
-state), samples the first token, and keeps every unit in ``engine.held`` until
-``release``. Decode: ``reserve`` creates the request without computing anything and
-reserves units for every component -- each over its *own* token range (the target's
-positions [0, P), the draft's slots [0, P-1)) -- plus an aux row; ``admit`` turns the
-transferred state into a running request. Decode computes no prompt token. While a
-prompt is computed, ``streamed_components`` / ``num_complete_units`` say which units are
-final already (the target's complete full-attention pages), so prefill can push them early.
+Composed around one ``LLMEngine`` (``engine.handoff``); the transfer layer calls it and
+nothing else of the engine's internals. Every range, reservation and free iterates the
+``StateRegistry``: each component declares the token range a handoff covers
+(``StateComponent.handoff_range``: the target's positions [0, P), the draft's slots
+[0, P-1), the aux record none) and when it is pushed (``push``), so a component added to
+the registry moves with no edit here.
+
+Contracts (who calls, what it frees, when):
+
+=================  ===========  ==========================================================
+method             side, caller  effect
+=================  ===========  ==========================================================
+add_for_prefill    prefill,      validate, reserve the aux record, queue the prompt with
+                   its sender    max_tokens=1; once computed the request is ``HELD`` in
+                                 ``engine.held`` with every unit kept
+release            either side,  free every unit of a held (or still computing) prefill
+                   once nothing  request, or of a quarantined decode one; the caller vouches
+                   writes there  that no transfer writes into them any more
+add_for_decode     decode        validate once, queue as ``WAITING_FOR_UNITS``
+reserve_queued     decode, each  reserve, oldest first, each queued request's units over
+                   turn          every component's range: ``WAITING_FOR_STATE``; returns
+                                 the reservations made (a request that cannot fit now stays
+                                 queued -- "no room" is not an error)
+admit              decode, once  the state landed (nonce checked by the caller): ``RUNNING``,
+                   the aux row   the first token appended, the aux record freed
+                   is checked
+fail               decode        end a waiting request now (``FAILED`` / aborted) with a
+                                 reason; its units are freed now only if
+                                 ``stopped_writing``, else quarantined until ``release``
+=================  ===========  ==========================================================
+
+While a prompt is computed, ``num_complete_units`` says which units of a ``STREAMED``
+component (the target's full-attention pages) are final already, so prefill pushes them
+early.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
 from baton.engine.runner import Committed
-from baton.memory.state import StateComponent
-from baton.request import RequestStatus, SamplingParams
+from baton.memory.state import PushPhase, StateComponent
+from baton.request import FinishReason, RequestStatus, SamplingParams
 from baton.speculative.proposer import PendingPairs
+
+if TYPE_CHECKING:
+    from baton.engine.engine import LLMEngine
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
     """What a prefill worker samples with: the first token only."""
     return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-
-
-def add_prefill_request(engine: LLMEngine, prompt, params: SamplingParams, request_id: str) -> str:
-    track = engine._new_track(prompt, prefill_params(params), request_id)
-    track.hold = True
-    engine.aux.reserve(request_id)
-    engine.scheduler.add(track.request)
-    return request_id
-
-
-def release(engine: LLMEngine, request_id: str) -> None:
-    """Free a held prefill request's units (after its sender stopped writing)."""
-    engine.held.pop(request_id, None)
-    for cache in engine.caches:
-        cache.free(request_id)
-    engine.aux.free(request_id)
-
-
-def abort_prefill(engine: LLMEngine, request_id: str) -> None:
-    """Prefill: end a request, still computing or held, and free every unit it holds."""
-    engine.abort_request(request_id)
-    release(engine, request_id)
-
-
-def streamed_components(engine: LLMEngine) -> list[StateComponent]:
-    """What prefill may push while the prompt is still being computed: the target's
-    full-attention pages, each final once every position it holds is computed. Sliding
-    pages fall out of the window and ring rows are overwritten during prefill, and the
-    draft's state is complete only after the last chunk, so those move at the end."""
-    return [p.component for p in engine.cache.pools if p.component.kind == "paged_full"]
 
 
 def num_complete_units(component: StateComponent, request_id: str) -> int:
@@ -72,78 +72,152 @@ def num_complete_units(component: StateComponent, request_id: str) -> int:
     return min(len(held.unit_ids), held.token_end // component.page_size)
 
 
-def token_ranges(engine: LLMEngine, num_prompt_tokens: int) -> dict[str, tuple[int, int]]:
-    """Per component, the positions a handoff covers: the target's prompt positions, the
-    draft's prompt slots (one fewer: the last pair is the seed, in the aux row)."""
-    ranges = {}
-    for cache, end in zip(engine.caches, (num_prompt_tokens, num_prompt_tokens - 1), strict=False):
-        for pool in cache.pools:
-            ranges[pool.name] = (0, end)
-    ranges[engine.aux.name] = (0, 0)
-    return ranges
+@dataclass(frozen=True)
+class Reservation:
+    """A decode request's reserved units: what its ``ReserveState`` tells prefill."""
+
+    request_id: str
+    params: SamplingParams
+    """With the effective seed: prefill samples token 1 with the stream decode continues."""
+    unit_ids: dict[str, list[int]]
+    """Component -> the unit ids reserved over its handoff range (the record's included)."""
+    token_ranges: dict[str, tuple[int, int]]
 
 
-def reserve(engine: LLMEngine, prompt, params: SamplingParams, request_id: str) -> None:
-    """Decode: validate, create the request waiting for its state, reserve every unit.
-    Raises ValueError for a bad request and MemoryError when the pools cannot hold it now."""
-    running = len(engine.scheduler.running) + len(_waiting_for_state(engine))
-    if running >= engine.config.scheduler.max_num_seqs:
-        raise MemoryError("decode is running max_num_seqs requests")
-    track = engine._new_track(prompt, params, request_id)
-    num_prompt = track.request.num_prompt_tokens
-    ranges = token_ranges(engine, num_prompt)
-    caches = engine.caches
-    fits = (
-        all(c.can_grow(request_id, *ranges[c.pools[0].name]) for c in caches)
-        and engine.aux.num_free_units > 0
-    )
-    if not fits:
-        del engine.tracks[request_id]
-        raise MemoryError(f"no room for {num_prompt} prompt tokens right now")
-    for c in caches:
-        start, end = ranges[c.pools[0].name]
-        c.grow(request_id, start, end)
-        c.trim(request_id, end)  # the units are reserved for [start, end): index them so
-    engine.aux.reserve(request_id)
-    track.request.status = RequestStatus.WAITING_FOR_STATE
+class Handoff:
+    """The PD handoff of one engine (module docstring: the contracts)."""
 
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.queued: list[str] = []
+        """Decode: requests ``WAITING_FOR_UNITS``, oldest first."""
 
-def _waiting_for_state(engine: LLMEngine) -> list[str]:
-    return [
-        rid
-        for rid, t in engine.tracks.items()
-        if t.request.status is RequestStatus.WAITING_FOR_STATE
-    ]
+    # -- prefill ---------------------------------------------------------------------------
+    def add_for_prefill(self, prompt, params: SamplingParams, request_id: str) -> None:
+        engine = self.engine
+        track = engine._new_track(prompt, prefill_params(params), request_id)
+        track.hold = True
+        for record in engine.registry.pushed_in(PushPhase.LAST):
+            record.owner.grow(request_id, 0, 0)
+        engine.scheduler.add(track.request)
 
+    def release(self, request_id: str) -> None:
+        engine = self.engine
+        if request_id in engine.tracks:  # still computing (prefill) or live (a caller bug)
+            engine.scheduler.abort(request_id)
+            del engine.tracks[request_id]
+        engine.held.pop(request_id, None)
+        engine.quarantined.discard(request_id)
+        engine.free_units(request_id)
 
-def admit(
-    engine: LLMEngine,
-    request_id: str,
-    first_token: int,
-    logprob: float,
-    top_logprobs: list[tuple[int, float]] | None,
-    seed_hidden: torch.Tensor,
-) -> RequestOutput:
-    """Decode: the state has landed (the aux nonce was checked): start decoding. Returns the
-    request's first output -- prefill's token, to stream now rather than after a decode step
-    (finished already if that token ends it)."""
-    track = engine.tracks[request_id]
-    request = track.request
-    num_prompt = request.num_prompt_tokens
-    request.num_computed_tokens = num_prompt
-    for cache, end in zip(engine.caches, (num_prompt, num_prompt - 1), strict=False):
-        cache.trim(request_id, end)  # what the units now hold
-    track.sampling.append(first_token)
-    now = time.monotonic()
-    track.metrics.first_scheduled_time = track.metrics.first_scheduled_time or now
-    committed = Committed([first_token], [logprob], [top_logprobs])
-    engine._append(track, committed, now)
-    if engine.proposer is not None:
-        seed = PendingPairs(num_prompt - 1, seed_hidden.reshape(1, -1), [first_token])
-        engine.proposer.set_pending(request_id, seed)
-    request.status = RequestStatus.RUNNING
-    engine.scheduler.running.append(request)
-    engine.aux.free(request_id)
-    if track.finish_reason is not None:
-        engine._finish(track, committed)
-    return engine._output(track, track.finish_reason)
+    # -- decode ----------------------------------------------------------------------------
+    def add_for_decode(self, prompt, params: SamplingParams, request_id: str) -> None:
+        engine = self.engine
+        if params.seed is None:  # prefill samples token 1 with the seed decode continues with
+            params = dataclasses.replace(params, seed=next(engine._seeds))
+        track = engine._new_track(prompt, params, request_id)
+        track.request.status = RequestStatus.WAITING_FOR_UNITS
+        self.queued.append(request_id)
+
+    def token_ranges(self, num_prompt_tokens: int) -> dict[str, tuple[int, int]]:
+        """Per component, the positions a handoff of a prompt this long covers."""
+        return {c.name: c.handoff_range(num_prompt_tokens) for c in self.engine.registry}
+
+    def num_reserved(self) -> int:
+        """Decode requests holding units: running, waiting for state, quarantined."""
+        engine = self.engine
+        waiting = sum(
+            t.request.status is RequestStatus.WAITING_FOR_STATE for t in engine.tracks.values()
+        )
+        return engine.num_running + waiting + len(engine.quarantined)
+
+    def reserve_queued(self) -> list[Reservation]:
+        engine = self.engine
+        reserved = []
+        while self.queued:
+            running = self.num_reserved() - len(engine.quarantined)
+            if running >= engine.config.scheduler.max_num_seqs:
+                break
+            reservation = self._reserve(self.queued[0])
+            if reservation is None:
+                break
+            self.queued.pop(0)
+            reserved.append(reservation)
+        return reserved
+
+    def _reserve(self, request_id: str) -> Reservation | None:
+        engine = self.engine
+        track = engine.tracks[request_id]
+        ranges = self.token_ranges(track.request.num_prompt_tokens)
+        components = list(engine.registry)
+        if any(
+            c.owner.num_new_units(request_id, *ranges[c.name]) > c.owner.num_free_units
+            for c in components
+        ):
+            return None
+        for c in components:
+            start, end = ranges[c.name]
+            c.owner.grow(request_id, start, end)
+            c.owner.trim(request_id, end)  # the units are reserved for [start, end): index them
+        track.request.status = RequestStatus.WAITING_FOR_STATE
+        unit_ids = {c.name: list(c.index(request_id).unit_ids) for c in components}
+        return Reservation(request_id, track.request.sampling_params, unit_ids, ranges)
+
+    def admit(
+        self,
+        request_id: str,
+        first_token: int,
+        logprob: float,
+        top_logprobs: list[tuple[int, float]] | None,
+        seed_hidden: torch.Tensor,
+    ) -> RequestOutput:
+        """Returns the request's first output -- prefill's token, to stream now rather than
+        after a decode step (finished already if that token ends it)."""
+        engine = self.engine
+        track = engine.tracks[request_id]
+        request = track.request
+        assert request.status is RequestStatus.WAITING_FOR_STATE, request.status
+        num_prompt = request.num_prompt_tokens
+        request.num_computed_tokens = num_prompt
+        for c in engine.registry:
+            c.owner.trim(request_id, c.handoff_range(num_prompt)[1])  # what the units now hold
+        for record in engine.registry.pushed_in(PushPhase.LAST):
+            record.owner.free(request_id)  # read: the record's row is free again
+        track.sampling.append(first_token)
+        now = time.monotonic()
+        track.metrics.first_scheduled_time = track.metrics.first_scheduled_time or now
+        committed = Committed([first_token], [logprob], [top_logprobs])
+        engine.append(track, committed, now)
+        if engine.proposer is not None:
+            seed = PendingPairs(num_prompt - 1, seed_hidden.reshape(1, -1), [first_token])
+            engine.proposer.set_pending(request_id, seed)
+        engine.scheduler.add_running(request)
+        finish = track.finish_reason
+        if finish is not None:
+            engine.finish(track, committed)
+        return track.output(finish)
+
+    def fail(
+        self,
+        request_id: str,
+        reason: str,
+        finish: FinishReason = FinishReason.ERROR,
+        stopped_writing: bool = False,
+    ) -> RequestOutput:
+        """The request's one, final output (``error`` carries ``reason`` when it failed)."""
+        engine = self.engine
+        track = engine.tracks.pop(request_id)
+        if request_id in self.queued:  # never reserved: nothing can write for it
+            self.queued.remove(request_id)
+            stopped_writing = True
+        failed = finish is FinishReason.ERROR
+        track.request.status = RequestStatus.FAILED if failed else RequestStatus.FINISHED_ABORTED
+        track.request.finish_reason = finish
+        track.metrics.finished_time = time.monotonic()
+        if engine.proposer is not None:
+            engine.proposer.free(request_id)
+        if stopped_writing:
+            engine.free_units(request_id)
+        else:
+            engine.quarantined.add(request_id)
+        return track.final_output(finish, reason if failed else None)

@@ -10,8 +10,9 @@ typed ``SchedulerOutput``; it touches memory only through the ``Memory`` protoco
 2. if nothing was preempted, waiting requests are admitted, oldest first, while there are
    free sequence slots, budget, and every pool can hold their first chunk.
 
-The engine reports back with ``commit`` after the step; finishing and aborting free every
-unit of a request at once.
+The engine reports back with ``commit`` after the step. ``finish`` / ``abort`` take a
+request off the queues; its units are freed by the engine (``LLMEngine.free_units``), which
+owns the request's lifecycle, PD states included.
 """
 
 from __future__ import annotations
@@ -146,20 +147,24 @@ class Scheduler:
             chunk.request.num_computed_tokens = end
             self.memory.trim(chunk.request.request_id, end)
 
-    def finish(self, request: Request, status: RequestStatus, free: bool = True) -> None:
-        """End a running or waiting request and free all its units at once (``free=False``:
-        a PD prefill keeps them until the transfer is done)."""
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Take a running or waiting request off the queues with its final status. Its units
+        are the engine's to free (``LLMEngine.free_units``): a PD prefill keeps them."""
         if any(r is request for r in self.running):
             self.running.remove(request)
         elif any(r is request for r in self.waiting):
             self.waiting.remove(request)
-        if free:
-            self.memory.free(request.request_id)
         request.status = status
 
     def abort(self, request_id: str) -> Request | None:
+        """``finish`` the queued request ``request_id`` as aborted; None if not queued."""
         for request in (*self.running, *self.waiting):
             if request.request_id == request_id:
                 self.finish(request, RequestStatus.FINISHED_ABORTED)
                 return request
         return None
+
+    def add_running(self, request: Request) -> None:
+        """A PD decode request whose state landed: it decodes from its next step on."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)

@@ -8,7 +8,9 @@ A row holds the request nonce, the first sampled token, its logprob and the draf
 
 The decode side admits a request only once the row it reserved holds the nonce it chose,
 so a row written by an earlier, failed attempt is never mistaken for this one. Registered
-in the ``StateRegistry`` as ``aux`` like every other piece of per-request state.
+in the ``StateRegistry`` as ``aux`` like every other piece of per-request state, pushed
+``PushPhase.LAST``; reserved by the handoff only (``grow`` over the empty range), never by
+the scheduler.
 """
 
 from __future__ import annotations
@@ -17,7 +19,14 @@ import torch
 
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
-from baton.memory.state import StateComponent, StateRegistry, UnitRange
+from baton.memory.state import (
+    ComponentKind,
+    PushPhase,
+    StateComponent,
+    StateRegistry,
+    UnitKind,
+    UnitRange,
+)
 
 HEADER_BYTES = 24
 
@@ -43,15 +52,17 @@ class AuxPool:
         self.slots: dict[str, int] = {}
         self.component = StateComponent(
             name=name,
-            kind="row",
+            kind=ComponentKind.ROW,
             layer_ids=(),
-            unit="row",
+            unit=UnitKind.ROW,
             unit_bytes=self.row_bytes,
             num_units=num_slots,
             dtype=str(dtype).removeprefix("torch."),
             unit_shape=(self.row_bytes,),
             storage=self.storage,
+            push=PushPhase.LAST,
             index=self.index,
+            owner=self,
         )
         registry.register(self.component)
 
@@ -64,6 +75,19 @@ class AuxPool:
             assert self.blocks.can_allocate(1), "aux rows exhausted"
             self.slots[request_id] = self.blocks.allocate(1)[0]
         return self.slots[request_id]
+
+    # -- UnitOwner: one row, whatever the range -------------------------------------------
+    def num_new_units(self, request_id: str, start: int, end: int) -> int:
+        return 0 if request_id in self.slots else 1
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        self.reserve(request_id)
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        pass
+
+    def peak_units(self, num_tokens: int) -> int:
+        return 1
 
     def free(self, request_id: str) -> None:
         if request_id in self.slots:

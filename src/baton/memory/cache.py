@@ -1,9 +1,12 @@
-"""ModelCache: the pools of one model (target or draft), built from its spec.
+"""ModelCache: the pools of one model (target or draft); StateGroup: the scheduler's memory.
 
-Creates one pool per attention kind present in ``layer_types`` -- ``<prefix>.full`` for
-full layers, ``<prefix>.swa`` for sliding layers (paged or ring) -- each of which registers
-its own state component. Maps a model layer id to (pool, pool-local layer index) and
-applies scheduler decisions to all pools at once.
+``ModelCache`` creates one pool per attention kind present in ``layer_types`` --
+``<prefix>.full`` for full layers, ``<prefix>.swa`` for sliding layers (paged or ring) --
+each of which registers its own state component, declaring the token range a handoff
+covers (``token_lag``) and when it is pushed. It maps a model layer id to (pool, pool-local
+layer index) for the runner. ``StateGroup`` applies the scheduler's decisions to every
+registered component that holds computed state (not the handoff record), by iterating the
+registry: a component registered by anyone is grown, trimmed and freed with the rest.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from baton.config import CacheConfig, SchedulerConfig
 from baton.memory.allocator import StorageAllocator
 from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.pools import PagedPool, RingPool, StatePool
-from baton.memory.state import StateRegistry
+from baton.memory.state import PushPhase, StateRegistry, UnitOwner
 
 
 class ModelCache:
@@ -30,11 +33,18 @@ class ModelCache:
         prefix: str = "target",
         slack: int = 0,
         allocator: StorageAllocator | None = None,
+        token_lag: int = 0,
     ) -> None:
+        """``token_lag``: 0 for the target; 1 for the draft, whose slots trail the target's
+        positions by one (``StateComponent.token_lag``). The target's full-attention pages are
+        final as soon as computed (pushed while the prompt is computed); a trailing model's
+        are final only after the last chunk."""
         self.pools: list[StatePool] = []
         self.layer_map: dict[int, tuple[StatePool, int]] = {}
         page_size = cache_config.page_size
         kv = (spec.num_kv_heads, spec.head_dim, dtype, registry)
+        handoff = {"allocator": allocator, "token_lag": token_lag}
+        full_push = PushPhase.STREAMED if token_lag == 0 else PushPhase.FINAL
         full = tuple(i for i, t in enumerate(spec.layer_types) if t == FULL_ATTENTION)
         sliding = tuple(i for i, t in enumerate(spec.layer_types) if t == SLIDING_ATTENTION)
         if full:
@@ -44,15 +54,16 @@ class ModelCache:
                 page_bytes *= torch.empty((), dtype=dtype).element_size()
                 num_pages = max(1, cache_config.kv_cache_memory_mb * 2**20 // page_bytes)
             self._add(
-                PagedPool(f"{prefix}.full", full, num_pages, page_size, *kv, allocator=allocator)
-            )
+                PagedPool(f"{prefix}.full", full, num_pages, page_size, *kv, **handoff,
+                          push=full_push)
+            )  # fmt: skip
         if sliding:
             window = spec.sliding_window
             assert window is not None
             seqs = scheduler_config.max_num_seqs
             if cache_config.sliding_mode == "ring":
                 pool: StatePool = RingPool(
-                    f"{prefix}.swa", sliding, seqs, window, *kv, slack=slack, allocator=allocator
+                    f"{prefix}.swa", sliding, seqs, window, *kv, slack=slack, **handoff
                 )
             else:
                 # Enough for every running request at its mid-chunk peak: never the bottleneck.
@@ -60,7 +71,7 @@ class ModelCache:
                 per_request = 2 * (math.ceil((window - 1 + slack) / page_size) + 1) + 1
                 pool = PagedPool(
                     f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack,
-                    allocator=allocator,
+                    **handoff,
                 )  # fmt: skip
             self._add(pool)
 
@@ -69,43 +80,48 @@ class ModelCache:
         for local, layer_id in enumerate(pool.layer_ids):
             self.layer_map[layer_id] = (pool, local)
 
-    def can_grow(self, request_id: str, start: int, end: int) -> bool:
-        return all(p.num_new_units(request_id, start, end) <= p.num_free_units for p in self.pools)
-
     def grow(self, request_id: str, start: int, end: int) -> None:
+        """The proposer's growth of a trailing model's state (the draft's slots)."""
         for p in self.pools:
             p.grow(request_id, start, end)
 
     def trim(self, request_id: str, num_computed: int) -> None:
+        """The proposer's trim of a trailing model's state at its own committed end."""
         for p in self.pools:
             p.trim(request_id, num_computed)
-
-    def free(self, request_id: str) -> None:
-        for p in self.pools:
-            p.free(request_id)
 
     def num_free_units(self) -> dict[str, int]:
         return {p.name: p.num_free_units for p in self.pools}
 
 
-class CacheGroup:
-    """The scheduler's ``Memory``: the target's and the draft's pools together. Trimming is
-    the target's only: the draft's slots trail its positions, so the proposer trims the draft
-    at its own committed end."""
+class StateGroup:
+    """The scheduler's ``Memory``: every registered component holding computed state (all but
+    the handoff record, ``PushPhase.LAST``), iterated from the registry at each call.
+    Trimming covers components with ``token_lag`` 0 only: a trailing one (the draft's) is
+    trimmed by the model that writes it, at its own committed end. ``free`` here is the
+    scheduler's preemption (the request lives on); a request's end frees through
+    ``LLMEngine.free_units``."""
 
-    def __init__(self, caches: list[ModelCache]) -> None:
-        self.caches = caches
+    def __init__(self, registry: StateRegistry) -> None:
+        self.registry = registry
+
+    def _owners(self) -> list[UnitOwner]:
+        return [c.owner for c in self.registry if c.push is not PushPhase.LAST and c.owner]
 
     def can_grow(self, request_id: str, start: int, end: int) -> bool:
-        return all(c.can_grow(request_id, start, end) for c in self.caches)
+        return all(
+            o.num_new_units(request_id, start, end) <= o.num_free_units for o in self._owners()
+        )
 
     def grow(self, request_id: str, start: int, end: int) -> None:
-        for c in self.caches:
-            c.grow(request_id, start, end)
+        for owner in self._owners():
+            owner.grow(request_id, start, end)
 
     def trim(self, request_id: str, num_computed: int) -> None:
-        self.caches[0].trim(request_id, num_computed)
+        for c in self.registry:
+            if c.push is not PushPhase.LAST and c.token_lag == 0 and c.owner is not None:
+                c.owner.trim(request_id, num_computed)
 
     def free(self, request_id: str) -> None:
-        for c in self.caches:
-            c.free(request_id)
+        for owner in self._owners():
+            owner.free(request_id)

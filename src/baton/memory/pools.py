@@ -27,7 +27,14 @@ import torch
 
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
-from baton.memory.state import StateComponent, StateRegistry, UnitRange
+from baton.memory.state import (
+    ComponentKind,
+    PushPhase,
+    StateComponent,
+    StateRegistry,
+    UnitKind,
+    UnitRange,
+)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -40,8 +47,8 @@ class StatePool(ABC):
     def __init__(
         self,
         name: str,
-        kind: str,
-        unit: str,
+        kind: ComponentKind,
+        unit: UnitKind,
         layer_ids: tuple[int, ...],
         num_units: int,
         rows: int,
@@ -54,7 +61,10 @@ class StatePool(ABC):
         window: int | None = None,
         ring_rows: int | None = None,
         allocator: StorageAllocator | None = None,
+        token_lag: int = 0,
+        push: PushPhase = PushPhase.FINAL,
     ) -> None:
+        """``token_lag`` and ``push``: what a PD handoff moves and when (``StateComponent``)."""
         self.name = name
         self.layer_ids = layer_ids
         self.rows = rows
@@ -78,7 +88,10 @@ class StatePool(ABC):
             ring_rows=ring_rows,
             unit_shape=unit_shape,
             storage=self.storage,
+            token_lag=token_lag,
+            push=push,
             index=self.index,
+            owner=self,
         )
         registry.register(self.component)
 
@@ -193,11 +206,14 @@ class PagedPool(StatePool):
         slack: int = 0,
         *,
         allocator: StorageAllocator | None = None,
+        token_lag: int = 0,
+        push: PushPhase = PushPhase.FINAL,
     ) -> None:
-        kind = "paged_full" if window is None else "paged_sliding"
+        kind = ComponentKind.PAGED_FULL if window is None else ComponentKind.PAGED_SLIDING
         super().__init__(
-            name, kind, "page", layer_ids, num_pages, page_size, num_kv_heads, head_dim, dtype,
-            registry, page_size=page_size, window=window, allocator=allocator,
+            name, kind, UnitKind.PAGE, layer_ids, num_pages, page_size, num_kv_heads, head_dim,
+            dtype, registry, page_size=page_size, window=window, allocator=allocator,
+            token_lag=token_lag, push=push,
         )  # fmt: skip
         self.page_size = page_size
         self.window = window
@@ -310,11 +326,14 @@ class RingPool(StatePool):
         slack: int = 0,
         *,
         allocator: StorageAllocator | None = None,
+        token_lag: int = 0,
+        push: PushPhase = PushPhase.FINAL,
     ) -> None:
         rows = window + slack
         super().__init__(
-            name, "ring", "ring", layer_ids, num_rings, rows, num_kv_heads, head_dim, dtype,
-            registry, window=window, ring_rows=rows, allocator=allocator,
+            name, ComponentKind.RING, UnitKind.RING, layer_ids, num_rings, rows, num_kv_heads,
+            head_dim, dtype, registry, window=window, ring_rows=rows, allocator=allocator,
+            token_lag=token_lag, push=push,
         )  # fmt: skip
         self.window = window
         self.rings: dict[str, int] = {}

@@ -1,10 +1,15 @@
 """StateComponent and StateRegistry: per-request state, declared by the pools that hold it.
 
 A component is one named, typed piece of per-request state (``target.full``,
-``target.swa``, ``draft.swa``, ...): which layers it covers, what a unit is (a page, a ring,
-a row), how many bytes a unit has, and its *own* index function mapping a request to the
-unit ids it holds and the token range they cover. The transfer layer of a disaggregated
-deployment iterates the registry and nothing else, so a pool cannot be forgotten.
+``target.swa``, ``draft.swa``, ``aux``, ...): which layers it covers, what a unit is (a
+page, a ring, a row), how many bytes a unit has, its *own* index function mapping a request
+to the unit ids it holds and the token range they cover, the token range a PD handoff of a
+prompt covers (``handoff_range``: the target's positions [0, P), the draft's slots
+[0, P-1)), when a handoff pushes it (``push``), and the pool that owns its units
+(``owner``: reserve, trim, free). The engine reserves, trims and frees by iterating the
+registry; the transfer layer pushes by iterating it. Nothing keeps a second list of
+components, so a new one -- a recurrent state, a second draft -- moves with no edit
+elsewhere, and a forgotten one cannot exist.
 
 The schema is the canonical, JSON-able description of every component (no ids, no
 addresses); two workers may pair only if their schemas are equal, and the hash is a
@@ -15,14 +20,64 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol
 
 import torch
 
-KINDS = ("paged_full", "paged_sliding", "ring", "row")
-UNITS = ("page", "ring", "row")
+
+class ComponentKind(StrEnum):
+    PAGED_FULL = "paged_full"
+    """Full attention in pages: every position of the request."""
+    PAGED_SLIDING = "paged_sliding"
+    """Sliding window in pages: the page-floored window (and slack) behind the last position."""
+    RING = "ring"
+    """Sliding window in one ring of rows per request: row = position % rows."""
+    ROW = "row"
+    """One fixed-size row per request (the aux record; a recurrent state)."""
+
+
+class UnitKind(StrEnum):
+    PAGE = "page"
+    RING = "ring"
+    ROW = "row"
+
+
+class PushPhase(StrEnum):
+    """When a PD handoff pushes a component's units."""
+
+    STREAMED = "streamed"
+    """Each complete unit is final once computed: pushed while the prompt is computed."""
+    FINAL = "final"
+    """Final only once the whole prompt (and first token) is computed: pushed then."""
+    LAST = "last"
+    """The handoff record: pushed alone after every other byte landed; its arrival admits
+    the request. Reserved for PD only (``add_for_prefill`` / ``reserve``), never scheduled."""
+
+
+class UnitOwner(Protocol):
+    """What owns a component's units (a pool): the engine reserves, trims and frees through
+    it for every registered component alike."""
+
+    @property
+    def num_free_units(self) -> int: ...
+
+    def num_new_units(self, request_id: str, start: int, end: int) -> int:
+        """Units ``grow`` would allocate for positions [start, end)."""
+
+    def grow(self, request_id: str, start: int, end: int) -> None:
+        """Allocate what positions [start, end) need (the caller checked the room)."""
+
+    def trim(self, request_id: str, num_computed: int) -> None:
+        """Positions >= ``num_computed`` are not committed; free what nobody can need."""
+
+    def free(self, request_id: str) -> None:
+        """Release every unit of the request."""
+
+    def peak_units(self, num_tokens: int) -> int:
+        """The most units one request of ``num_tokens`` tokens holds at once."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +95,11 @@ class UnitRange:
 class StateComponent:
     name: str
     """Unique name, ``<model>.<what>``: ``target.full``, ``target.swa``, ``draft.swa``."""
-    kind: str
-    """One of ``KINDS``."""
+    kind: ComponentKind
     layer_ids: tuple[int, ...]
     """Layers of the owning model whose state this is."""
-    unit: str
-    """What one unit id names: ``page``, ``ring`` or ``row``."""
+    unit: UnitKind
+    """What one unit id names."""
     unit_bytes: int
     """Bytes of one unit in ``storage`` (all layers of the unit, contiguous)."""
     num_units: int
@@ -57,16 +111,34 @@ class StateComponent:
     """Shape of one unit: e.g. [num_layers, 2 (k/v), page_size, num_kv_heads, head_dim]."""
     storage: torch.Tensor | None = field(default=None, compare=False, repr=False)
     """[num_units, *unit_shape]; unit u occupies bytes [u * unit_bytes, (u+1) * unit_bytes)."""
+    token_lag: int = 0
+    """A handoff of a P-token prompt covers positions [0, P - token_lag): 0 for the target;
+    1 for the draft, whose slot i pairs the target's hidden state i with token i+1, so its
+    last prompt pair (the seed) travels in the aux record instead. Also: the scheduler trims
+    only components with lag 0; a trailing one is trimmed by the model that writes it."""
+    push: PushPhase = PushPhase.FINAL
     index: Callable[[str], UnitRange] | None = field(default=None, compare=False, repr=False)
     """request id -> the units that request holds now."""
+    owner: UnitOwner | None = field(default=None, compare=False, repr=False)
+    """The pool that reserves, trims and frees this component's units."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"component {self.name!r}: unknown kind {self.kind!r}")
-        if self.unit not in UNITS:
-            raise ValueError(f"component {self.name!r}: unknown unit {self.unit!r}")
+        for attr, enum in (("kind", ComponentKind), ("unit", UnitKind), ("push", PushPhase)):
+            value = getattr(self, attr)
+            if value not in set(enum):
+                raise ValueError(f"component {self.name!r}: unknown {attr} {value!r}")
+            object.__setattr__(self, attr, enum(value))
         if self.unit_bytes <= 0 or self.num_units <= 0:
             raise ValueError(f"component {self.name!r}: unit_bytes and num_units must be > 0")
+        if self.token_lag < 0:
+            raise ValueError(f"component {self.name!r}: token_lag must be >= 0")
+
+    def handoff_range(self, num_prompt_tokens: int) -> tuple[int, int]:
+        """The token positions [start, end) a PD handoff of a prompt this long moves; the
+        record (``PushPhase.LAST``) covers none."""
+        if self.push is PushPhase.LAST:
+            return (0, 0)
+        return (0, max(0, num_prompt_tokens - self.token_lag))
 
     def schema(self) -> dict[str, Any]:
         """The canonical description exchanged at a handshake (no addresses, no ids)."""
@@ -81,6 +153,8 @@ class StateComponent:
             "page_size": self.page_size,
             "window": self.window,
             "ring_rows": self.ring_rows,
+            "token_lag": self.token_lag,
+            "push": self.push.value,
         }
 
 
@@ -95,12 +169,12 @@ class StateRegistry:
             raise ValueError(f"state component {component.name!r} is registered twice")
         self._components[component.name] = component
 
-    def unregister(self, name: str) -> None:
-        """Debug switch for tests: drop one component (as a buggy worker would)."""
-        del self._components[name]
-
-    def __iter__(self):
+    def __iter__(self) -> Iterator[StateComponent]:
         return iter(self._components.values())
+
+    def pushed_in(self, phase: PushPhase) -> list[StateComponent]:
+        """The components a handoff pushes in ``phase``, in registration order."""
+        return [c for c in self._components.values() if c.push is phase]
 
     def __len__(self) -> int:
         return len(self._components)

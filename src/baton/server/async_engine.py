@@ -1,5 +1,5 @@
-"""``AsyncEngine``: one ``LLMEngine`` (or a PD decode ``PDEngine``) driven by a background
-thread, fed from asyncio.
+"""``AsyncEngine``: one engine core (``baton.engine.core.EngineCore``: a colocated
+``LLMEngine`` or a PD ``DecodeEngine``) driven by a background thread, fed from asyncio.
 
 The engine is not thread-safe, so only the engine thread touches it. Coroutines send
 commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
@@ -18,28 +18,23 @@ Who calls it: ``baton.server.api`` (one per server) and tests.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from baton.engine.core import EngineCore
+from baton.engine.engine import EngineStats
 from baton.engine.outputs import RequestOutput
 from baton.request import SamplingParams
-
-if TYPE_CHECKING:
-    from baton.engine.engine import LLMEngine
-    from baton.server.pd_engine import PDEngine
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Add:
-    request_id: str
     prompt: str | list[int] | dict
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
@@ -74,7 +69,7 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: LLMEngine | PDEngine,
+        engine: EngineCore,
         on_failure: Callable[[], None] | None = None,
         fail_after_steps: int | None = None,
     ) -> None:
@@ -90,16 +85,12 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._closed = False
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
         self.error: BaseException | None = None
         """Set when the engine thread died; the server reports unhealthy from then on."""
-        # Snapshots written by the engine thread after each step, read by /metrics.
-        self.num_running = 0
-        self.num_waiting = 0
-        self.units_in_use: dict[str, int] = {}
-        self.transfer_stats: dict[str, tuple[int, float]] = {}
-        self.push_seconds = 0.0
+        self.stats = EngineStats(0, 0, {})
+        """The engine's snapshot after its last step (the engine thread writes it; /metrics
+        reads it)."""
 
     @property
     def tokenizer(self):
@@ -126,7 +117,7 @@ class AsyncEngine:
     @property
     def is_pd(self) -> bool:
         """Whether the engine is a PD decode (requests may name their prefill and room)."""
-        return hasattr(self.engine, "transfer_stats")
+        return self.engine.is_disaggregated
 
     async def add(
         self,
@@ -143,14 +134,14 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         if isinstance(prompt, str) and self.tokenizer is not None:
             prompt = await self._tokenize(prompt, loop)
-        request_id = f"srv-{next(self._ids)}"
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: Future = Future()
         with self._lock:
             if self._closed or self.error is not None:
                 raise RuntimeError("the engine thread is not running")
-            self._commands.put(_Add(request_id, prompt, params, loop, outputs, accepted, route))
-        await asyncio.wrap_future(accepted)  # re-raises the engine's ValueError
+            self._commands.put(_Add(prompt, params, loop, outputs, accepted, route))
+        # the engine's id (re-raises the engine's ValueError)
+        request_id = await asyncio.wrap_future(accepted)
         return self._iterate(request_id, outputs)
 
     async def _tokenize(self, text: str, loop: asyncio.AbstractEventLoop) -> dict:
@@ -203,11 +194,7 @@ class AsyncEngine:
                         raise InjectedFault(f"injected after {num_steps} engine steps")
                     self._dispatch(self.engine.step())
                     num_steps += 1
-                self.num_running = len(self.engine.scheduler.running)
-                self.num_waiting = len(self.engine.scheduler.waiting)
-                self.units_in_use = self.engine.units_in_use()
-                if self.is_pd:
-                    self.transfer_stats, self.push_seconds = self.engine.transfer_stats()
+                self.stats = self.engine.stats()
         except Exception as exc:
             logger.exception("the engine thread failed")
             self.error = EngineFailed(f"the engine failed ({type(exc).__name__}: {exc})")
@@ -234,14 +221,14 @@ class AsyncEngine:
                 self.engine.abort_request(command.request_id)
                 continue
             try:
-                self.engine.add_request(
-                    command.prompt, command.params, command.request_id, **command.route
+                request_id = self.engine.add_request(
+                    command.prompt, command.params, **command.route
                 )
             except Exception as exc:
                 command.accepted.set_exception(exc)
                 continue
-            self._streams[command.request_id] = (command.loop, command.outputs)
-            command.accepted.set_result(command.request_id)
+            self._streams[request_id] = (command.loop, command.outputs)
+            command.accepted.set_result(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -74,11 +74,12 @@ class ServerMetrics:
 
     def update(self, engine: AsyncEngine) -> None:
         """Copy the engine thread's latest snapshot into the gauges and counters."""
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting)
-        for name, n in engine.units_in_use.items():
+        stats = engine.stats
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        for name, n in stats.units_in_use.items():
             self.units.labels(name).set(n)
-        for name, (num_bytes, seconds) in engine.transfer_stats.items():
+        for name, (num_bytes, seconds) in stats.transfer.items():
             self.transfer_bytes.set_total(num_bytes, name)
             self.transfer_seconds.set_total(seconds, name)
-        self.push_seconds.set_total(engine.push_seconds)
+        self.push_seconds.set_total(stats.push_seconds)

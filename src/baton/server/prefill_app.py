@@ -27,7 +27,7 @@ from prometheus_client import (
 
 from baton.server.metrics import TotalCounter
 from baton.server.protocol import ApiError
-from baton.transfer.prefill_server import PrefillServer
+from baton.transfer.prefill import PrefillServer
 
 logger = logging.getLogger(__name__)
 

@@ -54,6 +54,8 @@ __all__ = ["DEFAULT_HOST", "MAC_BYTES", "ControlClient", "ControlServer", "wait_
 logger = logging.getLogger("baton.transfer")
 
 DEFAULT_HOST = "127.0.0.1"
+MAX_MESSAGES_PER_TURN = 256
+"""A loop handles at most this many messages a turn, so a flood cannot starve its engine."""
 MAX_FRAME_BYTES = 256 * 2**20
 """A peer sending a larger frame is disconnected (ZMQ_MAXMSGSIZE)."""
 MAX_FRAMES_PER_RECV = 64

@@ -1,13 +1,14 @@
 """Decode's control channels to its prefill workers: ``PrefillLinks``.
 
 Owns one ``ControlClient`` per prefill endpoint and the pairing on it: a blocking bootstrap
-(``DecodeClient`` construction) or a pairing on the way (Hello queued ahead of the first
+(``DecodeEngine`` construction) or a pairing on the way (Hello queued ahead of the first
 request on the same ordered channel, answered later), the check of the HelloAck, and
-liveness -- a ping every ``PING_INTERVAL_S`` to each prefill that owes decode state, and the
-verdict on links that never answered the handshake or went silent. What a failed link means
-for its requests is ``DecodeClient``'s business; this module only reports the link and why,
-and keeps the link's fence state (``PrefillLink.epoch``, ``fenced``) and whether the prefill's
-process is known to be gone (``is_gone``: only where both share a host and pid namespace).
+liveness -- a ping every ``Deadlines.ping_interval_s`` to each prefill that owes decode
+state, and the verdict on links that never answered the handshake or went silent. What a
+failed link means for its requests is ``DecodeRooms``' business; this module only reports
+the link and why, and keeps the link's fence state (``PrefillLink.epoch``, ``fenced``) and
+whether the prefill's process is known to be gone (``is_gone``: only where both share a
+host and pid namespace).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from baton.config import Deadlines
-from baton.transfer.channel import ControlClient, wait_any
+from baton.transfer.channel import MAX_MESSAGES_PER_TURN, ControlClient, wait_any
 from baton.transfer.handshake import PairingError, check_pairing
 from baton.transfer.protocol import Hello, HelloAck, Message, Ping, Pong
-from baton.transfer.worker_base import MAX_MESSAGES_PER_TURN, PING_INTERVAL_S
 
 logger = logging.getLogger("baton.transfer")
 
@@ -41,7 +41,7 @@ class PrefillLink:
     last_ping: float = 0.0
     ping_seq: int = 0
     epoch: int = 0
-    """Fence epoch: new reservations carry it; ``DecodeClient._fence`` bumps it."""
+    """Fence epoch: new reservations carry it; ``DecodeRooms.fence`` bumps it."""
     fenced: str | None = None
     """Why decode failed this prefill (None: healthy). A fenced link takes no reservation;
     it stays open only to hear the confirmations that free its quarantined units."""
@@ -153,7 +153,7 @@ class PrefillLinks:
         now, failed = time.monotonic(), []
         for link in self._links.values():
             if link.fenced is not None:
-                continue  # failed already; DecodeClient resends its Fence instead of pings
+                continue  # failed already; DecodeRooms resends its Fence instead of pings
             if link.peer is None and now > link.hello_deadline:
                 failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
             elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
@@ -163,7 +163,7 @@ class PrefillLinks:
             elif (
                 link.peer is not None
                 and link.endpoint in owing
-                and now - link.last_ping >= PING_INTERVAL_S
+                and now - link.last_ping >= self.deadlines.ping_interval_s
             ):
                 link.ping_seq += 1
                 link.last_ping = now

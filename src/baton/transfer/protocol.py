@@ -30,7 +30,7 @@ Fencing (DESIGN.md principle 6): every ``ReserveState`` carries the epoch of dec
 that prefill. When decode gives up on the prefill it bumps the epoch and sends ``Fence``;
 prefill stops every room of that decode reserved under an older epoch -- it checks right
 before each push batch -- and answers ``FenceAck`` once nothing of them can still be in
-flight. Until then decode keeps the rooms' units quarantined (see ``DecodeClient``).
+flight. Until then decode keeps the rooms' units quarantined (see ``rooms.DecodeRooms``).
 """
 
 from __future__ import annotations
@@ -64,6 +64,12 @@ class ProtocolError(ValueError):
 def new_room() -> int:
     """A random 63-bit request room id (the router assigns one per PD request)."""
     return secrets.randbits(63)
+
+
+def request_id_of(room: int) -> str:
+    """The engine request id of a PD room, on prefill and decode alike: the one mapping
+    between the wire's room and the engines' ids (the router picks the room)."""
+    return f"room-{room}"
 
 
 def new_nonce() -> int:

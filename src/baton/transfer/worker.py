@@ -1,29 +1,13 @@
-"""PD workers as processes: a prefill server and a decode client over the control channel.
+"""PD workers as processes: ``python -m baton.transfer.worker --role prefill|decode``.
 
-``PrefillServer`` owns a prefill ``LLMEngine``, a ``PrefillWorker`` (``pd.py``) and the
-``ControlServer`` (its bootstrap endpoint); ``serve_forever`` drains the channel, computes
-prompts and pushes their state. ``DecodeClient`` owns a decode ``LLMEngine`` whose pools live
-in shared memory, a ``DecodeWorker`` and a ``ControlClient``; its caller drives it like an
-engine (``add_request`` / ``step`` / ``abort``). ``main`` runs either role as its own process
-(``python -m baton.transfer.worker --role prefill|decode``). Pairing rules stay in
-``handshake.py``, byte moves in the backends, the handoff itself in ``pd.py``.
-
-Every wait has a deadline and every failure is a state (DESIGN.md principle 6)::
-
-    decode                                         prefill
-    Hello(regions) ──────────────────────────▶     check_pairing, map decode's regions
-            ◀────────────────────────────────── HelloAck     no ack in bootstrap_s: TimeoutError
-    ReserveState(room) ──────────────────────▶     compute, push, aux last
-            ◀────────────────────────────────── StateDone | StateFailed(stopped_writing)
-    no state in waiting_for_state_s: the request ends FAILED now; Abort ──▶ drop the room,
-            ◀────────────────────────────────── StateFailed(stopped_writing=True)
-    its units are freed on that confirmation only (or once its process is seen gone); past
-    abort_grace_s unconfirmed, or peer_silence_s silent, decode fences the prefill: Fence ──▶
-    stop every room of mine, ◀── FenceAck; no request goes there until then (decode_client.py;
-    prefill also drops rooms older than waiting_for_state_s instead of pushing them)
-
-Nothing a peer sends raises into either loop: the channel drops bad frames, and messages
-that make no sense here are answered with ``StateFailed`` or logged.
+Prefill: a ``PrefillServer`` (``prefill.py``) serving until SIGTERM/SIGINT, after printing
+one JSON ready line. Decode: a ``DecodeEngine`` (``decode.py``) fed JSON requests on stdin,
+one result a line on stdout -- the smallest deployment, used by the process tests and
+benchmarks; ``baton serve`` puts the same classes behind HTTP. The shared token is read from
+an environment variable (``config.read_secret_env``), never argv. The package's map:
+``sender`` / ``prefill`` (prefill side), ``receiver`` / ``rooms`` / ``prefill_links`` /
+``decode`` (decode side), ``protocol`` / ``channel`` / ``session`` / ``handshake`` (the
+control plane), ``plan`` and ``backends`` (the data plane).
 """
 
 from __future__ import annotations
@@ -36,22 +20,14 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING
 
-from baton.config import Deadlines, EngineConfig
+from baton.config import Deadlines, EngineConfig, read_secret_env
 from baton.request import FinishReason, SamplingParams
+from baton.transfer.backends import WORKER_BACKENDS
 from baton.transfer.channel import DEFAULT_HOST
+from baton.transfer.decode import DecodeEngine
 from baton.transfer.handshake import PairingError
-
-if TYPE_CHECKING:
-    pass  # the engine's per-request record
-
-from baton.transfer.decode_client import DecodeClient
-from baton.transfer.prefill_server import PrefillServer
-from baton.transfer.worker_base import (
-    WORKER_BACKENDS,
-    request_id_of,
-)
+from baton.transfer.prefill import PrefillServer
 
 logger = logging.getLogger("baton.transfer")
 
@@ -109,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), stream=sys.stderr,
         format=f"%(asctime)s {args.role}[%(process)d] %(levelname)s %(message)s",
     )  # fmt: skip
-    token = os.environ.get(args.token_env, "")  # NOTE: never argv: ps shows argv to all users
+    token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
@@ -145,29 +121,22 @@ def _run_decode(
 ) -> int:
     jobs = [json.loads(line) for line in sys.stdin if line.strip()]
     try:
-        client = DecodeClient(args.model, config, args.connect, token, args.backend, deadlines)
+        decode = DecodeEngine(args.model, config, args.connect, token, args.backend, deadlines)
     except (TimeoutError, PairingError) as e:
         logger.error("%s", e)
         return 2
-    num_failed, index, line = 0, {}, 0
-    with client:
-        while jobs or client.has_unfinished_requests():
-            while jobs:
-                try:
-                    job = dict(jobs[0])
-                    prompt = job.pop("prompt_token_ids", None)
-                    index[request_id_of(client.add_request(prompt, SamplingParams(**job)))] = line
-                except MemoryError as e:
-                    if client.has_unfinished_requests() or client.releasing:
-                        break  # full: add it after some requests finish
-                    print(json.dumps({"index": line, "error": str(e)}), flush=True)
-                    num_failed += 1
-                except (ValueError, TypeError) as e:
-                    print(json.dumps({"index": line, "error": f"bad request: {e}"}), flush=True)
-                    num_failed += 1
-                jobs.pop(0)
-                line += 1
-            for out in client.step():
+    num_failed, index = 0, {}
+    with decode:
+        for line, job in enumerate(jobs):
+            try:
+                job = dict(job)
+                prompt = {"prompt_token_ids": job.pop("prompt_token_ids", None)}
+                index[decode.add_request(prompt, SamplingParams(**job))] = line
+            except (ValueError, TypeError) as e:
+                print(json.dumps({"index": line, "error": f"bad request: {e}"}), flush=True)
+                num_failed += 1
+        while decode.has_unfinished_requests():
+            for out in decode.step():
                 if not out.finished:
                     continue
                 completion = out.outputs[0]
@@ -178,7 +147,7 @@ def _run_decode(
                     "token_ids": completion.token_ids,
                     "text": completion.text,
                     "finish_reason": completion.finish_reason,
-                    "error": client.failure_reasons.get(out.request_id),
+                    "error": out.error,
                     "acceptance_length": out.metrics.acceptance_length,
                 }
                 print(json.dumps(result), flush=True)
@@ -187,6 +156,3 @@ def _run_decode(
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = ["DecodeClient", "Deadlines", "PrefillServer", "WORKER_BACKENDS", "main", "request_id_of"]

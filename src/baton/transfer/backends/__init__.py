@@ -24,7 +24,11 @@ BACKENDS: dict[str, str] = {
     "nixl": "baton.transfer.backends.nixl:NixlBackend",
     "mooncake": "baton.transfer.backends.mooncake:MooncakeBackend",
 }
-"""Backend kind -> ``module:class``."""
+"""Backend kind -> ``module:class``. A new backend is one ``TransferBackend`` subclass plus
+one line here (and in ``WORKER_BACKENDS`` if it crosses processes)."""
+WORKER_BACKENDS = ("shm", "nixl", "mooncake")
+"""Backends that cross a process boundary (``loopback`` is in-process only): the choices of
+every PD command line."""
 
 
 def backend_class(kind: str) -> type[TransferBackend]:
@@ -39,8 +43,23 @@ def backend_class(kind: str) -> type[TransferBackend]:
     return getattr(module, class_name)
 
 
+def new_worker_backend(kind: str, allocator=None) -> TransferBackend:
+    """The backend of a PD worker process. Decode's pools always live in shared memory
+    (``allocator``; an ``shm`` prefill on the same host maps them); nixl and mooncake
+    register the same memory with their own engines and push over UCX / TCP, as across
+    hosts. Raises ``ValueError`` for a kind that cannot cross processes."""
+    if kind not in WORKER_BACKENDS:
+        raise ValueError(
+            f"transfer backend {kind!r} cannot cross processes here; use one of {WORKER_BACKENDS}"
+        )
+    if kind == "shm":
+        return ShmBackend(allocator)
+    return backend_class(kind)()
+
+
 __all__ = [
     "BACKENDS",
+    "WORKER_BACKENDS",
     "LoopbackBackend",
     "RegionDescriptor",
     "ShmBackend",
@@ -49,4 +68,5 @@ __all__ = [
     "TransferOp",
     "TransferState",
     "backend_class",
+    "new_worker_backend",
 ]

@@ -1,4 +1,11 @@
-"""The prefill side of a PD deployment as a process: ``PrefillServer`` (see ``worker.py``)."""
+"""``PrefillServer``: a PD prefill worker behind its control endpoint, paired with any decodes.
+
+It owns a prefill ``LLMEngine``, the ``ControlServer`` (its bootstrap endpoint) and one
+``Sender`` per paired decode; ``serve_forever`` drains the channel, computes prompts and
+pushes their state. Pairing rules stay in ``handshake.py``, byte moves in the backends,
+the message-level push in ``sender.py``; the process entry point is ``worker.py`` (and
+``baton serve --role prefill``, which adds an HTTP health endpoint around it).
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,12 @@ import time
 from dataclasses import dataclass
 
 from baton.config import Deadlines, EngineConfig
-from baton.engine import handoff
 from baton.engine.engine import LLMEngine
+from baton.memory.state import PushPhase
+from baton.transfer.backends import WORKER_BACKENDS, new_worker_backend
 from baton.transfer.backends.base import RegionDescriptor
-from baton.transfer.channel import DEFAULT_HOST, ControlServer
+from baton.transfer.channel import DEFAULT_HOST, MAX_MESSAGES_PER_TURN, ControlServer
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
-from baton.transfer.pd import PrefillWorker
 from baton.transfer.protocol import (
     Abort,
     Fence,
@@ -28,14 +35,9 @@ from baton.transfer.protocol import (
     ReserveState,
     StateDone,
     StateFailed,
-)
-from baton.transfer.worker_base import (
-    IDLE_WAIT_MS,
-    MAX_MESSAGES_PER_TURN,
-    _check_backend,
-    _new_backend,
     request_id_of,
 )
+from baton.transfer.sender import Sender
 
 logger = logging.getLogger("baton.transfer")
 
@@ -46,17 +48,13 @@ class _Peer:
     """A paired decode: its own sender (a backend mapping that decode's regions)."""
 
     worker_id: str
-    sender: PrefillWorker
+    sender: Sender
     num_units: dict[str, int]
     """Component name -> units of that decode's pool (bounds its unit ids)."""
 
 
 MAX_PEERS = 64
 """Paired decodes kept at once; past it an idle one is forgotten (it re-pairs on Hello)."""
-PEER_CHECK_S = 2.0
-"""How often prefill pings its paired decodes: a decode whose connection is gone (its
-process died) is forgotten -- its rooms dropped, its regions unmapped -- instead of keeping
-its pools mapped for ever."""
 
 
 @dataclass
@@ -72,7 +70,7 @@ class PrefillServer:
     """A prefill worker behind a ``ControlServer``, paired with any number of decodes.
 
     One engine computes every decode's prompts; each paired decode has its own sender
-    (``PrefillWorker``) whose backend maps that decode's regions, so a step is one engine
+    (``Sender``) whose backend maps that decode's regions, so a step is one engine
     step and then one push per sender. A decode that says Hello again (a reconnect) is
     re-paired once it has no request in flight here.
 
@@ -102,7 +100,8 @@ class PrefillServer:
         """``debug_stall_s`` (tests): hold every push that long after a request arrives.
         ``debug_step_pause_s`` (tests): sleep that long between each engine step and its
         pushes -- a step as long as a GC pause, in which a test can stop the process."""
-        _check_backend(backend_kind)
+        if backend_kind not in WORKER_BACKENDS:
+            new_worker_backend(backend_kind)  # raises the ValueError naming the choices
         if not debug_stall_s >= 0:
             raise ValueError(f"debug_stall_s must be >= 0, got {debug_stall_s!r}")
         if not debug_step_pause_s >= 0:
@@ -112,7 +111,7 @@ class PrefillServer:
         self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
         self.backend_kind = backend_kind
-        self.prefill = PrefillWorker(self.engine, _new_backend(backend_kind))
+        self.prefill = Sender(self.engine, new_worker_backend(backend_kind), self.deadlines)
         self.hello = build_hello(
             self.engine, model_dir,
             worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
@@ -155,9 +154,9 @@ class PrefillServer:
         """Drain the channel, drop rooms past their deadline, run one step if there is work."""
         self.last_turn = time.monotonic()
         can_step = self._has_work() and time.monotonic() >= self._stall_until
-        self._drain(0 if can_step else IDLE_WAIT_MS)
+        self._drain(0 if can_step else round(self.deadlines.idle_wait_s * 1000))
         self._expire()
-        if time.monotonic() - self._last_peer_check >= PEER_CHECK_S:
+        if time.monotonic() - self._last_peer_check >= self.deadlines.peer_check_s:
             self._check_peers()
         if self._has_work() and time.monotonic() >= self._stall_until:
             self.engine.step()
@@ -309,7 +308,7 @@ class PrefillServer:
             _close_backend(forgotten.sender)
             logger.info("prefill: forgot idle decode %r", forgotten.worker_id)
 
-    def _connect(self, hello: Hello) -> tuple[PrefillWorker, dict[str, int]]:
+    def _connect(self, hello: Hello) -> tuple[Sender, dict[str, int]]:
         """A sender mapping ``hello``'s regions, and the unit count of each."""
         names = set(self.engine.registry.names())
         if set(hello.regions) != names:
@@ -325,8 +324,7 @@ class PrefillServer:
                     f"{component.unit_bytes}-byte units of `{component.name}`"
                 )
             num_units[component.name] = d.nbytes // component.unit_bytes
-        prefill = PrefillWorker(self.engine, _new_backend(self.backend_kind))
-        prefill.transfer_s = self.deadlines.transferring_s
+        prefill = Sender(self.engine, new_worker_backend(self.backend_kind), self.deadlines)
         prefill.refresh_fences = self._peek_fences
         try:
             prefill.connect(hello.regions)
@@ -369,13 +367,13 @@ class PrefillServer:
             return (
                 f"reserved under epoch {msg.epoch}, fenced by decode at {peer.sender.fence_epoch}"
             )
-        aux = self.engine.aux
-        if aux.num_free_units == 0:
-            return f"prefill is full ({aux.component.num_units} requests in flight)"
-        pushed = set(self.engine.registry.names()) - {aux.name}
+        (record,) = self.engine.registry.pushed_in(PushPhase.LAST)
+        if record.owner.num_free_units == 0:
+            return f"prefill is full ({record.num_units} requests in flight)"
+        pushed = {c.name for c in self.engine.registry if c.push is not PushPhase.LAST}
         if set(msg.dst_unit_ids) != pushed:
             return f"dst_unit_ids names {sorted(msg.dst_unit_ids)}, prefill pushes {sorted(pushed)}"
-        units = {**msg.dst_unit_ids, aux.name: [msg.aux_slot_id]}
+        units = {**msg.dst_unit_ids, record.name: [msg.aux_slot_id]}
         for name, ids in units.items():
             outside = [u for u in ids if u >= peer.num_units[name]]
             if outside:
@@ -429,8 +427,7 @@ class PrefillServer:
         if peer is not None:
             peer.sender.outgoing.pop(request_id, None)
             peer.sender.aborted.discard(room)
-        self.engine.abort_request(request_id)
-        handoff.release(self.engine, request_id)
+        self.engine.handoff.release(request_id)
 
     def _drop(self, room: int, reason: str) -> None:
         """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
@@ -440,7 +437,7 @@ class PrefillServer:
         self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
 
 
-def _close_backend(sender: PrefillWorker) -> None:
+def _close_backend(sender: Sender) -> None:
     """Unmap a sender's decode regions; a mapping still in use stays (logged)."""
     try:
         sender.backend.close()

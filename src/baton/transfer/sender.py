@@ -1,22 +1,23 @@
-"""PD roles as compositions of the same engine: a prefill sender and a decode receiver.
+"""The prefill side of a PD handoff, message-level: ``Sender`` pushes one decode's requests.
 
-Per request (DESIGN.md §5): decode ``reserve``s units for every component of its registry
-and sends ``ReserveState``; prefill computes the prompt in chunks and, after each engine
-step, pushes the target's full-attention pages that became complete (one batch for every
-request still computing). Once the prompt and first token are done, it pushes everything
-else -- the last partial page, the sliding / ring components (pages leave the window and
-rows are overwritten during prefill), the draft's state -- in one batch planned into
-coalesced runs and, once that batch is DONE, the aux record (nonce, first token, logprob,
-draft seed) last; decode admits the request when the aux row holds the nonce it chose.
-The transfer layer iterates the registry and nothing else.
+Per request (DESIGN.md §5): decode reserved units for every component of its registry and
+sent ``ReserveState``; ``on_reserve`` queues the prompt (``Handoff.add_for_prefill``).
+After each engine step the sender pushes the units of ``PushPhase.STREAMED`` components
+that became complete (the target's full-attention pages; one batch for every request still
+computing). Once the prompt and first token are done it pushes everything else -- the last
+partial page, the sliding / ring components (pages leave the window and rows are
+overwritten during prefill), the draft's state -- in one batch planned into coalesced runs
+and, once that batch is DONE, the aux record (nonce, first token, logprob, draft seed)
+last; decode admits the request when the aux row holds the nonce it chose. Every component
+comes from iterating the registry; nothing here names one.
 
-These classes do no I/O of their own: messages go in and out as values, so the same code
-runs in one process (tests, loopback) and behind the zmq control channel (workers).
+No I/O of its own: messages go in and out as values, so the same code runs in one process
+(tests, loopback) and behind the zmq control channel (``prefill.PrefillServer``). Its
+decode-side mirror is ``receiver.Receiver``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
@@ -24,20 +25,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from baton.engine import handoff
+from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
-from baton.engine.outputs import RequestOutput
-from baton.request import SamplingParams
-from baton.transfer.backends.base import Status, TransferBackend, TransferOp, failed
+from baton.engine.handoff import num_complete_units
+from baton.memory.state import PushPhase
+from baton.transfer.backends.base import (
+    RegionDescriptor,
+    Status,
+    TransferBackend,
+    TransferOp,
+    failed,
+)
 from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
 from baton.transfer.protocol import (
     ComponentStats,
     ReserveState,
     StateDone,
     StateFailed,
-    new_nonce,
+    request_id_of,
     sampling_params_from_wire,
-    sampling_params_to_wire,
 )
 
 
@@ -83,10 +89,7 @@ class _Moved:
     has_stopped: bool = True
 
 
-DEFAULT_TRANSFER_S = 60.0
-
-
-class PrefillWorker:
+class Sender:
     """Computes prompts and pushes their state into the decode peer's pools.
 
     After every engine step, ``push_ready`` pushes, in one batch for all of this sender's
@@ -101,10 +104,12 @@ class PrefillWorker:
     epoch below ``fence_epoch`` or in ``aborted`` -- answering ``StateFailed(stopped_writing=
     True)`` instead. That narrows, never closes, the window in which a late write lands (a
     process paused inside a batch finishes it on resume): decode keeps a failed room's units
-    quarantined until that confirmation, whatever the check saw (``DecodeClient``).
+    quarantined until that confirmation, whatever the check saw (``decode.DecodeEngine``).
     """
 
-    def __init__(self, engine: LLMEngine, backend: TransferBackend) -> None:
+    def __init__(
+        self, engine: LLMEngine, backend: TransferBackend, deadlines: Deadlines | None = None
+    ) -> None:
         self.engine = engine
         self.backend = backend
         self.descriptors = {c.name: backend.register(c.name, c.storage) for c in engine.registry}
@@ -115,7 +120,7 @@ class PrefillWorker:
         self.debug_skip_components: frozenset[str] = frozenset()
         """Debug switch: components not pushed although declared (the classic missing-piece
         bug, registry intact): decode's units for them keep whatever they held."""
-        self.transfer_s = DEFAULT_TRANSFER_S
+        self.transfer_s = (deadlines or Deadlines()).transferring_s
         """Longest wait for one batch; past it the rooms in it fail (see ``_transfer``)."""
         self._abandoned: dict[int, list[int]] = {}
         """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
@@ -125,7 +130,7 @@ class PrefillWorker:
         """Rooms in ``outgoing`` that decode aborted since the server last handled its channel."""
         self.refresh_fences: Callable[[], None] = lambda: None
         """Called right before each push batch to update ``fence_epoch`` and ``aborted``."""
-        self._num_preemptions = engine.scheduler.num_preemptions
+        self._num_preemptions = engine.num_preemptions
 
     @property
     def is_busy(self) -> bool:
@@ -133,16 +138,14 @@ class PrefillWorker:
         return bool(self.outgoing) or bool(self._abandoned)
 
     def connect(self, peer_regions: dict[str, dict]) -> None:
-        from baton.transfer.backends.base import RegionDescriptor
-
         self.backend.connect([RegionDescriptor.from_dict(d) for d in peer_regions.values()])
 
     def on_reserve(self, msg: ReserveState) -> StateFailed | None:
-        request_id = f"room-{msg.room}"
+        request_id = request_id_of(msg.room)
         params = sampling_params_from_wire(msg.sampling_params)
         try:
-            handoff.add_prefill_request(
-                self.engine, {"prompt_token_ids": msg.prompt_token_ids}, params, request_id
+            self.engine.handoff.add_for_prefill(
+                {"prompt_token_ids": msg.prompt_token_ids}, params, request_id
             )
         except ValueError as e:
             return StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
@@ -161,17 +164,17 @@ class PrefillWorker:
         full-attention pages of those still computing. Also answers, with
         ``StateFailed(stopped_writing=True)``, rooms whose timed-out batch has since ended."""
         replies: list[StateDone | StateFailed] = self._settle_abandoned()
-        if self.engine.scheduler.num_preemptions != self._num_preemptions:
+        if self.engine.num_preemptions != self._num_preemptions:
             # NOTE: a preempted prompt is recomputed into other pages, maybe with other chunk
             # boundaries (other rounding): send its pages again rather than trust the old ones.
-            self._num_preemptions = self.engine.scheduler.num_preemptions
+            self._num_preemptions = self.engine.num_preemptions
             for out in self.outgoing.values():
                 out.num_sent_units.clear()
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
             replies.append(self._push(out))
             self.aborted.discard(out.reserve.room)
-            handoff.release(self.engine, request_id)
+            self.engine.handoff.release(request_id)
         replies.extend(self._push_complete_pages())
         live = {out.reserve.room for out in self.outgoing.values()}
         self.aborted &= live  # marks of rooms answered meanwhile
@@ -185,7 +188,7 @@ class PrefillWorker:
         ends: dict[str, dict[str, int]] = {}
         streamed = [
             c
-            for c in handoff.streamed_components(self.engine)
+            for c in self.engine.registry.pushed_in(PushPhase.STREAMED)
             if c.name not in self.debug_skip_components
         ]
         for request_id, out in self.outgoing.items():
@@ -195,7 +198,7 @@ class PrefillWorker:
                 if dst is None:
                     continue  # the final push reports it
                 first = out.num_sent_units.get(c.name, 0)
-                end = min(handoff.num_complete_units(c, request_id), len(dst))
+                end = min(num_complete_units(c, request_id), len(dst))
                 if end > first:
                     src = c.index(request_id).unit_ids[first:end]
                     components[c.name] = (src, dst[first:end], c.unit_bytes)
@@ -210,7 +213,7 @@ class PrefillWorker:
             # Their prefill units go back now: the backend only reads them, so even a batch
             # still in flight cannot hurt the state of a request that reuses them.
             for request_id in plans:
-                handoff.abort_prefill(self.engine, request_id)
+                self.engine.handoff.release(request_id)
             return replies + [self.outgoing.pop(r).failure(moved) for r in plans]
         for request_id, plan in plans.items():
             out = self.outgoing[request_id]
@@ -237,7 +240,7 @@ class PrefillWorker:
         for request_id in list(self.outgoing):
             out = self.outgoing[request_id]
             if self._is_fenced(out, refresh=False):
-                handoff.abort_prefill(self.engine, request_id)
+                self.engine.handoff.release(request_id)
                 replies.append(self._fenced(self.outgoing.pop(request_id)))
         return replies
 
@@ -249,8 +252,8 @@ class PrefillWorker:
         held = self.engine.held[request_id]
         components = {}
         for component in self.engine.registry:
-            if component.name == self.engine.aux.name:
-                continue
+            if component.push is PushPhase.LAST:
+                continue  # the record, written below
             src = list(component.index(request_id).unit_ids)
             dst = msg.dst_unit_ids.get(component.name)
             if dst is None or len(dst) != len(src):
@@ -341,69 +344,3 @@ class PrefillWorker:
             reason = f"the timed-out transfer has ended ({status.state.value}); nothing writes"
             replies.extend(StateFailed(room=r, reason=reason, stopped_writing=True) for r in rooms)
         return replies
-
-
-@dataclass
-class _Incoming:
-    room: int
-    nonce: int
-    request_id: str
-
-
-@dataclass
-class DecodeWorker:
-    """Reserves units, receives pushed state and decodes; computes no prompt token."""
-
-    engine: LLMEngine
-    incoming: dict[int, _Incoming] = field(default_factory=dict)
-    bytes_received: dict[str, int] = field(default_factory=dict)
-
-    def reserve(
-        self, room: int, prompt_token_ids: list[int], params: SamplingParams, epoch: int = 0
-    ) -> ReserveState:
-        """Reserve units for every component; ``epoch``: the fence epoch of the link the
-        request goes to (``ReserveState.epoch``)."""
-        request_id = f"room-{room}"
-        if params.seed is None:  # prefill samples token 1 with the seed decode continues with
-            params = dataclasses.replace(params, seed=next(self.engine._seeds))
-        handoff.reserve(self.engine, {"prompt_token_ids": prompt_token_ids}, params, request_id)
-        nonce = new_nonce()
-        self.incoming[room] = _Incoming(room, nonce, request_id)
-        ranges = handoff.token_ranges(self.engine, len(prompt_token_ids))
-        dst = {
-            c.name: list(c.index(request_id).unit_ids)
-            for c in self.engine.registry
-            if c.name != self.engine.aux.name
-        }
-        return ReserveState(
-            room=room,
-            request_id=request_id,
-            nonce=nonce,
-            prompt_token_ids=list(prompt_token_ids),
-            sampling_params=sampling_params_to_wire(params),
-            dst_unit_ids=dst,
-            aux_slot_id=self.engine.aux.slots[request_id],
-            token_ranges={k: v for k, v in ranges.items() if k in dst},
-            epoch=epoch,
-        )
-
-    def on_done(self, msg: StateDone) -> RequestOutput:
-        """Admit the request if the aux row carries its nonce (else ``ValueError``); returns
-        its first output (prefill's token)."""
-        incoming = self.incoming.pop(msg.room)
-        nonce, token, logprob, hidden = self.engine.aux.read(incoming.request_id)
-        if nonce != incoming.nonce or msg.nonce != incoming.nonce or token != msg.first_token:
-            raise ValueError(
-                f"room {msg.room}: the aux record does not carry the request's nonce "
-                f"(row {nonce}, expected {incoming.nonce})"
-            )
-        for name, s in msg.component_stats.items():
-            self.bytes_received[name] = self.bytes_received.get(name, 0) + s.num_bytes
-        return handoff.admit(
-            self.engine,
-            incoming.request_id,
-            token,
-            logprob,
-            [tuple(x) for x in msg.first_token_top_logprobs] or None,
-            hidden,
-        )

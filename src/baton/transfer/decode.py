@@ -1,0 +1,359 @@
+"""``DecodeEngine``: a PD decode worker behind the engine-core protocol the server drives.
+
+It owns a decode ``LLMEngine`` whose pools live in shared memory, a ``Receiver`` (the
+handoff's wire half), the control channels to its prefills (``PrefillLinks``) and the
+rooms it waits on (``DecodeRooms``: deadlines, quarantine, fencing). ``AsyncEngine`` calls
+``add_request`` / ``step`` / ``abort_request`` / ``has_unfinished_requests`` / ``stats`` as
+on a colocated engine (``baton.engine.core.EngineCore``).
+
+One request, one id: the router (or this class, without one) picks the room; the engine's
+request id is ``request_id_of(room)`` on decode and prefill alike. A request is validated
+once (``Handoff.add_for_decode``) and queued; each turn reserves, oldest first, what fits
+(``Handoff.reserve_queued``) and sends each reservation to its prefill. "No room now" is a
+request staying queued, not an error::
+
+    decode                                         prefill
+    Hello(regions) ──────────────────────────▶     check_pairing, map decode's regions
+            ◀────────────────────────────────── HelloAck     no ack in bootstrap_s: TimeoutError
+    ReserveState(room) ──────────────────────▶     compute, push, aux last
+            ◀────────────────────────────────── StateDone | StateFailed(stopped_writing)
+    no state in waiting_for_state_s: the request fails now; Abort ──▶ drop the room,
+            ◀────────────────────────────────── StateFailed(stopped_writing=True)
+    its units are freed on that confirmation only (``rooms.py``: quarantine and fences)
+
+Nothing a peer sends raises into the loop: the channel drops bad frames, and messages that
+make no sense here are logged. It touches the engine from one thread only (the engine
+thread), apart from ``close`` once that thread has stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from baton.config import Deadlines, EngineConfig
+from baton.engine.engine import EngineStats, LLMEngine
+from baton.engine.outputs import RequestOutput
+from baton.memory.allocator import SharedMemoryAllocator
+from baton.memory.state import PushPhase
+from baton.request import SamplingParams
+from baton.transfer.backends import WORKER_BACKENDS, TransferBackend, new_worker_backend
+from baton.transfer.handshake import PairingError, build_hello
+from baton.transfer.prefill_links import PrefillLink, PrefillLinks
+from baton.transfer.protocol import (
+    FenceAck,
+    HelloAck,
+    Message,
+    StateDone,
+    StateFailed,
+    new_room,
+    request_id_of,
+)
+from baton.transfer.receiver import Receiver
+from baton.transfer.rooms import DecodeRooms
+
+logger = logging.getLogger("baton.transfer")
+
+
+class DecodeEngine:
+    """A decode worker paired with one or more prefills.
+
+    The prefills given at construction are paired before it returns; ``add_request(...,
+    prefill=endpoint)`` pairs with another on the way (Hello, then the request, on one
+    ordered channel: no wait). A request that fails (prefill refused it, reported a
+    failure, stopped answering or missed the deadline) appears once in ``step``'s outputs
+    with finish reason ``error`` and the reason in ``RequestOutput.error``.
+    """
+
+    is_disaggregated = True
+    """Requests may name their prefill and room (``AsyncEngine.add``)."""
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        engine_config: EngineConfig | None = None,
+        prefill_endpoint: str | Sequence[str] = (),
+        token: str | bytes = "",
+        backend_kind: str = "shm",
+        deadlines: Deadlines | None = None,
+        *,
+        shm_prefix: str | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        """Builds the engine, pairs with each prefill at ``prefill_endpoint``. Raises
+        ``TimeoutError`` when one does not answer within ``bootstrap_s`` and ``PairingError``
+        when either side refuses a pairing; nothing is left behind then."""
+        if backend_kind not in WORKER_BACKENDS:
+            new_worker_backend(backend_kind)  # raises the ValueError naming the choices
+        endpoints = [prefill_endpoint] if isinstance(prefill_endpoint, str) else prefill_endpoint
+        self.deadlines = deadlines or Deadlines()
+        self.allocator = SharedMemoryAllocator(shm_prefix)
+        self.backend: TransferBackend | None = None
+        self.links: PrefillLinks | None = None
+        """Endpoint -> channel to that prefill, paired or pairing."""
+        self.default_endpoints = [e for e in endpoints if e]
+        """Where a request that names no prefill goes (round robin)."""
+        self._next_default = 0
+        try:
+            self.engine = LLMEngine(model_dir, engine_config, allocator=self.allocator)
+            self.links = self._pair(model_dir, token, backend_kind, worker_id)
+        except BaseException:
+            self.close()
+            raise
+        self.receiver = Receiver(self.engine)
+        self.rooms = DecodeRooms(self.engine, self.receiver, self.links, self.deadlines)
+        self.routes: dict[str, tuple[int, str]] = {}
+        """Request id -> (room, prefill endpoint), from ``add_request`` until it ends."""
+        self._outputs: list[RequestOutput] = []
+        self.transfer_bytes: dict[str, int] = {}
+        self.transfer_seconds: dict[str, float] = {}
+        """Per component: bytes prefill pushed here and seconds of the batches carrying them
+        (a batch carries several components: these seconds overlap)."""
+        self.push_seconds = 0.0
+        """Seconds prefills spent pushing state here, all components together."""
+
+    def _pair(
+        self, model_dir, token: str | bytes, backend_kind: str, worker_id: str | None
+    ) -> PrefillLinks:
+        """Register the pools with the backend, say Hello to each default prefill."""
+        self.backend = new_worker_backend(backend_kind, self.allocator)
+        regions = {
+            c.name: self.backend.register(c.name, c.storage).to_dict() for c in self.engine.registry
+        }
+        worker_id = worker_id or (
+            f"decode-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        )
+        self.hello = build_hello(
+            self.engine, model_dir, worker_id=worker_id, role="decode", backend=backend_kind,
+            regions=regions,
+        )  # fmt: skip
+        links = PrefillLinks(self.hello, token, self.deadlines)
+        self.links = links  # NOTE: set before bootstrapping, so a failure closes them
+        for endpoint in self.default_endpoints:
+            links.bootstrap(links.open(endpoint))
+        return links
+
+    # -- the engine-core protocol ----------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def platform_info(self) -> dict:
+        return self.engine.platform_info
+
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: None = None,
+        *,
+        prefill: str | None = None,
+        room: int | None = None,
+    ) -> str:
+        """Queue a request for the prefill at ``prefill`` (default: the next of
+        ``default_endpoints``) under ``room`` (default: a fresh one; a router chooses it);
+        returns its id, ``request_id_of(room)``. Raises ``ValueError`` for a bad request
+        (nothing is kept then) and ``RuntimeError`` when there is no prefill to use."""
+        if request_id is not None:
+            raise ValueError("a decode names its requests by room: pass room, not request_id")
+        if prefill is None and not self.default_endpoints:
+            raise RuntimeError(
+                "this decode server has no prefill worker of its own; send requests through "
+                "a router (which names one per request) or start it with --prefill"
+            )
+        room = new_room() if room is None else room
+        request_id = request_id_of(room)
+        if room in self.rooms.releasing:
+            raise ValueError(f"room {room} is in use")
+        endpoint = prefill or self._default_endpoint()
+        self.engine.handoff.add_for_decode(prompt, params or SamplingParams(), request_id)
+        try:
+            self._link(endpoint)
+        except ValueError:
+            self.engine.handoff.fail(request_id, "bad endpoint", stopped_writing=True)
+            raise
+        self.routes[request_id] = (room, endpoint)
+        self._reserve_queued(fail_stuck=False)
+        if request_id in self.engine.handoff.queued and not self._is_busy():
+            self.engine.handoff.fail(request_id, "no room", stopped_writing=True)
+            del self.routes[request_id]
+            raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
+        return request_id
+
+    def step(self) -> list[RequestOutput]:
+        """Admit what landed, fail what failed or timed out, one engine step, then reserve
+        what now fits."""
+        outputs, self._outputs = self._outputs, []
+        is_busy = bool(outputs) or self.engine.has_unfinished_requests()
+        self._drain(0 if is_busy else self._idle_wait_ms(), outputs)
+        owing = {p.endpoint for p in self.rooms.waiting.values()}
+        for link, reason in self.links.failing(owing):
+            self.rooms.drop_link(link, reason, stopped_writing=False, outputs=outputs)
+        self.rooms.check_deadlines(outputs)
+        outputs += self.engine.step()
+        self._reserve_queued()  # after the step, which may have freed units
+        outputs += self._outputs
+        self._outputs = []
+        for out in outputs:
+            if out.finished:
+                self.routes.pop(out.request_id, None)
+        return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request now; a waiting one keeps its units until prefill confirms."""
+        route = self.routes.pop(request_id, None)
+        if route is not None and route[0] in self.rooms.waiting:
+            return self.rooms.abort(route[0])
+        return self.engine.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        # NOTE: failed rooms still waiting for prefill's confirmation (``releasing``) need
+        # steps too, or their units would only come back with the next request.
+        return self._is_busy() or bool(self.engine.handoff.queued)
+
+    def units_in_use(self) -> dict[str, int]:
+        return self.engine.units_in_use()
+
+    def stats(self) -> EngineStats:
+        seconds = self.transfer_seconds
+        transfer = {n: (b, seconds.get(n, 0.0)) for n, b in self.transfer_bytes.items()}
+        return EngineStats(
+            self.engine.num_running, self.engine.num_waiting, self.engine.units_in_use(),
+            transfer, self.push_seconds,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        """Close the channels and the backend, unlink the shared pools. Idempotent."""
+        if self.links is not None:
+            self.links.close_all()
+        if self.backend is not None:
+            self.backend.close()
+        self.allocator.unlink()
+        # NOTE: the engine's tensors keep the mappings alive until they die (allocator NOTE);
+        # the names are gone already, which is what a leak is.
+        with contextlib.suppress(BufferError):
+            self.allocator.close()
+
+    def __enter__(self) -> DecodeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+    def _is_busy(self) -> bool:
+        """Whether later steps will free units: computing, waiting for state, quarantined."""
+        return (
+            self.engine.has_unfinished_requests()
+            or bool(self.rooms.waiting)
+            or bool(self.rooms.releasing)
+        )
+
+    def _default_endpoint(self) -> str:
+        endpoint = self.default_endpoints[self._next_default % len(self.default_endpoints)]
+        self._next_default += 1
+        return endpoint
+
+    def _link(self, endpoint: str) -> PrefillLink:
+        link = self.links.get(endpoint)
+        if link is None:
+            try:
+                # NOTE: a pairing on the way waits at most peer_silence_s: a router retries
+                # a dead prefill's requests elsewhere instead of after bootstrap_s.
+                link = self.links.open(endpoint, self.deadlines.peer_silence_s)
+            except zmq.ZMQError as e:  # a malformed endpoint
+                raise ValueError(f"cannot connect to prefill endpoint {endpoint!r}: {e}") from e
+        return link
+
+    def _reserve_queued(self, fail_stuck: bool = True) -> None:
+        """Send a ``ReserveState`` for every queued request that fits now, oldest first;
+        with ``fail_stuck``, a request nothing will ever make room for fails."""
+        for reservation in self.engine.handoff.reserve_queued():
+            room, endpoint = self.routes[reservation.request_id]
+            link = self._link(endpoint)
+            msg = self.receiver.reserve_state(room, reservation, link.epoch)
+            self.rooms.wait(room, endpoint, link.epoch)
+            if link.fenced is not None:  # never sent: nothing can write for it
+                reason = f"the prefill at {endpoint} is fenced: {link.fenced}"
+                self._outputs.append(self.rooms.fail(room, reason, True))
+            elif not link.client.send(msg):  # never queued: prefill cannot be writing for it
+                reason = "could not send the request to prefill"
+                self._outputs.append(self.rooms.fail(room, reason, True))
+        queued = self.engine.handoff.queued
+        if fail_stuck and queued and not self._is_busy():
+            reason = "decode has no room for it"
+            self._outputs.append(self.engine.handoff.fail(queued[0], reason, stopped_writing=True))
+
+    def _idle_wait_ms(self) -> int:
+        due = self.rooms.deadlines_due()
+        if not due:
+            return 0
+        wait_s = min(self.deadlines.idle_wait_s, min(due) - time.monotonic())
+        return max(0, math.ceil(wait_s * 1000))
+
+    def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
+        for link, msg in self.links.poll(timeout_ms):
+            if isinstance(msg, HelloAck):
+                self._on_ack(link, msg, outputs)
+            else:
+                self._on_message(link, msg, outputs)
+
+    def _on_ack(self, link: PrefillLink, msg: HelloAck, outputs: list[RequestOutput]) -> None:
+        if link.peer is not None:
+            logger.warning("decode: second HelloAck from %s ignored", link.endpoint)
+            return
+        try:
+            self.links.accept(link, msg)
+        except PairingError as e:
+            # A refusing prefill refuses our requests too (not paired): nothing writes.
+            self.rooms.drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
+
+    def _on_message(self, link: PrefillLink, msg: Message, outputs: list[RequestOutput]) -> None:
+        rooms = self.rooms
+        pending = rooms.releasing.get(getattr(msg, "room", -1))
+        if pending is not None and pending.endpoint != link.endpoint:
+            logger.warning("decode: %s for room %d from another prefill ignored",
+                           type(msg).__name__, msg.room)  # fmt: skip
+        elif isinstance(msg, FenceAck):
+            rooms.on_fence_ack(link, msg)
+        elif isinstance(msg, StateDone | StateFailed) and pending is not None:
+            if isinstance(msg, StateDone) or msg.stopped_writing:
+                rooms.release(msg.room)  # prefill confirms it no longer writes there
+        elif isinstance(msg, StateDone) and msg.room in rooms.waiting:
+            self._on_done(msg, outputs)
+        elif isinstance(msg, StateFailed) and msg.room in rooms.waiting:
+            reason = f"prefill failed the request: {msg.reason}"
+            outputs.append(rooms.fail(msg.room, reason, msg.stopped_writing))
+        else:
+            logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
+
+    def _on_done(self, msg: StateDone, outputs: list[RequestOutput]) -> None:
+        try:
+            first = self.receiver.admit(msg)
+        except ValueError as e:  # a stale or corrupt aux record; prefill is done writing
+            outputs.append(self.rooms.fail(msg.room, str(e), True))
+            return
+        del self.rooms.waiting[msg.room]
+        for name, stats in msg.component_stats.items():
+            self.transfer_bytes[name] = self.transfer_bytes.get(name, 0) + stats.num_bytes
+            self.transfer_seconds[name] = self.transfer_seconds.get(name, 0.0) + stats.seconds
+        # NOTE: every batch carries a full-attention component's units (the largest), the
+        # record goes alone last: its batches plus the record's are the request's push time.
+        records = {c.name for c in self.engine.registry.pushed_in(PushPhase.LAST)}
+        others = [s.seconds for n, s in msg.component_stats.items() if n not in records]
+        last = sum(s.seconds for n, s in msg.component_stats.items() if n in records)
+        self.push_seconds += max(others, default=0.0) + last
+        outputs.append(first)  # the first token streams now, not after a decode step
