@@ -29,6 +29,7 @@ beside it), so that one module lists every variable baton reads.
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -265,10 +266,7 @@ def test_layers_import_only_downwards():
 
 ENV_READER = "config.py"
 """The one module of ``src/baton`` that reads the environment."""
-KNOWN_ENV_READS: dict[str, str] = {
-    "transfer/worker.py": "its PD token read moves to config.read_secret_env with the PD "
-    "engine refactor",
-}
+KNOWN_ENV_READS: dict[str, str] = {}
 """Files (relative to ``src/baton``) still reading the environment -> why it is tolerated."""
 _ENVIRON_WRITES = {"setdefault", "pop", "update", "clear", "copy"}
 """``os.environ`` methods that set it, or copy it for a child process: not reads."""
@@ -341,3 +339,44 @@ os.environ.setdefault("F", "1")
 child = {**os.environ, "G": "1"}
 """
     assert _environment_reads(ast.parse(source)) == [2, 3, 4, 5, 6]
+
+
+# -- the engine's internals stay in engine/ -------------------------------------------------
+ENGINE_INTERNALS = re.compile(
+    r"\bengine\._\w+|\bscheduler\.(running|waiting)\b|\bengine\.tracks\b|\b_Track\b"
+    r"|\bengine\.scheduler\.(add|finish|abort|add_running)\b"
+)
+"""A private attribute of an engine, its scheduler's queues or transitions, its tracks."""
+
+
+def _engine_internal_uses(root: Path) -> list[str]:
+    sites = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("engine/"):
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+            code = line.split("#", 1)[0]
+            if ENGINE_INTERNALS.search(code):
+                sites.append(f"{rel}:{lineno}: {line.strip()}")
+    return sites
+
+
+def test_no_module_outside_engine_touches_its_internals():
+    """The engine owns every request's lifecycle: outside ``engine/`` only its public API
+    (``add_request``, ``step``, ``abort_request``, ``handoff``, ``stats``, ...) is used."""
+    sites = _engine_internal_uses(SRC)
+    assert not sites, "engine internals used outside baton/engine/:\n" + "\n".join(sites)
+
+
+def test_engine_internal_uses_are_found(tmp_path):
+    (tmp_path / "engine").mkdir()
+    (tmp_path / "engine" / "engine.py").write_text("self.engine._ids = 1\n")
+    (tmp_path / "transfer.py").write_text(
+        "x = engine._new_track(p)\n"
+        "engine.scheduler.running.append(r)\n"
+        "n = len(self.engine.tracks)  # a comment: engine._x\n"
+        "y = engine.handoff.admit(r)\n"
+    )
+    found = _engine_internal_uses(tmp_path)
+    assert [site.split(":")[1] for site in found] == ["1", "2", "3"], found

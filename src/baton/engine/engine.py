@@ -95,32 +95,8 @@ class LLMEngine:
         self.platform_line = f"{platform.current().summary()}; dtype {self.dtype_name}{auto}"
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
         log.info(self.platform_line)
-        draft = load_draft(model_dir, self.model) if config.speculative is not False else None
-        if draft is not None:
-            draft.fuse_projections()
-        if config.speculative and draft is None:
-            raise ValueError(f"speculative=True but {model_dir} has no MTP draft (mtp_config.json)")
-        self.num_spec = config.num_speculative_tokens if draft is not None else 0
-        # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
-        slack = self.num_spec + 1 if draft is not None else 0
-        self.cache = ModelCache(
-            spec, config.cache, config.scheduler, dtype, self.registry,
-            slack=slack, allocator=allocator,
-        )  # fmt: skip
-        self.caches = [self.cache]
-        proposer = None
-        if draft is not None:
-            draft_cache = ModelCache(
-                draft.spec, config.cache, config.scheduler, dtype, self.registry,
-                prefix="draft", slack=2 * slack, allocator=allocator, token_lag=1,
-            )  # fmt: skip
-            self.caches.append(draft_cache)
-            proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
-        self.proposer = proposer
-        # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
-        self.aux = AuxPool(
-            2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
-        )
+        self.proposer = self._build_state(dtype, allocator)
+        proposer = self.proposer
         for factory in extra_state:
             factory(self.registry, config, allocator)
         self.held: dict[str, HeldRequest] = {}
@@ -140,6 +116,42 @@ class LLMEngine:
         self._seeds = itertools.count(config.seed * 1_000_003)
         self.handoff = Handoff(self)
         """The PD handoff: reserve / admit (decode), add_for_prefill / release (prefill), fail."""
+
+    def _build_state(
+        self, dtype: torch.dtype, allocator: StorageAllocator | None
+    ) -> DraftProposer | None:
+        """The target's pools, the draft (if the directory has one, and speculation is not
+        off) with its pools, and the aux record; returns the draft's proposer."""
+        config, spec = self.config, self.model.spec
+        use_draft = config.speculative is not False
+        draft = load_draft(self.model_dir, self.model) if use_draft else None
+        if draft is not None:
+            draft.fuse_projections()
+        if config.speculative and draft is None:
+            raise ValueError(
+                f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"
+            )
+        self.num_spec = config.num_speculative_tokens if draft is not None else 0
+        # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
+        slack = self.num_spec + 1 if draft is not None else 0
+        self.cache = ModelCache(
+            spec, config.cache, config.scheduler, dtype, self.registry,
+            slack=slack, allocator=allocator,
+        )  # fmt: skip
+        self.caches = [self.cache]
+        proposer = None
+        if draft is not None:
+            draft_cache = ModelCache(
+                draft.spec, config.cache, config.scheduler, dtype, self.registry,
+                prefix="draft", slack=2 * slack, allocator=allocator, token_lag=1,
+            )  # fmt: skip
+            self.caches.append(draft_cache)
+            proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
+        # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
+        self.aux = AuxPool(
+            2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
+        )
+        return proposer
 
     @property
     def platform_info(self) -> dict:

@@ -77,6 +77,7 @@ class Reservation:
     """A decode request's reserved units: what its ``ReserveState`` tells prefill."""
 
     request_id: str
+    prompt_token_ids: list[int]
     params: SamplingParams
     """With the effective seed: prefill samples token 1 with the stream decode continues."""
     unit_ids: dict[str, list[int]]
@@ -161,7 +162,10 @@ class Handoff:
             c.owner.trim(request_id, end)  # the units are reserved for [start, end): index them
         track.request.status = RequestStatus.WAITING_FOR_STATE
         unit_ids = {c.name: list(c.index(request_id).unit_ids) for c in components}
-        return Reservation(request_id, track.request.sampling_params, unit_ids, ranges)
+        request = track.request
+        return Reservation(
+            request_id, list(request.prompt_token_ids), request.sampling_params, unit_ids, ranges
+        )
 
     def admit(
         self,

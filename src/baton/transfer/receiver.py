@@ -41,12 +41,11 @@ class Receiver:
         registry = self.engine.registry
         (record,) = registry.pushed_in(PushPhase.LAST)
         pushed = {c.name for c in registry if c.push is not PushPhase.LAST}
-        track = self.engine.tracks[request_id]
         return ReserveState(
             room=room,
             request_id=request_id,
             nonce=nonce,
-            prompt_token_ids=list(track.request.prompt_token_ids),
+            prompt_token_ids=reservation.prompt_token_ids,
             sampling_params=sampling_params_to_wire(reservation.params),
             dst_unit_ids={n: ids for n, ids in reservation.unit_ids.items() if n in pushed},
             aux_slot_id=reservation.unit_ids[record.name][0],
