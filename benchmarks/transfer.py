@@ -3,7 +3,7 @@
 For prompts of 1k, 4k and 16k tokens, the state of one request -- every component the
 registry declares (target full-attention pages, target sliding-window pages, the draft's
 sliding-window pages) -- is planned into coalesced runs and pushed through a backend into
-a second engine's pools, exactly as ``PrefillWorker`` does (no model compute: the pools
+a second engine's pools, exactly as ``Sender`` does (no model compute: the pools
 are filled with random bytes). In the same run, for the same number of bytes:
 
 - (a) the same backend moving one contiguous buffer in 1 MiB runs ("raw"),

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from baton.engine.engine import EngineStats
 from baton.request import SamplingParams
 from baton.server.async_engine import AsyncEngine, EngineFailed
 
@@ -119,6 +120,7 @@ class _FailingEngine:
 
     tokenizer = None
     max_model_len = 64
+    is_disaggregated = False
 
     def __init__(self) -> None:
         self.ids: list[str] = []
@@ -126,8 +128,12 @@ class _FailingEngine:
         self.release = threading.Event()
         self.release.set()
 
-    def add_request(self, prompt, params, request_id):
-        self.ids.append(request_id)
+    def add_request(self, prompt, params, request_id=None):
+        self.ids.append(f"req-{len(self.ids)}")
+        return self.ids[-1]
+
+    def stats(self):
+        return EngineStats(len(self.ids), 0, {})
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.ids)
@@ -151,7 +157,7 @@ def test_every_request_in_flight_and_every_later_one_fails_clearly():
         await asyncio.sleep(0)
         engine.start()
         for stream in await asyncio.gather(*adds):
-            with pytest.raises(EngineFailed, match=r"the engine failed \(KeyError: 'srv-0'\)"):
+            with pytest.raises(EngineFailed, match=r"the engine failed \(KeyError: 'req-0'\)"):
                 await anext(stream)
         with pytest.raises(RuntimeError, match="the engine thread is not running"):
             await engine.add(PROMPT, SamplingParams())

@@ -2,8 +2,8 @@
 
 Checked: the launcher prints its URL once ``/health`` answers; a greedy completion through
 the PD pair equals the offline engine's text; a streaming chat works; SIGINT stops it with
-exit 0, no child left running and no shared-memory segment left behind. ``PDEngine``'s
-bookkeeping (id mapping, queueing when decode is full) is checked on a fake client.
+exit 0, no child left running and no shared-memory segment left behind. The decode's queue
+when it is full is the engine's (``tests/engine/test_handoff.py``).
 """
 
 from __future__ import annotations

@@ -134,38 +134,39 @@ class Handoff:
 
     def reserve_queued(self) -> list[Reservation]:
         engine = self.engine
+        components = list(engine.registry)
         reserved = []
         while self.queued:
-            running = self.num_reserved() - len(engine.quarantined)
-            if running >= engine.config.scheduler.max_num_seqs:
+            if (
+                self.num_reserved() - len(engine.quarantined)
+                >= engine.config.scheduler.max_num_seqs
+            ):
                 break
-            reservation = self._reserve(self.queued[0])
-            if reservation is None:
-                break
+            request_id = self.queued[0]
+            request = engine.tracks[request_id].request
+            ranges = self.token_ranges(request.num_prompt_tokens)
+            if any(
+                c.owner.num_new_units(request_id, *ranges[c.name]) > c.owner.num_free_units
+                for c in components
+            ):
+                break  # no room now: it stays queued, oldest first
+            for c in components:
+                start, end = ranges[c.name]
+                c.owner.grow(request_id, start, end)
+                c.owner.trim(request_id, end)  # reserved for [start, end): index them so
+            request.status = RequestStatus.WAITING_FOR_STATE
             self.queued.pop(0)
-            reserved.append(reservation)
+            unit_ids = {c.name: list(c.index(request_id).unit_ids) for c in components}
+            reserved.append(
+                Reservation(
+                    request_id,
+                    list(request.prompt_token_ids),
+                    request.sampling_params,
+                    unit_ids,
+                    ranges,
+                )  # fmt: skip
+            )
         return reserved
-
-    def _reserve(self, request_id: str) -> Reservation | None:
-        engine = self.engine
-        track = engine.tracks[request_id]
-        ranges = self.token_ranges(track.request.num_prompt_tokens)
-        components = list(engine.registry)
-        if any(
-            c.owner.num_new_units(request_id, *ranges[c.name]) > c.owner.num_free_units
-            for c in components
-        ):
-            return None
-        for c in components:
-            start, end = ranges[c.name]
-            c.owner.grow(request_id, start, end)
-            c.owner.trim(request_id, end)  # the units are reserved for [start, end): index them
-        track.request.status = RequestStatus.WAITING_FOR_STATE
-        unit_ids = {c.name: list(c.index(request_id).unit_ids) for c in components}
-        request = track.request
-        return Reservation(
-            request_id, list(request.prompt_token_ids), request.sampling_params, unit_ids, ranges
-        )
 
     def admit(
         self,

@@ -51,7 +51,6 @@ from baton.transfer.prefill_links import PrefillLink, PrefillLinks
 from baton.transfer.protocol import (
     FenceAck,
     HelloAck,
-    Message,
     StateDone,
     StateFailed,
     new_room,
@@ -305,11 +304,28 @@ class DecodeEngine:
         return max(0, math.ceil(wait_s * 1000))
 
     def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
+        """Every message of every link: pairings, confirmations that free quarantined
+        units, landed state, failures."""
+        rooms = self.rooms
         for link, msg in self.links.poll(timeout_ms):
+            pending = rooms.releasing.get(getattr(msg, "room", -1))
             if isinstance(msg, HelloAck):
                 self._on_ack(link, msg, outputs)
+            elif pending is not None and pending.endpoint != link.endpoint:
+                logger.warning("decode: %s for room %d from another prefill ignored",
+                               type(msg).__name__, msg.room)  # fmt: skip
+            elif isinstance(msg, FenceAck):
+                rooms.on_fence_ack(link, msg)
+            elif isinstance(msg, StateDone | StateFailed) and pending is not None:
+                if isinstance(msg, StateDone) or msg.stopped_writing:
+                    rooms.release(msg.room)  # prefill confirms it no longer writes there
+            elif isinstance(msg, StateDone) and msg.room in rooms.waiting:
+                self._on_done(msg, outputs)
+            elif isinstance(msg, StateFailed) and msg.room in rooms.waiting:
+                reason = f"prefill failed the request: {msg.reason}"
+                outputs.append(rooms.fail(msg.room, reason, msg.stopped_writing))
             else:
-                self._on_message(link, msg, outputs)
+                logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
 
     def _on_ack(self, link: PrefillLink, msg: HelloAck, outputs: list[RequestOutput]) -> None:
         if link.peer is not None:
@@ -320,25 +336,6 @@ class DecodeEngine:
         except PairingError as e:
             # A refusing prefill refuses our requests too (not paired): nothing writes.
             self.rooms.drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
-
-    def _on_message(self, link: PrefillLink, msg: Message, outputs: list[RequestOutput]) -> None:
-        rooms = self.rooms
-        pending = rooms.releasing.get(getattr(msg, "room", -1))
-        if pending is not None and pending.endpoint != link.endpoint:
-            logger.warning("decode: %s for room %d from another prefill ignored",
-                           type(msg).__name__, msg.room)  # fmt: skip
-        elif isinstance(msg, FenceAck):
-            rooms.on_fence_ack(link, msg)
-        elif isinstance(msg, StateDone | StateFailed) and pending is not None:
-            if isinstance(msg, StateDone) or msg.stopped_writing:
-                rooms.release(msg.room)  # prefill confirms it no longer writes there
-        elif isinstance(msg, StateDone) and msg.room in rooms.waiting:
-            self._on_done(msg, outputs)
-        elif isinstance(msg, StateFailed) and msg.room in rooms.waiting:
-            reason = f"prefill failed the request: {msg.reason}"
-            outputs.append(rooms.fail(msg.room, reason, msg.stopped_writing))
-        else:
-            logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
 
     def _on_done(self, msg: StateDone, outputs: list[RequestOutput]) -> None:
         try:

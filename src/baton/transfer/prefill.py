@@ -137,6 +137,10 @@ class PrefillServer:
         """Rooms failed while a timed-out batch may still write: room -> decode identity,
         until the sender confirms with ``StateFailed(stopped_writing=True)``."""
         self._deferred: list[tuple[bytes, Message]] = []
+        self._handlers = {
+            Hello: self._on_hello, ReserveState: self._on_reserve, Abort: self._on_abort,
+            Fence: self._on_fence, Ping: self._on_ping,
+        }  # fmt: skip
         """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
         self._stall_until = 0.0
         self._last_peer_check = time.monotonic()
@@ -177,15 +181,21 @@ class PrefillServer:
         _close_backend(self.prefill)
 
     def _drain(self, timeout_ms: int) -> None:
+        """Handle the messages ``_peek_fences`` kept, then what arrives (waiting up to
+        ``timeout_ms`` for the first), each by its type's handler."""
         deferred, self._deferred = self._deferred, []
-        for identity, msg in deferred:
-            self._handle(identity, msg)
         for _ in range(MAX_MESSAGES_PER_TURN):
-            got = self.server.recv(timeout_ms)
+            got = deferred.pop(0) if deferred else self.server.recv(timeout_ms)
             if got is None:
                 return
             timeout_ms = 0
-            self._handle(*got)
+            identity, msg = got
+            handler = self._handlers.get(type(msg))
+            if handler is None:
+                logger.warning("prefill: %s from peer %s ignored", type(msg).__name__,
+                               identity.hex())  # fmt: skip
+            else:
+                handler(identity, msg)
 
     def _peek_fences(self) -> None:
         """Right before a push batch: read the channel without blocking, mark the rooms
@@ -209,19 +219,8 @@ class PrefillServer:
         info = self.rooms.get(room)
         return None if info is None else info.peer
 
-    def _handle(self, identity: bytes, msg: Message) -> None:
-        if isinstance(msg, Hello):
-            self._on_hello(identity, msg)
-        elif isinstance(msg, ReserveState):
-            self._on_reserve(identity, msg)
-        elif isinstance(msg, Abort):
-            self._on_abort(identity, msg)
-        elif isinstance(msg, Fence):
-            self._on_fence(identity, msg)
-        elif isinstance(msg, Ping):
-            self.server.send(identity, Pong(seq=msg.seq))
-        else:
-            logger.warning("prefill: %s from peer %s ignored", type(msg).__name__, identity.hex())
+    def _on_ping(self, identity: bytes, msg: Ping) -> None:
+        self.server.send(identity, Pong(seq=msg.seq))
 
     def _reply(self, msg: StateDone | StateFailed) -> None:
         if msg.room in self.lingering:  # the confirmation that a timed-out batch ended
