@@ -131,7 +131,8 @@ async def _completions(request: Request) -> Response:
             "model": server.model_name}  # fmt: skip
     if req.stream:
         chunk = _completion_chunks(server.tokenizer, head, n_top)
-        return _sse(outputs, chunk, head if req.include_usage else None)
+        events = _sse_events(outputs, chunk, head if req.include_usage else None)
+        return StreamingResponse(events, media_type="text/event-stream")
     final = await _last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
@@ -162,7 +163,8 @@ async def _chat_completions(request: Request) -> Response:
             "model": server.model_name,
         }
         chunk = _chat_chunks(server.tokenizer, head, n_top)
-        return _sse(outputs, chunk, head if req.include_usage else None)
+        events = _sse_events(outputs, chunk, head if req.include_usage else None)
+        return StreamingResponse(events, media_type="text/event-stream")
     final = await _last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
@@ -320,19 +322,12 @@ def _chat_chunks(tokenizer: Any, head: dict, n_top: int) -> Callable[[RequestOut
     return chunk
 
 
-def _sse(
-    outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
-    usage_head: dict | None,
-) -> StreamingResponse:  # fmt: skip
-    """The SSE stream of ``chunk(out)`` per output; with ``usage_head`` (the client asked
-    for ``stream_options.include_usage``) a last chunk carrying the usage."""
-    return StreamingResponse(_sse_body(outputs, chunk, usage_head), media_type="text/event-stream")
-
-
-async def _sse_body(
+async def _sse_events(
     outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
     usage_head: dict | None,
 ) -> AsyncIterator[str]:  # fmt: skip
+    """The SSE events of ``chunk(out)`` per output; with ``usage_head`` (the client asked
+    for ``stream_options.include_usage``) a last chunk carrying the usage."""
     last = None
     try:
         async for out in outputs:
