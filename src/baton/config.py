@@ -110,6 +110,10 @@ class CacheConfig:
     sliding_mode: str = "paged"
     """How sliding-window layers keep state: ``paged`` (pages behind the window are freed)
     or ``ring`` (one ring of ``window`` rows per request)."""
+    enable_prefix_caching: bool = True
+    """Keep complete pages cached by content and give a request sharing a prefix those
+    pages instead of recomputing them (every component, target and draft; no hit in ring
+    mode: ``memory/prefix_cache.py``)."""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
@@ -158,6 +162,9 @@ class EngineConfig:
     """Speculative decoding with the model's MTP draft; None = on when the model has one."""
     num_speculative_tokens: int = 3
     """Draft tokens proposed (and verified) per decode step."""
+    debug_prefix_cache_skip_draft: bool = False
+    """Debug switch: a prefix-cache hit restores the target's pages only; the draft's state
+    starts empty at the hit (what a forgotten draft state costs in acceptance)."""
     debug_empty_draft_prompt_state: bool = False
     """Ablation: the draft sees none of its prompt state (as if it never arrived)."""
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -33,6 +33,7 @@ from baton.engine.tracks import HeldRequest, Track
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
+from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
@@ -106,9 +107,15 @@ class LLMEngine:
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.prefix_cache: PrefixCache | None = None
+        if config.cache.enable_prefix_caching:
+            skip = frozenset(c.name for c in self.registry if c.token_lag)
+            skip = skip if config.debug_prefix_cache_skip_draft else frozenset()
+            self.prefix_cache = PrefixCache(self.registry, config.cache.page_size, skip)
         self.scheduler = Scheduler(
-            config.scheduler, StateGroup(self.registry), self._num_spec_tokens if proposer else None
-        )
+            config.scheduler, StateGroup(self.registry, self.prefix_cache),
+            self._num_spec_tokens if proposer else None,
+        )  # fmt: skip
         self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
         self.tracks: dict[str, Track] = {}
         """Every live request (not finished), whatever its status."""
@@ -273,6 +280,8 @@ class LLMEngine:
             component.owner.free(request_id)
         if self.proposer is not None:
             self.proposer.free(request_id)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(request_id)
 
     def units_in_use(self) -> dict[str, int]:
         """Per state component: units requests hold now (for metrics)."""
@@ -310,7 +319,9 @@ class LLMEngine:
         now = time.monotonic()
         for chunk in batch.chunks:
             metrics = self.tracks[chunk.request.request_id].metrics
-            metrics.first_scheduled_time = metrics.first_scheduled_time or now
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+                self._count_prefix_hit(chunk.request, batch.restored.get(chunk.request.request_id))
         states = {
             c.request.request_id: self.tracks[c.request.request_id].sampling for c in batch.chunks
         }
@@ -326,8 +337,12 @@ class LLMEngine:
                 self._record_acceptance(track.metrics, committed, spec[request_id])
             self.append(track, committed, now)
             outputs.append(track.output(finish=track.finish_reason))
+            self._offer_pages(track.request)  # before a finish frees them
             if track.finish_reason is not None:
                 self.finish(track, committed)
+        for chunk in batch.chunks:  # prompt chunks that sampled nothing
+            if chunk.request.request_id not in result.committed:
+                self._offer_pages(chunk.request)
         return outputs
 
     def append(self, track: Track, committed: Committed, now: float) -> None:
@@ -349,6 +364,21 @@ class LLMEngine:
             self.scheduler.finish(track.request, FINISH[track.finish_reason])
             self.free_units(request_id)
         del self.tracks[request_id]
+
+    def _offer_pages(self, request: Request) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.register(request.request_id, request.all_token_ids)
+
+    def _count_prefix_hit(self, request: Request, num_cached: int | None) -> None:
+        """A request's first admission: its prompt was looked up in the prefix cache."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.stats.num_queries += request.num_prompt_tokens
+        if num_cached:
+            self.prefix_cache.stats.num_hits += num_cached
+            self.tracks[request.request_id].metrics.num_cached_tokens = num_cached
+            if self.config.debug_prefix_cache_skip_draft and self.proposer is not None:
+                self.proposer.context_floor[request.request_id] = num_cached
 
     def _num_spec_tokens(self, request: Request) -> int:
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens

@@ -12,6 +12,8 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens restored from the prefix cache (not computed)."""
     num_generated_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)
     """Speculative decoding: tokens committed by each verify step (accepted + 1)."""

@@ -27,6 +27,9 @@ from baton.request import Request, RequestStatus
 
 
 class Memory(Protocol):
+    def restore_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        """Give a request being admitted its cached prefix; its length (0: none)."""
+
     def can_grow(self, request_id: str, start: int, end: int) -> bool: ...
     def grow(self, request_id: str, start: int, end: int) -> None: ...
     def trim(self, request_id: str, num_computed: int) -> None: ...
@@ -57,6 +60,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    restored: dict[str, int] = field(default_factory=dict)
+    """Requests admitted this step with a cached prefix -> its length in tokens."""
 
     @property
     def num_tokens(self) -> int:
@@ -118,10 +123,19 @@ class Scheduler:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            restored = 0
+            if request.num_computed_tokens == 0:  # new, or preempted: its prefix may be cached
+                restored = self.memory.restore_prefix(request.request_id, request.all_token_ids)
+                request.num_computed_tokens = restored
             start = request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
             if not self.memory.can_grow(request.request_id, start, start + n):
+                if restored:  # give the shared pages back; looked up again next time
+                    self.memory.free(request.request_id)
+                    request.num_computed_tokens = 0
                 break  # queue: wait for memory rather than run out of it
+            if restored:
+                out.restored[request.request_id] = restored
             self.waiting.popleft()
             self.memory.grow(request.request_id, start, start + n)
             request.status = RequestStatus.RUNNING

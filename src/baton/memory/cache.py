@@ -19,6 +19,7 @@ from baton.config import CacheConfig, SchedulerConfig
 from baton.memory.allocator import StorageAllocator
 from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.pools import PagedPool, RingPool, StatePool
+from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import PushPhase, StateRegistry, UnitOwner
 
 
@@ -69,9 +70,13 @@ class ModelCache:
                 # Enough for every running request at its mid-chunk peak: never the bottleneck.
                 # peak_units, plus one page: a draft's slots trail its target's positions by one
                 per_request = 2 * (math.ceil((window - 1 + slack) / page_size) + 1) + 1
+                store_all = 0
+                if cache_config.enable_prefix_caching:  # a whole chunk is stored, not its tail
+                    store_all = scheduler_config.max_num_batched_tokens
+                    per_request += math.ceil(store_all / page_size) + 1
                 pool = PagedPool(
                     f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack,
-                    **handoff,
+                    **handoff, store_all=store_all,
                 )  # fmt: skip
             self._add(pool)
 
@@ -102,8 +107,13 @@ class StateGroup:
     scheduler's preemption (the request lives on); a request's end frees through
     ``LLMEngine.free_units``."""
 
-    def __init__(self, registry: StateRegistry) -> None:
+    def __init__(self, registry: StateRegistry, prefix: PrefixCache | None = None) -> None:
         self.registry = registry
+        self.prefix = prefix
+        """The prefix cache, None when prefix caching is off."""
+
+    def restore_prefix(self, request_id: str, token_ids: list[int]) -> int:
+        return self.prefix.restore(request_id, token_ids) if self.prefix is not None else 0
 
     def _owners(self) -> list[UnitOwner]:
         return [c.owner for c in self.registry if c.push is not PushPhase.LAST and c.owner]

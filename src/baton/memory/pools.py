@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
 from baton.memory.state import (
+    Caching,
     ComponentKind,
     PushPhase,
     StateComponent,
@@ -63,8 +65,10 @@ class StatePool(ABC):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
+        caching: Caching = Caching.NONE,
     ) -> None:
-        """``token_lag`` and ``push``: what a PD handoff moves and when (``StateComponent``)."""
+        """``token_lag`` and ``push``: what a PD handoff moves and when; ``caching``: how a
+        prefix-cache hit restores it (``StateComponent``)."""
         self.name = name
         self.layer_ids = layer_ids
         self.rows = rows
@@ -90,6 +94,7 @@ class StatePool(ABC):
             storage=self.storage,
             token_lag=token_lag,
             push=push,
+            caching=caching,
             index=self.index,
             owner=self,
         )
@@ -208,29 +213,53 @@ class PagedPool(StatePool):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
+        store_all: int = 0,
     ) -> None:
+        """``store_all`` (prefix caching; the largest chunk, in tokens): a sliding pool stores
+        every position it computes,
+        not only those a later query of this request can see, so that each complete page
+        can serve another request's window (a chunk's pages behind the window go to the
+        cache when trimmed)."""
         kind = ComponentKind.PAGED_FULL if window is None else ComponentKind.PAGED_SLIDING
         super().__init__(
             name, kind, UnitKind.PAGE, layer_ids, num_pages, page_size, num_kv_heads, head_dim,
             dtype, registry, page_size=page_size, window=window, allocator=allocator,
-            token_lag=token_lag, push=push,
+            token_lag=token_lag, push=push, caching=Caching.PAGES,
         )  # fmt: skip
         self.page_size = page_size
         self.window = window
         self.keep = None if window is None else window - 1 + slack
+        self.store_all = store_all
         self.tables: dict[str, dict[int, int]] = {}
         """request -> {logical page index: page id}, in logical order."""
+        self.cached: dict[bytes, int] = {}
+        """Prefix cache: content key -> page id (a complete page, held or evictable)."""
+        self.page_key: dict[int, bytes] = {}
+        self.num_registered: dict[str, int] = {}
+        """request -> logical pages below this were offered to the cache."""
+        self.retired: dict[str, dict[int, int]] = {}
+        """request -> pages trimmed behind the window, held until offered to the cache."""
+        self.holes: dict[str, set[int]] = {}
+        """request -> logical pages with positions never written (a chunk's positions behind
+        the window are skipped): never cached, a hit needs every position of a page."""
+        self.blocks.is_cached = self.page_key.__contains__
+        self.blocks.on_evict = self._evict
 
     def peak_units(self, num_tokens: int) -> int:
         # All pages, or (sliding) the window's pages plus a chunk's new tail mid-step.
         if self.keep is None:
             return math.ceil(num_tokens / self.page_size)
-        return min(
-            math.ceil(num_tokens / self.page_size), 2 * (math.ceil(self.keep / self.page_size) + 1)
-        )
+        peak = 2 * (math.ceil(self.keep / self.page_size) + 1)
+        if self.store_all:  # the window's pages and a whole chunk's
+            peak = (
+                math.ceil(self.keep / self.page_size)
+                + math.ceil(self.store_all / self.page_size)
+                + 2
+            )
+        return min(math.ceil(num_tokens / self.page_size), peak)
 
     def _store_from(self, start: int, end: int) -> int:
-        return start if self.keep is None else max(start, end - self.keep)
+        return start if self.keep is None or self.store_all else max(start, end - self.keep)
 
     def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
         return self._store_from(start, end) == start  # pages are never overwritten
@@ -248,6 +277,10 @@ class PagedPool(StatePool):
     def grow(self, request_id: str, start: int, end: int) -> None:
         table = self.tables.setdefault(request_id, {})
         self.num_tokens.setdefault(request_id, start)
+        first = self._store_from(start, end)
+        if first > start:  # positions behind the window are never written: holes
+            holes = range(start // self.page_size, (first - 1) // self.page_size + 1)
+            self.holes.setdefault(request_id, set()).update(holes)
         missing = [p for p in self._needed_pages(request_id, start, end) if p not in table]
         for logical, page in zip(missing, self.blocks.allocate(len(missing)), strict=True):
             table[logical] = page
@@ -261,12 +294,59 @@ class PagedPool(StatePool):
         # Queries >= num_computed see keys >= num_computed - window + 1 (- slack).
         first_needed = max(0, num_computed - self.keep) // self.page_size
         stale = [p for p in table if p < first_needed]
-        self.blocks.free([table.pop(p) for p in stale])
+        if self.store_all:  # offered to the cache first (``register``), then freed
+            self.retired.setdefault(request_id, {}).update({p: table.pop(p) for p in stale})
+        else:
+            self.blocks.free([table.pop(p) for p in stale])
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, {})
         self.blocks.free(list(table.values()))
         self.num_tokens.pop(request_id, None)
+        self.num_registered.pop(request_id, None)
+        self.holes.pop(request_id, None)
+        self.blocks.free(list(self.retired.pop(request_id, {}).values()))
+
+    # -- prefix cache ----------------------------------------------------------------------
+    def prefix_pages(self, num_tokens: int) -> range:
+        """The logical pages a request holds once [0, num_tokens) is computed (a sliding
+        pool: those of its window, page-floored)."""
+        return self._needed_pages("", 0, num_tokens)
+
+    def share(self, request_id: str, pages: dict[int, int], num_tokens: int) -> None:
+        """Give a new request cached ``pages`` (logical index -> page id) as its state of
+        positions [0, num_tokens)."""
+        assert request_id not in self.tables, request_id
+        for page in pages.values():
+            self.blocks.share(page)
+        self.tables[request_id] = dict(pages)
+        self.num_tokens[request_id] = num_tokens
+        self.num_registered[request_id] = num_tokens // self.page_size
+
+    def register(self, request_id: str, key_of: Callable[[int], bytes | None]) -> None:
+        """Offer the request's newly complete pages to the cache under ``key_of(page)``; a
+        key cached already keeps its page (this one is freed as usual)."""
+        complete = self.num_tokens.get(request_id, 0) // self.page_size
+        first = self.num_registered.get(request_id, 0)
+        retired = self.retired.pop(request_id, {})
+        table = {**retired, **self.tables.get(request_id, {})}
+        logical = first
+        while logical < complete:
+            key = key_of(logical)
+            if key is None:
+                break  # a token it depends on is not known yet: offered next time
+            page = table.get(logical)
+            if logical in self.holes.get(request_id, ()):
+                page = None
+            if page is not None and page not in self.page_key and key not in self.cached:
+                self.cached[key] = page
+                self.page_key[page] = key
+            logical += 1
+        self.num_registered[request_id] = max(first, logical)
+        self.blocks.free(list(retired.values()))  # trimmed: cached now, or free
+
+    def _evict(self, page: int) -> None:
+        del self.cached[self.page_key.pop(page)]
 
     def units_held(self, request_id: str) -> int:
         return len(self.tables.get(request_id, {}))

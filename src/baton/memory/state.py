@@ -57,6 +57,17 @@ class PushPhase(StrEnum):
     the request. Reserved for PD only (``add_for_prefill`` / ``reserve``), never scheduled."""
 
 
+class Caching(StrEnum):
+    """How a component's state is restored on a prefix-cache hit (``memory/prefix_cache.py``)."""
+
+    PAGES = "pages"
+    """Every complete page stays cached, keyed by the tokens its content depends on: a hit
+    of S restores the pages a cold run holds after computing [0, S)."""
+    NONE = "none"
+    """Nothing restorable (a ring overwritten in place, a recurrent row): with such a
+    component registered, no request gets a hit."""
+
+
 class UnitOwner(Protocol):
     """What owns a component's units (a pool): the engine reserves, trims and frees through
     it for every registered component alike."""
@@ -117,13 +128,20 @@ class StateComponent:
     last prompt pair (the seed) travels in the aux record instead. Also: the scheduler trims
     only components with lag 0; a trailing one is trimmed by the model that writes it."""
     push: PushPhase = PushPhase.FINAL
+    caching: Caching = Caching.NONE
     index: Callable[[str], UnitRange] | None = field(default=None, compare=False, repr=False)
     """request id -> the units that request holds now."""
     owner: UnitOwner | None = field(default=None, compare=False, repr=False)
     """The pool that reserves, trims and frees this component's units."""
 
     def __post_init__(self) -> None:
-        for attr, enum in (("kind", ComponentKind), ("unit", UnitKind), ("push", PushPhase)):
+        enums = (
+            ("kind", ComponentKind),
+            ("unit", UnitKind),
+            ("push", PushPhase),
+            ("caching", Caching),
+        )
+        for attr, enum in enums:
             value = getattr(self, attr)
             if value not in set(enum):
                 raise ValueError(f"component {self.name!r}: unknown {attr} {value!r}")
@@ -155,6 +173,7 @@ class StateComponent:
             "ring_rows": self.ring_rows,
             "token_lag": self.token_lag,
             "push": self.push.value,
+            "caching": self.caching.value,
         }
 
 

@@ -1,0 +1,148 @@
+"""PrefixCache: content-addressed pages, shared by requests whose prompts share a prefix.
+
+Every component declares how a hit restores it (``StateComponent.caching``); the cache
+iterates the registry and keeps no list of its own. A page of a ``Caching.PAGES``
+component is keyed by a hash chain over the tokens its content depends on::
+
+    page p of a component with token_lag l  <-  tokens [0, (p+1) * page_size + l)
+    target pages (l = 0): position i's keys and values depend on tokens [0, i]
+    draft pages  (l = 1): slot i pairs the target's hidden state at i with token i+1
+
+salted with the registry's schema hash (model layers, dtype, page size, window: anything
+that changes a page's bytes). A hit of S tokens (a multiple of the page size, at most
+P - 1: the last prompt token is always computed, for its logits) gives a new request
+exactly the pages a cold run holds after computing [0, S): every page of a full-attention
+component, the page-floored window of a sliding one, and the draft's slots [0, S) with
+its window -- which a cold run has computed too, since slot S-1's token (S) is a prompt
+token. So nothing is recomputed at the boundary: the draft's next pairs start at slot S,
+like the target's positions. The hit is the longest S for which *every* component is
+restorable; a component that cannot be (``Caching.NONE``: a ring, a recurrent row) makes
+every hit 0 -- prefix caching in ring mode gives no hit, by this rule.
+
+Complete pages are offered to the cache after every step (``register``); a page nobody
+holds stays cached, evictable least recently released first, when an allocation needs it
+(``BlockPool``). Pages are never written after they are complete, so sharing is safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from baton.memory.state import Caching, PushPhase, StateComponent, StateRegistry
+
+
+@dataclass
+class PrefixCacheStats:
+    num_queries: int = 0
+    """Prompt tokens looked up (first admission of each request)."""
+    num_hits: int = 0
+    """Prompt tokens restored from the cache instead of computed."""
+
+
+class PrefixCache:
+    def __init__(self, registry: StateRegistry, page_size: int, skip: frozenset[str] = frozenset()):
+        """``skip``: debug switch, components not restored on a hit (their state starts
+        empty at the hit: the test of what a missing draft state costs)."""
+        self.registry = registry
+        self.page_size = page_size
+        self.skip = skip
+        self.stats = PrefixCacheStats()
+        self._salt: bytes | None = None
+        self._chains: dict[str, list[bytes]] = {}
+        """Request -> chain[p] = hash of tokens [0, (p+1) * page_size), as far as known."""
+
+    def _components(self) -> list[StateComponent] | None:
+        """The components a hit restores; None when one of them cannot be restored."""
+        state = [c for c in self.registry if c.push is not PushPhase.LAST]
+        if any(c.caching is Caching.NONE for c in state):
+            return None
+        return state
+
+    def _chain(self, request_id: str, token_ids: list[int], num_pages: int) -> list[bytes]:
+        if self._salt is None:
+            self._salt = bytes.fromhex(self.registry.schema_hash())
+        chain = self._chains.setdefault(request_id, [])
+        size = self.page_size
+        while len(chain) < num_pages:
+            p = len(chain)
+            h = hashlib.blake2b(chain[-1] if chain else self._salt, digest_size=16)
+            h.update(_as_bytes(token_ids[p * size : (p + 1) * size]))
+            chain.append(h.digest())
+        return chain
+
+    def _key_of(self, component: StateComponent, chain: list[bytes], token_ids: list[int]):
+        lag, size = component.token_lag, self.page_size
+
+        def key(page: int) -> bytes | None:
+            """None while a token it depends on is not known yet (committed this step)."""
+            if (page + 1) * size + lag > len(token_ids) or page >= len(chain):
+                return None
+            if not lag:
+                return chain[page]
+            h = hashlib.blake2b(chain[page], digest_size=16)
+            h.update(_as_bytes(token_ids[(page + 1) * size : (page + 1) * size + lag]))
+            return h.digest()
+
+        return key
+
+    def restore(self, request_id: str, token_ids: list[int]) -> int:
+        """Share the longest cached prefix's pages with a new request; returns its length
+        S (0: nothing restored). The caller frees them (``owner.free``) if it does not
+        admit the request after all."""
+        components = self._components()
+        max_pages = (len(token_ids) - 1) // self.page_size
+        if components is None or max_pages == 0:
+            return 0
+        chain = self._chain(request_id, token_ids, max_pages)
+        keys = {c.name: self._key_of(c, chain, token_ids) for c in components}
+        for num_pages in range(max_pages, 0, -1):
+            num_tokens = num_pages * self.page_size
+            found = {}
+            for c in components:
+                pages = self._lookup(c, keys[c.name], num_tokens)
+                if pages is None:
+                    break
+                found[c.name] = pages
+            else:
+                for c in components:
+                    if c.name not in self.skip:
+                        c.owner.share(request_id, found[c.name], num_tokens)
+                return num_tokens
+        return 0
+
+    def _lookup(self, component: StateComponent, key, num_tokens: int) -> dict[int, int] | None:
+        pool = component.owner
+        if component.name in self.skip:
+            return {}
+        pages = {}
+        for logical in pool.prefix_pages(num_tokens):
+            page = pool.cached.get(key(logical))
+            if page is None:
+                return None
+            pages[logical] = page
+        return pages
+
+    def register(self, request_id: str, token_ids: list[int]) -> None:
+        """Offer the request's newly complete pages of every component to the cache."""
+        components = self._components()
+        if components is None:
+            return
+        chain = self._chain(request_id, token_ids, len(token_ids) // self.page_size)
+        for c in components:
+            c.owner.register(request_id, self._key_of(c, chain, token_ids))
+
+    def forget(self, request_id: str) -> None:
+        self._chains.pop(request_id, None)
+
+    def num_cached_units(self) -> dict[str, int]:
+        """Per component: pages in the cache (held by requests or evictable)."""
+        components = self._components() or []
+        return {c.name: len(c.owner.cached) for c in components}
+
+    def num_evictions(self) -> int:
+        return sum(c.owner.blocks.num_evictions for c in self._components() or [])
+
+
+def _as_bytes(token_ids: list[int]) -> bytes:
+    return b"".join(t.to_bytes(4, "little") for t in token_ids)
