@@ -164,3 +164,46 @@ def test_pd_without_draft_state_shows_the_early_acceptance_drop(held_out_prompts
     tokens_skip, early_skip = run(frozenset({"draft.swa"}))
     assert tokens_skip == expected  # verification keeps the text right...
     assert early_skip < early - 0.2  # ...but the missing draft state costs acceptance
+
+
+def test_a_prefix_hit_without_the_draft_state_shows_in_early_acceptance(held_out_prompts):
+    """A repeated prompt hits the prefix cache: same text and the same acceptance as a cold
+    run. Restoring the target's pages but not the draft's (a debug switch: the bug of a cache
+    path that forgets the draft) keeps the text and costs early acceptance -- the metric
+    catches it."""
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [p[:200] for p in held_out_prompts[:6]]
+
+    def run(**options) -> tuple[list[list[int]], list[list[int]], int]:
+        engine = LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype="float32", **options))
+        outs = []
+        for _ in range(2):  # the second pass hits what the first one cached
+            outs = []
+            for prompt in prompts:
+                rid = engine.add_request({"prompt_token_ids": prompt}, params)
+                while engine.has_unfinished_requests():
+                    outs += [o for o in engine.step() if o.finished and o.request_id == rid]
+        cached = sum(o.metrics.num_cached_tokens for o in outs)
+        return (
+            [o.outputs[0].token_ids for o in outs],
+            [o.metrics.accepted_lengths for o in outs],
+            cached,
+        )
+
+    def early(accepted: list[list[int]]) -> float:
+        firsts = [a for lengths in accepted for a in lengths[:6]]
+        return sum(firsts) / len(firsts)
+
+    cold = LLM(BUNDLED, dtype="float32").generate(
+        [{"prompt_token_ids": p} for p in prompts], params
+    )
+    tokens, accepted, cached = run()
+    assert cached == 6 * 192  # every prompt: all complete pages but the one of its last token
+    assert tokens == [o.outputs[0].token_ids for o in cold]
+    assert accepted == [o.metrics.accepted_lengths for o in cold]
+    tokens_skip, accepted_skip, _ = run(debug_prefix_cache_skip_draft=True)
+    assert tokens_skip == tokens
+    assert early(accepted_skip) < early(accepted) - 0.2

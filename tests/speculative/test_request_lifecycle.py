@@ -66,12 +66,14 @@ def test_aborting_at_every_point_of_a_request_life(spec_dir, reference):
     """Abort one of two requests after each step of its life: the other's output equals the
     no-pressure run and every unit comes back. Covers aborts while waiting, mid chunked
     prefill, one token short, right after prefill, decoding, preempted, re-prefilling and
-    once finished (a no-op). Paged mode only, for time: the property test runs both."""
+    once finished (a no-op). Paged mode only, for time: the property test runs both. Without
+    prefix caching: with it, a preempted request gets its own pages back from the cache
+    instead of re-prefilling (tests/memory/test_prefix_cache.py covers that path)."""
     prompts = [_prompt(33, 0), _prompt(12, 1)]
     seen = set()
     for victim in (0, 1):
         for num_steps in range(40):
-            llm = engine(spec_dir, **PRESSURE)
+            llm = engine(spec_dir, **PRESSURE, enable_prefix_caching=False)
             ids = [llm.add_request({"prompt_token_ids": p}, greedy(14)) for p in prompts]
             finished = []
             before = None
