@@ -2,7 +2,7 @@
 
 Requests arrive at a fixed rate (Poisson), each a shared "system prompt" (``--shared``
 tokens of held-out stdlib source) followed by its own ``--own`` tokens (another file), as
-multi-turn chat and few-shot prompts do; ``--shared 400 --own 100`` is 80% reuse. The
+multi-turn chat and few-shot prompts do; ``--shared 320 --own 80`` (the default) is 80% reuse. The
 same workload runs through one ``LLMEngine`` with ``enable_prefix_caching`` on and one with
 it off, in this process, alternating repeats so that the machine's drift hits both; both
 use the bundled model with its MTP draft. Reported per side: TTFT p50 / p99 (arrival to
@@ -93,8 +93,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=48)
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (Poisson)")
-    p.add_argument("--shared", type=int, default=400, help="shared prefix, tokens")
-    p.add_argument("--own", type=int, default=100, help="each request's own tokens")
+    p.add_argument("--shared", type=int, default=320, help="shared prefix, tokens")
+    p.add_argument("--own", type=int, default=80, help="each request's own tokens")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")

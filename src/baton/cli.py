@@ -63,6 +63,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     options = {"dtype": args.dtype, "num_threads": args.threads}
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    if args.no_prefix_caching:
+        options["enable_prefix_caching"] = False
     return options
 
 
@@ -288,6 +290,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument(
+        "--no-prefix-caching", action="store_true",
+        help="recompute every prompt (default: reuse cached pages of shared prefixes)",
+    )  # fmt: skip
 
 
 class _RegistryNames:

@@ -247,5 +247,8 @@ def _url_host(host: str) -> str:
 def _serve_args(model: str, options: dict, served_model_name: str | None) -> list[str]:
     flags = {"dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len"}
     args = ["--model", model, "--token-env", TOKEN_ENV]
+    if options.get("enable_prefix_caching") is False:
+        args.append("--no-prefix-caching")
+    options = {k: v for k, v in options.items() if k != "enable_prefix_caching"}
     args += [item for k, v in options.items() for item in (flags[k], str(v))]
     return args + (["--served-model-name", served_model_name] if served_model_name else [])

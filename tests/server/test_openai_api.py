@@ -73,6 +73,28 @@ def test_completion_matches_offline_greedy(client, offline):
     assert resp.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
+def test_a_repeated_prompt_reports_its_cached_tokens(client, server):
+    """``usage.prompt_tokens_details.cached_tokens`` as OpenAI reports it, and the prefix
+    cache's counters in /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    prompt = "import os\nimport sys\n\n\ndef main(argv):\n    " * 6  # > 2 pages of tokens
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % OPTIONS["page_size"] == 0 and cached < again.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
+    families = {
+        f.name: f for f in text_string_to_metric_families(httpx.get(server[1] + "/metrics").text)
+    }
+    hits = sum(s.value for s in families["baton_prefix_cache_hits"].samples)
+    queries = sum(s.value for s in families["baton_prefix_cache_queries"].samples)
+    assert cached <= hits <= queries
+    assert "baton_prefix_cache_units" in families
+
+
 def test_token_id_prompt(client, offline):
     ids = offline.tokenizer.encode(PROMPT)
     by_ids = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)

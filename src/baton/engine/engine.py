@@ -64,6 +64,12 @@ class EngineStats:
     """PD decode: per component, bytes received and seconds of the batches carrying them."""
     push_seconds: float = 0.0
     """PD decode: seconds prefills spent pushing state here, all components together."""
+    prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (first admissions), and restored."""
+    prefix_hits: int = 0
+    prefix_evictions: int = 0
+    cached_units: dict[str, int] = field(default_factory=dict)
+    """Per component: pages in the prefix cache (held or evictable)."""
 
 
 class LLMEngine:
@@ -306,7 +312,18 @@ class LLMEngine:
         return self.scheduler.num_preemptions
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.num_running, self.num_waiting, self.units_in_use())
+        return EngineStats(
+            self.num_running, self.num_waiting, self.units_in_use(), **self._prefix_stats()
+        )
+
+    def _prefix_stats(self) -> dict:
+        cache = self.prefix_cache
+        if cache is None:
+            return {}
+        return {
+            "prefix_queries": cache.stats.num_queries, "prefix_hits": cache.stats.num_hits,
+            "prefix_evictions": cache.num_evictions(), "cached_units": cache.num_cached_units(),
+        }  # fmt: skip
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -40,12 +40,13 @@ def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code)
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
+def _usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
     }
 
 

@@ -71,6 +71,19 @@ class ServerMetrics:
             "baton_transfer_push_seconds", "seconds prefill spent pushing state into this decode "
             "(all components together; bytes / this = the push rate)", r,
         )  # fmt: skip
+        self.prefix_queries = TotalCounter(
+            "baton_prefix_cache_queries", "prompt tokens looked up in the prefix cache", r
+        )
+        self.prefix_hits = TotalCounter(
+            "baton_prefix_cache_hits", "prompt tokens restored from the prefix cache", r
+        )
+        self.prefix_evictions = TotalCounter(
+            "baton_prefix_cache_evictions", "cached pages evicted for new allocations", r
+        )
+        self.cached_units = Gauge(
+            "baton_prefix_cache_units", "pages in the prefix cache per state component",
+            ["component"], registry=r,
+        )  # fmt: skip
 
     def update(self, engine: AsyncEngine) -> None:
         """Copy the engine thread's latest snapshot into the gauges and counters."""
@@ -83,3 +96,8 @@ class ServerMetrics:
             self.transfer_bytes.set_total(num_bytes, name)
             self.transfer_seconds.set_total(seconds, name)
         self.push_seconds.set_total(stats.push_seconds)
+        self.prefix_queries.set_total(stats.prefix_queries)
+        self.prefix_hits.set_total(stats.prefix_hits)
+        self.prefix_evictions.set_total(stats.prefix_evictions)
+        for name, n in stats.cached_units.items():
+            self.cached_units.labels(name).set(n)

@@ -29,6 +29,7 @@ thread), apart from ``close`` once that thread has stopped.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -229,10 +230,8 @@ class DecodeEngine:
     def stats(self) -> EngineStats:
         seconds = self.transfer_seconds
         transfer = {n: (b, seconds.get(n, 0.0)) for n, b in self.transfer_bytes.items()}
-        return EngineStats(
-            self.engine.num_running, self.engine.num_waiting, self.engine.units_in_use(),
-            transfer, self.push_seconds,
-        )  # fmt: skip
+        engine = self.engine.stats()
+        return dataclasses.replace(engine, transfer=transfer, push_seconds=self.push_seconds)
 
     def close(self) -> None:
         """Close the channels and the backend, unlink the shared pools. Idempotent."""
