@@ -123,3 +123,50 @@ def test_handshake_refuses_a_missing_component(pd_dir):
     hello_r = build_hello(ring, pd_dir, worker_id="r", role="prefill", backend="loopback")
     with pytest.raises(PairingError, match="target.swa"):
         check_pairing(hello_d, hello_r)
+
+
+def test_prefill_reuses_its_prefix_cache_and_still_pushes_everything(pd_dir):
+    """A prefill whose cache holds a prompt's prefix computes only the suffix; decode (which
+    reuses nothing yet) still receives every component whole: outputs and acceptance equal
+    colocated, checksums equal."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(9)
+    shared = torch.randint(0, VOCAB, (50,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 12)]
+    expected = []
+    for prompt in prompts:  # colocated, each prompt on a fresh engine: cold
+        engine = LLMEngine(pd_dir, _config("paged"))
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            expected += [o for o in engine.step() if o.finished]
+    prefill_engine = LLMEngine(pd_dir, _config("paged"))
+    decode_engine = LLMEngine(pd_dir, _config("paged"))
+    receiver = LoopbackBackend()
+    regions = {
+        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    prefill = Sender(prefill_engine, LoopbackBackend())
+    prefill.keep_checksums = True
+    prefill.connect(regions)
+    decode = InProcessDecode(decode_engine)
+    outs, computed = [], []
+    for room, prompt in enumerate(prompts):  # one after the other: the second one hits
+        before = prefill_engine.runner.num_computed_prompt_tokens
+        msg = decode.reserve(room, prompt, params)
+        assert prefill.on_reserve(msg) is None
+        while prefill.outgoing or decode_engine.has_unfinished_requests():
+            for reply in prefill.step():
+                assert (
+                    component_checksums(decode_engine, msg.request_id)
+                    == (prefill.checksums[reply.room])
+                )
+                decode.on_done(reply)
+            outs += [o for o in decode_engine.step() if o.finished]
+        computed.append(prefill_engine.runner.num_computed_prompt_tokens - before)
+    hit = ((len(shared) - 1) // 8) * 8  # the draft's slots need the token after the hit
+    assert computed == [len(prompts[0]), len(prompts[1]) - hit]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.metrics.accepted_lengths for o in outs] == [
+        o.metrics.accepted_lengths for o in expected
+    ]
+    assert decode_engine.runner.num_computed_prompt_tokens == 0
