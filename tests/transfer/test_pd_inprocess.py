@@ -170,3 +170,58 @@ def test_prefill_reuses_its_prefix_cache_and_still_pushes_everything(pd_dir):
         o.metrics.accepted_lengths for o in expected
     ]
     assert decode_engine.runner.num_computed_prompt_tokens == 0
+
+
+def test_decode_reuses_its_prefix_cache_and_prefill_pushes_only_the_delta(pd_dir):
+    """A decode whose cache holds a prompt's prefix reserves only what it lacks and says so
+    (``num_held_units``); prefill pushes only the rest -- per-component bytes drop -- and the
+    outputs, acceptance lengths and every component's bytes equal colocated."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(0, VOCAB, (60,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14)]
+    expected = []
+    for prompt in prompts:
+        engine = LLMEngine(pd_dir, _config("paged"))
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            expected += [o for o in engine.step() if o.finished]
+    prefill_engine = LLMEngine(pd_dir, _config("paged"))
+    decode_engine = LLMEngine(pd_dir, _config("paged"))
+    receiver = LoopbackBackend()
+    regions = {
+        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    prefill = Sender(prefill_engine, LoopbackBackend())
+    prefill.keep_checksums = True
+    prefill.connect(regions)
+    decode = InProcessDecode(decode_engine)
+    outs, held, moved = [], [], []
+    for room, prompt in enumerate(prompts):
+        before = dict(decode.bytes_received)
+        msg = decode.reserve(room, prompt, params)
+        held.append(dict(msg.num_held_units))
+        assert prefill.on_reserve(msg) is None
+        while prefill.outgoing or decode_engine.has_unfinished_requests():
+            for reply in prefill.step():
+                got = component_checksums(decode_engine, msg.request_id)
+                assert got == prefill.checksums[reply.room]  # cached + pushed = prefill's
+                decode.on_done(reply)
+            outs += [o for o in decode_engine.step() if o.finished]
+        moved.append({n: b - before.get(n, 0) for n, b in decode.bytes_received.items()})
+    hit = ((len(shared) - 1) // 8) * 8  # 56: the draft's slots need the token after it
+    assert held[0] == {}
+    # The full pages of the hit; of a sliding window at the prompt's end, the pages before
+    # the hit (the draft's window, 15 slots back from slot 72, starts past the hit: none).
+    assert held[1] == {"target.full": hit // 8, "target.swa": 1}
+    assert outs[1].metrics.num_cached_tokens == hit
+    unit = {c.name: c.unit_bytes for c in decode_engine.registry}
+    full = unit["target.full"]
+    assert moved[1]["target.full"] == (-(-len(prompts[1]) // 8) - hit // 8) * full
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.metrics.accepted_lengths for o in outs] == [
+        o.metrics.accepted_lengths for o in expected
+    ]
+    assert decode_engine.runner.num_computed_prompt_tokens == 0
+    for engine in (prefill_engine, decode_engine):
+        assert all(n == 0 for n in engine.units_in_use().values()), engine.units_in_use()

@@ -83,6 +83,8 @@ class Reservation:
     unit_ids: dict[str, list[int]]
     """Component -> the unit ids reserved over its handoff range (the record's included)."""
     token_ranges: dict[str, tuple[int, int]]
+    num_held: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Component -> leading ``unit_ids`` decode's own prefix cache holds: not pushed."""
 
 
 class Handoff:
@@ -145,10 +147,15 @@ class Handoff:
             request_id = self.queued[0]
             request = engine.tracks[request_id].request
             ranges = self.token_ranges(request.num_prompt_tokens)
+            # Decode's own prefix cache first: those units need no push.
+            cache = engine.prefix_cache
+            num_cached = cache.restore(request_id, request.prompt_token_ids) if cache else 0
             if any(
                 c.owner.num_new_units(request_id, *ranges[c.name]) > c.owner.num_free_units
                 for c in components
             ):
+                if num_cached:
+                    engine.free_units(request_id)  # the shared pages go back
                 break  # no room now: it stays queued, oldest first
             for c in components:
                 start, end = ranges[c.name]
@@ -156,17 +163,32 @@ class Handoff:
                 c.owner.trim(request_id, end)  # reserved for [start, end): index them so
             request.status = RequestStatus.WAITING_FOR_STATE
             self.queued.pop(0)
-            unit_ids = {c.name: list(c.index(request_id).unit_ids) for c in components}
-            reserved.append(
-                Reservation(
-                    request_id,
-                    list(request.prompt_token_ids),
-                    request.sampling_params,
-                    unit_ids,
-                    ranges,
-                )  # fmt: skip
-            )
+            reserved.append(self._reservation(request, ranges, num_cached))
         return reserved
+
+    def _reservation(self, request, ranges, num_cached: int) -> Reservation:
+        """The reserved units of every component; with ``num_cached`` tokens restored from
+        decode's cache, the leading units that hold them (``num_held``: not pushed)."""
+        engine, request_id = self.engine, request.request_id
+        unit_ids, num_held = {}, {}
+        for c in engine.registry:
+            held = c.index(request_id)
+            unit_ids[c.name] = list(held.unit_ids)
+            num_held[c.name] = 0
+            if num_cached and c.page_size:  # pages below the hit's: the cache's
+                first_page = held.token_start // c.page_size
+                num_held[c.name] = max(
+                    0, min(len(held.unit_ids), num_cached // c.page_size - first_page)
+                )
+        if num_cached and engine.prefix_cache is not None:
+            engine.prefix_cache.stats.num_hits += num_cached
+            engine.tracks[request_id].metrics.num_cached_tokens = num_cached
+        if engine.prefix_cache is not None:
+            engine.prefix_cache.stats.num_queries += request.num_prompt_tokens
+        return Reservation(
+            request_id, list(request.prompt_token_ids), request.sampling_params, unit_ids,
+            ranges, num_held,
+        )  # fmt: skip
 
     def admit(
         self,

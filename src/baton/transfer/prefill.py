@@ -372,6 +372,8 @@ class PrefillServer:
         pushed = {c.name for c in self.engine.registry if c.push is not PushPhase.LAST}
         if set(msg.dst_unit_ids) != pushed:
             return f"dst_unit_ids names {sorted(msg.dst_unit_ids)}, prefill pushes {sorted(pushed)}"
+        if not set(msg.num_held_units) <= pushed:
+            return f"num_held_units names {sorted(msg.num_held_units)}, not all pushed here"
         units = {**msg.dst_unit_ids, record.name: [msg.aux_slot_id]}
         for name, ids in units.items():
             outside = [u for u in ids if u >= peer.num_units[name]]

@@ -43,10 +43,11 @@ import msgspec
 
 from baton.request import SamplingParams
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """Bumped on any incompatible change to a message; peers of different versions never pair.
 Version 3: every frame after the channel handshake is MACed with a per-connection session key
-and carries a sequence number (``session.py``)."""
+and carries a sequence number (``session.py``). Version 4: ``ReserveState.num_held_units``
+(decode's own prefix cache holds those units: prefill pushes only the rest)."""
 
 MAX_ID = 2**63 - 1
 Id63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
@@ -155,6 +156,10 @@ class ReserveState(_Struct, tag=True):
     token_ranges: dict[str, tuple[NonNegInt, NonNegInt]]
     """Component name -> [token_start, token_end) decode expects that component to hold."""
     epoch: NonNegInt = 0
+    num_held_units: dict[str, NonNegInt] = {}
+    """Component name -> leading units of its handoff (in the component's unit order) that
+    decode holds already from its own prefix cache: prefill pushes only the units after
+    them, into ``dst_unit_ids`` (which names those only)."""
     """The fence epoch of decode's link when it reserved: prefill writes for this room only
     while no ``Fence`` with a larger epoch has arrived from that decode."""
 

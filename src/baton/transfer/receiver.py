@@ -47,10 +47,15 @@ class Receiver:
             nonce=nonce,
             prompt_token_ids=reservation.prompt_token_ids,
             sampling_params=sampling_params_to_wire(reservation.params),
-            dst_unit_ids={n: ids for n, ids in reservation.unit_ids.items() if n in pushed},
+            dst_unit_ids={
+                n: ids[reservation.num_held.get(n, 0) :]
+                for n, ids in reservation.unit_ids.items()
+                if n in pushed
+            },
             aux_slot_id=reservation.unit_ids[record.name][0],
             token_ranges={n: r for n, r in reservation.token_ranges.items() if n in pushed},
             epoch=epoch,
+            num_held_units={n: k for n, k in reservation.num_held.items() if k and n in pushed},
         )
 
     def forget(self, request_id: str) -> None:

@@ -149,7 +149,7 @@ class Sender:
             )
         except ValueError as e:
             return StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
-        self.outgoing[request_id] = _Outgoing(msg, request_id)
+        self.outgoing[request_id] = _Outgoing(msg, request_id, dict(msg.num_held_units))
         return None
 
     def step(self) -> list[StateDone | StateFailed]:
@@ -169,7 +169,7 @@ class Sender:
             # boundaries (other rounding): send its pages again rather than trust the old ones.
             self._num_preemptions = self.engine.num_preemptions
             for out in self.outgoing.values():
-                out.num_sent_units.clear()
+                out.num_sent_units = dict(out.reserve.num_held_units)
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
             replies.append(self._push(out))
@@ -197,11 +197,12 @@ class Sender:
                 dst = out.reserve.dst_unit_ids.get(c.name)
                 if dst is None:
                     continue  # the final push reports it
+                held = out.reserve.num_held_units.get(c.name, 0)  # decode has them cached
                 first = out.num_sent_units.get(c.name, 0)
-                end = min(num_complete_units(c, request_id), len(dst))
+                end = min(num_complete_units(c, request_id), held + len(dst))
                 if end > first:
                     src = c.index(request_id).unit_ids[first:end]
-                    components[c.name] = (src, dst[first:end], c.unit_bytes)
+                    components[c.name] = (src, dst[first - held : end - held], c.unit_bytes)
                     ends.setdefault(request_id, {})[c.name] = end
             if components:
                 plans[request_id] = plan_request(components)
@@ -256,16 +257,21 @@ class Sender:
                 continue  # the record, written below
             src = list(component.index(request_id).unit_ids)
             dst = msg.dst_unit_ids.get(component.name)
-            if dst is None or len(dst) != len(src):
+            num_held = msg.num_held_units.get(component.name, 0)  # decode has them cached
+            if dst is None or len(dst) + num_held != len(src):
                 return StateFailed(
                     room=msg.room,
                     reason=f"component `{component.name}`: prefill holds {len(src)} units, "
-                    f"decode reserved {None if dst is None else len(dst)}",
+                    f"decode reserved {None if dst is None else len(dst)} (+{num_held} cached)",
                     stopped_writing=True,
                 )
             if component.name not in self.debug_skip_components:
-                first = out.num_sent_units.get(component.name, 0)
-                components[component.name] = (src[first:], dst[first:], component.unit_bytes)
+                first = out.num_sent_units.get(component.name, num_held)
+                components[component.name] = (
+                    src[first:],
+                    dst[first - num_held :],
+                    component.unit_bytes,
+                )
         plan = plan_request(components)
         ops = plan_ops(plan)
         if ops:
