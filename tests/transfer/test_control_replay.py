@@ -87,8 +87,11 @@ def test_replayed_hello_and_reserve_without_the_token_move_nothing(
 
     monkeypatch.setattr(ControlClient, "_send", sniff)
     deadlines = Deadlines(bootstrap_s=20.0, waiting_for_state_s=20.0)
+    # NOTE: no prefix cache on decode: the test zeroes decode's pools to see any replayed
+    # write, which would leave cached pages claiming content they no longer hold.
+    decode_config = EngineConfig.from_kwargs(**CONFIG, enable_prefix_caching=False)
     with DecodeEngine(
-        pd_dir, EngineConfig.from_kwargs(**CONFIG), prefill.endpoint, TOKEN, "shm", deadlines,
+        pd_dir, decode_config, prefill.endpoint, TOKEN, "shm", deadlines,
         shm_prefix=f"{TEST_PREFIX}-{secrets.token_hex(3)}",
     ) as client:  # fmt: skip
         prompt = list(range(1, 20))

@@ -280,6 +280,34 @@ def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, back
         assert _free_units(client.engine) == start_free
 
 
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_push_only_what_decode_does_not_cache(pd_dir, spawn_prefill, backend):
+    """The same requests twice: the second time decode's own prefix cache holds most of
+    each prompt and prefill pushes only the rest (bytes drop), with outputs and acceptance
+    equal colocated -- over every backend."""
+    require_backend(backend)
+    expected = _colocated(pd_dir)
+    prefill = spawn_prefill("--backend", backend)
+    with _client(pd_dir, prefill.endpoint, backend=backend) as client:
+        moved = []
+        for _ in range(2):
+            before = dict(client.transfer_bytes)
+            rooms = [client.add_request(p, params) for p, params in _requests()]
+            done = _run(client, timeout_s=60.0)
+            outs = [done[room] for room in rooms]
+            assert [o.outputs[0].token_ids for o in outs] == [
+                o.outputs[0].token_ids for o in expected
+            ]
+            assert [o.metrics.accepted_lengths for o in outs] == [
+                o.metrics.accepted_lengths for o in expected
+            ]
+            moved.append({n: b - before.get(n, 0) for n, b in client.transfer_bytes.items()})
+        assert client.engine.runner.num_computed_prompt_tokens == 0
+        assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+        assert moved[1]["target.full"] < moved[0]["target.full"]
+        assert moved[1]["aux"] == moved[0]["aux"]  # every request still gets its record
+
+
 def test_decode_worker_process(pd_dir, prefill_server):
     """Both roles as their own processes, as launched by hand (``main``)."""
     expected = _colocated(pd_dir)

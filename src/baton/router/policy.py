@@ -1,14 +1,19 @@
-"""Which instance gets the next request: the router's instance table and its two policies.
+"""Which instance gets the next request: the router's instance table and its policies.
 
 An ``Instance`` is a worker the router knows by its HTTP URL (a prefill also by the PD
 control endpoint its ``/health`` reports). Health checks flip ``healthy``; only healthy
 instances are chosen. ``round_robin`` cycles through them; ``least_outstanding`` takes the
-one with the fewest requests the router has in flight there (ties: the first listed).
-Pure bookkeeping, no I/O: the router (``router.py``) owns the HTTP side.
+one with the fewest requests the router has in flight there (ties: the first listed);
+``prefix_affinity`` sends requests whose prompts start alike to the same instance, whose
+prefix cache then holds their shared prefix (rendezvous hashing of the prompt's first
+``PREFIX_KEY_CHARS`` characters), unless that instance is loaded ``LOAD_SLACK`` requests
+beyond the least loaded one -- then the next in its hash order, so one hot prefix cannot
+pin one instance. Pure bookkeeping, no I/O: the router (``router.py``) owns the HTTP side.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import dataclass, field
 
@@ -74,10 +79,18 @@ class InstanceTable:
         return [i for i in self.instances[role].values() if i.healthy]
 
 
+PREFIX_KEY_CHARS = 256
+"""``prefix_affinity`` keys a request by this many leading characters of its prompt."""
+LOAD_SLACK = 4
+"""``prefix_affinity`` passes an instance over when it has this many more requests in
+flight than the least loaded candidate."""
+
+
 class Policy:
     name = ""
 
-    def choose(self, candidates: list[Instance]) -> Instance | None:
+    def choose(self, candidates: list[Instance], key: str | None = None) -> Instance | None:
+        """``key``: the request's prompt prefix (only ``prefix_affinity`` reads it)."""
         raise NotImplementedError
 
 
@@ -87,7 +100,7 @@ class RoundRobin(Policy):
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, candidates: list[Instance]) -> Instance | None:
+    def choose(self, candidates: list[Instance], key: str | None = None) -> Instance | None:
         if not candidates:
             return None
         return candidates[next(self._counter) % len(candidates)]
@@ -96,11 +109,47 @@ class RoundRobin(Policy):
 class LeastOutstanding(Policy):
     name = "least_outstanding"
 
-    def choose(self, candidates: list[Instance]) -> Instance | None:
+    def choose(self, candidates: list[Instance], key: str | None = None) -> Instance | None:
         return min(candidates, key=lambda i: i.outstanding, default=None)
 
 
-POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding)}
+class PrefixAffinity(Policy):
+    name = "prefix_affinity"
+
+    def __init__(self) -> None:
+        self._fallback = LeastOutstanding()
+
+    def choose(self, candidates: list[Instance], key: str | None = None) -> Instance | None:
+        if not candidates or not key:
+            return self._fallback.choose(candidates)
+        prefix = key[:PREFIX_KEY_CHARS].encode("utf-8", "surrogatepass")
+
+        def score(instance: Instance) -> bytes:
+            return hashlib.blake2b(prefix + instance.url.encode(), digest_size=8).digest()
+
+        least = min(i.outstanding for i in candidates)
+        for instance in sorted(candidates, key=score, reverse=True):
+            if instance.outstanding < least + LOAD_SLACK:
+                return instance
+        return self._fallback.choose(candidates)  # cannot happen: the least loaded passes
+
+
+def prompt_key(body: dict) -> str | None:
+    """The text a request's prompt starts with (a completion's prompt, or a chat's messages
+    in order), for ``prefix_affinity``; None when there is none to read."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return ",".join(map(str, prompt[:PREFIX_KEY_CHARS]))
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = [m.get("content") for m in messages if isinstance(m, dict)]
+        return "\n".join(p for p in parts if isinstance(p, str)) or None
+    return None
+
+
+POLICIES = {p.name: p for p in (RoundRobin, LeastOutstanding, PrefixAffinity)}
 
 
 def make_policy(name: str) -> Policy:

@@ -45,7 +45,7 @@ from prometheus_client import (
 )
 
 from baton.router.admin import add_admin_routes
-from baton.router.policy import ROLES, Instance, InstanceTable, make_policy
+from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
 from baton.server.protocol import PREFILL_HEADER, ROOM_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
@@ -104,6 +104,7 @@ class Router:
     ) -> None:
         self.table = InstanceTable()
         self.policies = {role: make_policy(policy) for role in ROLES}
+        self.policy_name = policy
         for url in prefills:
             self.table.add("prefill", url)
         for url in decodes:
@@ -149,19 +150,22 @@ class Router:
             await asyncio.sleep(self.health_interval_s)
 
     # -- requests ----------------------------------------------------------------------------
-    def choose(self, role: str, exclude: set[str] = frozenset()) -> Instance | None:
+    def choose(
+        self, role: str, exclude: set[str] = frozenset(), key: str | None = None
+    ) -> Instance | None:
         candidates = [i for i in self.table.healthy(role) if i.url not in exclude]
-        return self.policies[role].choose(candidates)
+        return self.policies[role].choose(candidates, key)
 
     async def forward(self, request: Request, path: str) -> Response:
         """Send the request to a decode paired with a prefill; relay the answer."""
         body = await request.body()
+        key = _prompt_key(body) if self.policy_name == "prefix_affinity" else None
         tried_prefills: set[str] = set()
         tried_decodes: set[str] = set()
         failure: ApiError | None = None
         for attempt in range(2):
-            decode = self.choose("decode", tried_decodes)
-            prefill = self.choose("prefill", tried_prefills)
+            decode = self.choose("decode", tried_decodes, key)
+            prefill = self.choose("prefill", tried_prefills, key)
             if decode is None or prefill is None:
                 missing = "decode" if decode is None else "prefill"
                 failure = failure or ApiError(
@@ -252,6 +256,16 @@ class Router:
                     await response.aclose()
                 logger.info("router: client left before the answer (room %d)", room)
                 raise _ClientGone
+
+
+def _prompt_key(body: bytes) -> str | None:
+    """The prompt's leading text, for ``prefix_affinity`` (None: not JSON, or no prompt; the
+    decode answers a malformed body itself)."""
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    return prompt_key(parsed) if isinstance(parsed, dict) else None
 
 
 class _ClientGone(Exception):
