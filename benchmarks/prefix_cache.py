@@ -89,6 +89,43 @@ def run(engine: LLMEngine, requests, params: SamplingParams) -> dict:
     }
 
 
+def pd_bytes(requests, params: SamplingParams, dtype: str, decode_caching: bool) -> dict:
+    """The workload through an in-process PD pair (loopback backend, one request at a time):
+    state bytes pushed per request, with decode's own prefix cache on or off (prefill's is
+    on both times)."""
+    from baton.transfer.backends.loopback import LoopbackBackend
+    from baton.transfer.protocol import request_id_of
+    from baton.transfer.receiver import Receiver
+    from baton.transfer.sender import Sender
+
+    prefill_engine = LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype))
+    decode_engine = LLMEngine(
+        BUNDLED, EngineConfig.from_kwargs(dtype=dtype, enable_prefix_caching=decode_caching)
+    )
+    backend = LoopbackBackend()
+    regions = {
+        c.name: backend.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    sender = Sender(prefill_engine, LoopbackBackend())
+    sender.connect(regions)
+    receiver = Receiver(decode_engine)
+    moved, cached, prompt_tokens = [], 0, 0
+    for room, (_, prompt) in enumerate(requests):
+        rid = request_id_of(room)
+        decode_engine.handoff.add_for_decode({"prompt_token_ids": prompt}, params, rid)
+        (reservation,) = decode_engine.handoff.reserve_queued()
+        assert sender.on_reserve(receiver.reserve_state(room, reservation)) is None
+        while sender.outgoing or decode_engine.has_unfinished_requests():
+            for reply in sender.step():
+                moved.append(sum(s.num_bytes for s in reply.component_stats.values()))
+                receiver.admit(reply)
+            for out in decode_engine.step():
+                if out.finished:
+                    cached += out.metrics.num_cached_tokens
+                    prompt_tokens += out.metrics.num_prompt_tokens
+    return {"bytes_per_request": statistics.mean(moved), "hit_rate": cached / prompt_tokens}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--num-requests", type=int, default=48)
@@ -100,6 +137,7 @@ def main() -> int:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pd", action="store_true", help="also: PD bytes moved per request")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefix.json")
     args = p.parse_args()
     dtype = resolve_dtype_arg(args.dtype)
@@ -134,9 +172,20 @@ def main() -> int:
     print(f"{'hit rate':24}{hits[0]:12.2f}{hits[1]:12.2f}")
     for side in ("uncached", "cached"):
         print(f"acceptance ({side}): {summary[side].get('acceptance_length_mean')}")
+    pd = None
+    if args.pd:
+        off = pd_bytes(requests, params, dtype, decode_caching=False)
+        on = pd_bytes(requests, params, dtype, decode_caching=True)
+        pd = {"decode_cache_off": off, "decode_cache_on": on}
+        ratio = on["bytes_per_request"] / off["bytes_per_request"]
+        print(f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "
+              f"decode-side reuse, {on['bytes_per_request'] / 1e6:.3f} MB with = {ratio:.2f} of "
+              f"the cold figure (decode hit rate {on['hit_rate']:.2f}; target <= "
+              f"{1 - on['hit_rate'] + 0.1:.2f})")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**facts, "args": vars(args) | {"out": str(args.out)},
-                                    "runs": results, "summary": summary}, indent=2))  # fmt: skip
+    report = {**facts, "args": vars(args) | {"out": str(args.out)}, "runs": results,
+              "summary": summary, "pd": pd}  # fmt: skip
+    args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0
 
