@@ -65,6 +65,10 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["max_model_len"] = args.max_model_len
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
+    if args.no_speculative:
+        options["speculative"] = False
+    if args.num_speculative_tokens is not None:
+        options["num_speculative_tokens"] = args.num_speculative_tokens
     return options
 
 
@@ -293,6 +297,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-prefix-caching", action="store_true",
         help="recompute every prompt (default: reuse cached pages of shared prefixes)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-speculative", action="store_true",
+        help="do not use the model's MTP draft (default: speculate when the model has one)",
+    )  # fmt: skip
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=None,
+        help="draft tokens verified per step (default 3)",
     )  # fmt: skip
 
 

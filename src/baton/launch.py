@@ -245,10 +245,13 @@ def _url_host(host: str) -> str:
 
 
 def _serve_args(model: str, options: dict, served_model_name: str | None) -> list[str]:
-    flags = {"dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len"}
+    flags = {
+        "dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len",
+        "num_speculative_tokens": "--num-speculative-tokens",
+    }  # fmt: skip
+    switches = {"enable_prefix_caching": "--no-prefix-caching", "speculative": "--no-speculative"}
     args = ["--model", model, "--token-env", TOKEN_ENV]
-    if options.get("enable_prefix_caching") is False:
-        args.append("--no-prefix-caching")
-    options = {k: v for k, v in options.items() if k != "enable_prefix_caching"}
+    args += [flag for key, flag in switches.items() if options.get(key) is False]
+    options = {k: v for k, v in options.items() if k not in switches}
     args += [item for k, v in options.items() for item in (flags[k], str(v))]
     return args + (["--served-model-name", served_model_name] if served_model_name else [])
