@@ -20,9 +20,11 @@ release            either side,  free every unit of a held (or still computing) 
                    writes there  that no transfer writes into them any more
 add_for_decode     decode        validate once, queue as ``WAITING_FOR_UNITS``
 reserve_queued     decode, each  reserve, oldest first, each queued request's units over
-                   turn          every component's range: ``WAITING_FOR_STATE``; returns
-                                 the reservations made (a request that cannot fit now stays
-                                 queued -- "no room" is not an error)
+                   turn          every component's range, restoring what decode's own prefix
+                                 cache holds first (``Reservation.num_held``: not pushed):
+                                 ``WAITING_FOR_STATE``; returns the reservations made (a
+                                 request that cannot fit now stays queued -- "no room" is
+                                 not an error)
 admit              decode, once  the state landed (nonce checked by the caller): ``RUNNING``,
                    the aux row   the first token appended, the aux record freed
                    is checked
@@ -157,38 +159,34 @@ class Handoff:
                 if num_cached:
                     engine.free_units(request_id)  # the shared pages go back
                 break  # no room now: it stays queued, oldest first
+            unit_ids, num_held = {}, {}
             for c in components:
                 start, end = ranges[c.name]
                 c.owner.grow(request_id, start, end)
                 c.owner.trim(request_id, end)  # reserved for [start, end): index them so
+                held = c.index(request_id)
+                unit_ids[c.name] = list(held.unit_ids)
+                # With a hit, the leading pages below it are the cache's: not pushed.
+                first_page = held.token_start // c.page_size if c.page_size else 0
+                below = num_cached // c.page_size - first_page if c.page_size else 0
+                num_held[c.name] = max(0, min(len(held.unit_ids), below))
             request.status = RequestStatus.WAITING_FOR_STATE
             self.queued.pop(0)
-            reserved.append(self._reservation(request, ranges, num_cached))
+            if cache is not None:
+                cache.stats.num_queries += request.num_prompt_tokens
+                cache.stats.num_hits += num_cached
+                engine.tracks[request_id].metrics.num_cached_tokens = num_cached
+            reserved.append(
+                Reservation(
+                    request_id,
+                    list(request.prompt_token_ids),
+                    request.sampling_params,
+                    unit_ids,
+                    ranges,
+                    num_held,
+                )  # fmt: skip
+            )
         return reserved
-
-    def _reservation(self, request, ranges, num_cached: int) -> Reservation:
-        """The reserved units of every component; with ``num_cached`` tokens restored from
-        decode's cache, the leading units that hold them (``num_held``: not pushed)."""
-        engine, request_id = self.engine, request.request_id
-        unit_ids, num_held = {}, {}
-        for c in engine.registry:
-            held = c.index(request_id)
-            unit_ids[c.name] = list(held.unit_ids)
-            num_held[c.name] = 0
-            if num_cached and c.page_size:  # pages below the hit's: the cache's
-                first_page = held.token_start // c.page_size
-                num_held[c.name] = max(
-                    0, min(len(held.unit_ids), num_cached // c.page_size - first_page)
-                )
-        if num_cached and engine.prefix_cache is not None:
-            engine.prefix_cache.stats.num_hits += num_cached
-            engine.tracks[request_id].metrics.num_cached_tokens = num_cached
-        if engine.prefix_cache is not None:
-            engine.prefix_cache.stats.num_queries += request.num_prompt_tokens
-        return Reservation(
-            request_id, list(request.prompt_token_ids), request.sampling_params, unit_ids,
-            ranges, num_held,
-        )  # fmt: skip
 
     def admit(
         self,
