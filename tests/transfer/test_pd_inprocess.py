@@ -133,22 +133,8 @@ def test_prefill_reuses_its_prefix_cache_and_still_pushes_everything(pd_dir):
     g = torch.Generator().manual_seed(9)
     shared = torch.randint(0, VOCAB, (50,), generator=g).tolist()
     prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (7, 12)]
-    expected = []
-    for prompt in prompts:  # colocated, each prompt on a fresh engine: cold
-        engine = LLMEngine(pd_dir, _config("paged"))
-        engine.add_request({"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
-            expected += [o for o in engine.step() if o.finished]
-    prefill_engine = LLMEngine(pd_dir, _config("paged"))
-    decode_engine = LLMEngine(pd_dir, _config("paged"))
-    receiver = LoopbackBackend()
-    regions = {
-        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
-    }
-    prefill = Sender(prefill_engine, LoopbackBackend())
-    prefill.keep_checksums = True
-    prefill.connect(regions)
-    decode = InProcessDecode(decode_engine)
+    expected = _cold_each(pd_dir, prompts, params)
+    prefill_engine, decode_engine, prefill, decode = _pair(pd_dir)
     outs, computed = [], []
     for room, prompt in enumerate(prompts):  # one after the other: the second one hits
         before = prefill_engine.runner.num_computed_prompt_tokens
@@ -180,22 +166,8 @@ def test_decode_reuses_its_prefix_cache_and_prefill_pushes_only_the_delta(pd_dir
     g = torch.Generator().manual_seed(11)
     shared = torch.randint(0, VOCAB, (60,), generator=g).tolist()
     prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 14)]
-    expected = []
-    for prompt in prompts:
-        engine = LLMEngine(pd_dir, _config("paged"))
-        engine.add_request({"prompt_token_ids": prompt}, params)
-        while engine.has_unfinished_requests():
-            expected += [o for o in engine.step() if o.finished]
-    prefill_engine = LLMEngine(pd_dir, _config("paged"))
-    decode_engine = LLMEngine(pd_dir, _config("paged"))
-    receiver = LoopbackBackend()
-    regions = {
-        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
-    }
-    prefill = Sender(prefill_engine, LoopbackBackend())
-    prefill.keep_checksums = True
-    prefill.connect(regions)
-    decode = InProcessDecode(decode_engine)
+    expected = _cold_each(pd_dir, prompts, params)
+    prefill_engine, decode_engine, prefill, decode = _pair(pd_dir)
     outs, held, moved = [], [], []
     for room, prompt in enumerate(prompts):
         before = dict(decode.bytes_received)
@@ -225,3 +197,28 @@ def test_decode_reuses_its_prefix_cache_and_prefill_pushes_only_the_delta(pd_dir
     assert decode_engine.runner.num_computed_prompt_tokens == 0
     for engine in (prefill_engine, decode_engine):
         assert all(n == 0 for n in engine.units_in_use().values()), engine.units_in_use()
+
+
+def _cold_each(pd_dir, prompts, params) -> list:
+    """Colocated, each prompt on a fresh engine: nothing cached."""
+    expected = []
+    for prompt in prompts:
+        engine = LLMEngine(pd_dir, _config("paged"))
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            expected += [o for o in engine.step() if o.finished]
+    return expected
+
+
+def _pair(pd_dir):
+    """A prefill sender and a decode over loopback (paged; both with prefix caching)."""
+    prefill_engine = LLMEngine(pd_dir, _config("paged"))
+    decode_engine = LLMEngine(pd_dir, _config("paged"))
+    receiver = LoopbackBackend()
+    regions = {
+        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    prefill = Sender(prefill_engine, LoopbackBackend())
+    prefill.keep_checksums = True
+    prefill.connect(regions)
+    return prefill_engine, decode_engine, prefill, InProcessDecode(decode_engine)
