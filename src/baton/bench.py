@@ -53,6 +53,9 @@ class BenchConfig:
     """``max_tokens``, uniform in [low, high]; ``ignore_eos`` makes it exact."""
     seed: int = 0
     """Seeds the prompt windows, lengths and arrival times."""
+    shared_prefix_tokens: int = 0
+    """Every prompt starts with the same this many tokens (a shared system prompt, few-shot
+    examples), then its own window: the prefix-caching workload."""
     count_chunk_tokens: bool = False
     """Ask for ``logprobs: 0`` to count the tokens of each chunk exactly."""
     timeout_s: float = 600.0
@@ -73,6 +76,11 @@ class BenchConfig:
             raise ValueError(f"request_rate={self.request_rate}: need > 0 (inf = all at once)")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency={self.concurrency}: need >= 1 (or None)")
+        if not 0 <= self.shared_prefix_tokens < self.prompt_tokens[0]:
+            raise ValueError(
+                f"shared_prefix_tokens={self.shared_prefix_tokens}: need 0 <= it < the shortest "
+                f"prompt ({self.prompt_tokens[0]} tokens)"
+            )
 
 
 @dataclass
@@ -86,6 +94,8 @@ class RequestRecord:
     e2e_s: float | None = None
     output_tokens: int = 0
     """``usage.completion_tokens`` (or the counted tokens without a usage chunk)."""
+    cached_tokens: int = 0
+    """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
     chunk_itl_s: list[float] = field(default_factory=list)
     tokens_per_chunk: list[int] | None = None
     """Per chunk after the first; None where not known."""
@@ -121,11 +131,15 @@ def sample_prompts(config: BenchConfig) -> list[tuple[list[int], int]]:
     if len(stream) < config.prompt_tokens[1]:
         raise ValueError(f"held-out code has {len(stream)} tokens, fewer than the prompt length")
     rng = random.Random(config.seed)
+    shared = config.shared_prefix_tokens
+    begin = rng.randrange(len(stream) - shared + 1)
+    prefix = stream[begin : begin + shared]
     requests = []
     for _ in range(config.num_requests):
-        length = rng.randint(*config.prompt_tokens)
+        length = rng.randint(*config.prompt_tokens) - shared
         start = rng.randrange(len(stream) - length + 1)
-        requests.append((stream[start : start + length], rng.randint(*config.output_tokens)))
+        prompt = prefix + stream[start : start + length]
+        requests.append((prompt, rng.randint(*config.output_tokens)))
     return requests
 
 
@@ -156,6 +170,8 @@ async def _one(
                     raise RuntimeError(chunk["error"].get("message", str(chunk["error"])))
                 if chunk.get("usage"):
                     record.output_tokens = chunk["usage"]["completion_tokens"]
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    record.cached_tokens = details.get("cached_tokens") or 0
                 if not chunk.get("choices"):
                     continue
                 n = _chunk_tokens(chunk["choices"][0])
@@ -262,6 +278,7 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "num_failed": len(failed),
         "first_error": failed[0].error if failed else None,
         "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s,
         "output_token_throughput": output_tokens / duration_s,
@@ -287,6 +304,9 @@ def format_summary(result: dict[str, Any]) -> str:
         f"{s['output_token_throughput']:.1f} output tok/s "
         f"({s['total_prompt_tokens']} prompt, {s['total_output_tokens']} output tokens)",
     ]
+    if s.get("total_cached_tokens"):
+        hit = s["total_cached_tokens"] / max(1, s["total_prompt_tokens"])
+        lines.append(f"prefix cache: {s['total_cached_tokens']} prompt tokens cached ({hit:.0%})")
     if s["first_error"]:
         lines.append(f"first error: {s['first_error']}")
     lines.append(f"{'ms':<12}{'mean':>10}" + "".join(f"{'p' + str(p):>10}" for p in PERCENTILES))

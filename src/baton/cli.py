@@ -239,6 +239,7 @@ def _bench(args: argparse.Namespace) -> int:
             num_requests=args.num_requests, request_rate=args.request_rate,
             concurrency=args.concurrency, prompt_tokens=parse_range(args.prompt_tokens),
             output_tokens=parse_range(args.output_tokens), seed=args.seed,
+            shared_prefix_tokens=args.shared_prefix_tokens,
             count_chunk_tokens=args.count_chunk_tokens, metrics_urls=tuple(args.metrics_url or ()),
             admin_token=_read_token(args.admin_token_file),
         )  # fmt: skip
@@ -430,6 +431,10 @@ def _add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--prompt-tokens", default="128", help="A or A:B (uniform)")
     bench.add_argument("--output-tokens", default="64", help="A or A:B (uniform)")
     bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument(
+        "--shared-prefix-tokens", type=int, default=0,
+        help="every prompt starts with the same N tokens (a prefix-caching workload)",
+    )  # fmt: skip
     bench.add_argument(
         "--count-chunk-tokens", action="store_true",
         help="request logprobs: 0 to count the tokens of each chunk (speculative decoding)",

@@ -52,3 +52,25 @@ def test_config_and_range_errors():
         parse_range("x")
     with pytest.raises(ValueError, match="prompt_tokens"):
         BenchConfig(prompt_tokens=(9, 3))
+
+
+def test_bench_shared_prefix_workload_reports_cached_tokens(server, text_model_dir, tmp_path):  # noqa: F811
+    """``--shared-prefix-tokens``: every prompt starts alike, and the report counts what the
+    server's prefix cache held (``usage.prompt_tokens_details.cached_tokens``)."""
+    from baton.bench import sample_prompts
+
+    config = BenchConfig(
+        url=server[1], model=MODEL, tokenizer_dir=str(text_model_dir), num_requests=4,
+        concurrency=1, prompt_tokens=(32, 40), output_tokens=(2, 2), seed=3,
+        shared_prefix_tokens=24,
+    )  # fmt: skip
+    prompts = [p for p, _ in sample_prompts(config)]
+    assert all(p[:24] == prompts[0][:24] for p in prompts) and prompts[0][24:] != prompts[1][24:]
+    result = run_bench(config, tmp_path / "bench.json", None, show_progress=False)
+    summary = result["summary"]
+    assert summary["num_failed"] == 0, summary["first_error"]
+    cached = [r["cached_tokens"] for r in result["requests"]]
+    assert sum(cached) >= 3 * 16, cached  # each after the first: the shared pages (8 tokens)
+    assert summary["total_cached_tokens"] == sum(cached)
+    with pytest.raises(ValueError, match="shared_prefix_tokens"):
+        BenchConfig(prompt_tokens=(8, 16), shared_prefix_tokens=8)
