@@ -348,3 +348,41 @@ def test_bench_through_the_router_reads_every_worker(deployment, text_model_dir,
     decode = result["worker_metrics"][deployment.decode]
     assert decode["baton_generation_tokens_total"] == summary["total_output_tokens"]
     assert summary["transfer_bytes"] > 0 and summary["transfer_gb_per_s"] > 0
+
+
+def test_prefix_affinity_keeps_a_prefix_on_one_decode(deployment, offline):
+    """Two decodes behind a ``prefix_affinity`` router: requests sharing a long prompt
+    prefix all land on one decode, whose prefix cache then serves them; prompts that differ
+    from their first characters spread over both. Answers equal the offline engine's."""
+    d = deployment
+    decodes = [d.decode, d.serve("decode-b", "decode")]
+    d.wait_healthy(decodes[1], "decode-b")
+    router = d.start(
+        "router-affinity", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],
+        "--decode", decodes[0], "--decode", decodes[1], "--policy", "prefix_affinity",
+        "--health-interval", "0.5",
+    )  # fmt: skip
+    try:
+        d.wait_healthy(router, "router-affinity")
+        served = lambda: [_metrics(u).get("baton_generation_tokens_total{}", 0) for u in decodes]  # noqa: E731
+        shared = "def parse(line):\n    fields = line.split(',')\n" * 8  # > 256 characters
+        before = served()
+        for i in range(4):
+            prompt = shared + f"    return fields[{i}]\n"
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+            resp = httpx.post(router + "/v1/completions", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+            want = offline.generate(prompt, SamplingParams(max_tokens=4, temperature=0))[0]
+            assert resp.json()["choices"][0]["text"] == want.outputs[0].text
+        grew = [a - b for a, b in zip(served(), before, strict=True)]
+        assert sorted(grew) == [0, 16], grew  # all four (4 tokens each) on one decode
+        hot = decodes[grew.index(16)]
+        assert _metrics(hot).get("baton_prefix_cache_hits_total{}", 0) > 0
+        before = served()
+        for i in range(12):  # different from the first character on: spread
+            body = {"model": "tiny", "prompt": f"{i} ** {i} = ", "max_tokens": 2}
+            assert httpx.post(router + "/v1/completions", json=body, timeout=60).status_code == 200
+        assert all(a > b for a, b in zip(served(), before, strict=True))
+    finally:
+        d.stop("router-affinity")
+        d.stop("decode-b")
