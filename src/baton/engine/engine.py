@@ -390,9 +390,8 @@ class LLMEngine:
         """A request's first admission: its prompt was looked up in the prefix cache."""
         if self.prefix_cache is None:
             return
-        self.prefix_cache.stats.num_queries += request.num_prompt_tokens
+        self.prefix_cache.count(request.num_prompt_tokens, num_cached or 0)
         if num_cached:
-            self.prefix_cache.stats.num_hits += num_cached
             self.tracks[request.request_id].metrics.num_cached_tokens = num_cached
             if self.config.debug_prefix_cache_skip_draft and self.proposer is not None:
                 self.proposer.context_floor[request.request_id] = num_cached

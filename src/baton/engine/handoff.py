@@ -173,8 +173,7 @@ class Handoff:
             request.status = RequestStatus.WAITING_FOR_STATE
             self.queued.pop(0)
             if cache is not None:
-                cache.stats.num_queries += request.num_prompt_tokens
-                cache.stats.num_hits += num_cached
+                cache.count(request.num_prompt_tokens, num_cached)
                 engine.tracks[request_id].metrics.num_cached_tokens = num_cached
             reserved.append(
                 Reservation(

@@ -221,10 +221,13 @@ class PagedPool(StatePool):
         can serve another request's window (a chunk's pages behind the window go to the
         cache when trimmed)."""
         kind = ComponentKind.PAGED_FULL if window is None else ComponentKind.PAGED_SLIDING
+        # A sliding pool that skips a chunk's positions behind the window leaves pages with
+        # gaps: only one storing every position (``store_all``) can serve another's window.
+        caching = Caching.PAGES if window is None or store_all else Caching.NONE
         super().__init__(
             name, kind, UnitKind.PAGE, layer_ids, num_pages, page_size, num_kv_heads, head_dim,
             dtype, registry, page_size=page_size, window=window, allocator=allocator,
-            token_lag=token_lag, push=push, caching=Caching.PAGES,
+            token_lag=token_lag, push=push, caching=caching,
         )  # fmt: skip
         self.page_size = page_size
         self.window = window
@@ -239,9 +242,6 @@ class PagedPool(StatePool):
         """request -> logical pages below this were offered to the cache."""
         self.retired: dict[str, dict[int, int]] = {}
         """request -> pages trimmed behind the window, held until offered to the cache."""
-        self.holes: dict[str, set[int]] = {}
-        """request -> logical pages with positions never written (a chunk's positions behind
-        the window are skipped): never cached, a hit needs every position of a page."""
         self.blocks.is_cached = self.page_key.__contains__
         self.blocks.on_evict = self._evict
 
@@ -277,10 +277,6 @@ class PagedPool(StatePool):
     def grow(self, request_id: str, start: int, end: int) -> None:
         table = self.tables.setdefault(request_id, {})
         self.num_tokens.setdefault(request_id, start)
-        first = self._store_from(start, end)
-        if first > start:  # positions behind the window are never written: holes
-            holes = range(start // self.page_size, (first - 1) // self.page_size + 1)
-            self.holes.setdefault(request_id, set()).update(holes)
         missing = [p for p in self._needed_pages(request_id, start, end) if p not in table]
         for logical, page in zip(missing, self.blocks.allocate(len(missing)), strict=True):
             table[logical] = page
@@ -304,7 +300,6 @@ class PagedPool(StatePool):
         self.blocks.free(list(table.values()))
         self.num_tokens.pop(request_id, None)
         self.num_registered.pop(request_id, None)
-        self.holes.pop(request_id, None)
         self.blocks.free(list(self.retired.pop(request_id, {}).values()))
 
     # -- prefix cache ----------------------------------------------------------------------
@@ -336,8 +331,6 @@ class PagedPool(StatePool):
             if key is None:
                 break  # a token it depends on is not known yet: offered next time
             page = table.get(logical)
-            if logical in self.holes.get(request_id, ()):
-                page = None
             if page is not None and page not in self.page_key and key not in self.cached:
                 self.cached[key] = page
                 self.page_key[page] = key

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from baton.memory.state import Caching, PushPhase, StateComponent, StateRegistry
+from baton.memory.state import Caching, ComponentKind, PushPhase, StateComponent, StateRegistry
 
 
 @dataclass
@@ -96,6 +96,12 @@ class PrefixCache:
             return 0
         chain = self._chain(request_id, token_ids, max_pages)
         keys = {c.name: self._key_of(c, chain, token_ids) for c in components}
+        for c in components:  # no hit is longer than a full-attention component's run
+            if c.kind is ComponentKind.PAGED_FULL and c.name not in self.skip:
+                run = 0
+                while run < max_pages and keys[c.name](run) in c.owner.cached:
+                    run += 1
+                max_pages = run
         for num_pages in range(max_pages, 0, -1):
             num_tokens = num_pages * self.page_size
             found = {}
@@ -131,6 +137,11 @@ class PrefixCache:
         chain = self._chain(request_id, token_ids, len(token_ids) // self.page_size)
         for c in components:
             c.owner.register(request_id, self._key_of(c, chain, token_ids))
+
+    def count(self, num_prompt_tokens: int, num_cached: int) -> None:
+        """A request's first admission looked its prompt up and restored ``num_cached``."""
+        self.stats.num_queries += num_prompt_tokens
+        self.stats.num_hits += num_cached
 
     def forget(self, request_id: str) -> None:
         self._chains.pop(request_id, None)

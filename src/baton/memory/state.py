@@ -173,8 +173,7 @@ class StateComponent:
             "ring_rows": self.ring_rows,
             "token_lag": self.token_lag,
             "push": self.push.value,
-            "caching": self.caching.value,
-        }
+        }  # NOTE: not ``caching``: how a worker reuses its own pages is its own business
 
 
 class StateRegistry:

@@ -175,9 +175,7 @@ class DecodeEngine:
                 "a router (which names one per request) or start it with --prefill"
             )
         room = new_room() if room is None else room
-        request_id = request_id_of(room)
-        if room in self.rooms.releasing:
-            raise ValueError(f"room {room} is in use")
+        request_id = request_id_of(room)  # a room still in quarantine: the engine refuses it
         endpoint = prefill or self._default_endpoint()
         self.engine.handoff.add_for_decode(prompt, params or SamplingParams(), request_id)
         try:
