@@ -28,7 +28,8 @@ import torch
 
 from baton.kernels.paged_attention import PagedAttentionCall
 from baton.memory.cache import ModelCache
-from baton.memory.pools import RingPool, StatePool
+from baton.memory.pools import StatePool
+from baton.memory.ring_pool import RingPool
 from baton.model.attention import masked_attention, visibility_mask
 
 BATCHED_MAX_TOKENS = 8
