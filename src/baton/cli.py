@@ -69,6 +69,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["speculative"] = False
     if args.num_speculative_tokens is not None:
         options["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.sliding_mode is not None:
+        options["sliding_mode"] = args.sliding_mode
     return options
 
 
@@ -136,7 +138,7 @@ def _decode_engine(args: argparse.Namespace, config):
     try:
         return DecodeEngine(
             args.model, config, args.prefill or [], token, args.backend, _deadlines(args),
-            shm_prefix=args.shm_prefix,
+            shm_prefix=args.shm_prefix, transfer_host=_transfer_host(args),
         )  # fmt: skip
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -157,8 +159,9 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
     server = PrefillServer(
-        args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args)
-    )
+        args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args),
+        transfer_host=_transfer_host(args),
+    )  # fmt: skip
     loop = PrefillLoop(server)
     http = http_server(build_prefill_app(loop), args.host, args.port, log_level="warning",
                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
@@ -206,6 +209,17 @@ def _router(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     http_server(build_router_app(router), args.host, args.port, log_level="info").run()
     return 0
+
+
+def _transfer_host(args: argparse.Namespace) -> str | None:
+    """The address this worker's transfer engine tells its peers to reach it at:
+    ``--transfer-host``, else the address the worker binds (``--pd-host`` on a prefill,
+    ``--host`` on a decode) unless that is a wildcard; None: the backend's default
+    (loopback, one host)."""
+    if args.transfer_host:
+        return args.transfer_host
+    bound = args.pd_host if args.role == "prefill" else args.host
+    return None if bound in ("", "0.0.0.0", "::") else bound
 
 
 def _is_loopback(host: str) -> bool:
@@ -307,6 +321,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "--num-speculative-tokens", type=int, default=None,
         help="draft tokens verified per step (default 3)",
     )  # fmt: skip
+    from baton.config import SLIDING_MODES  # light: torch is not imported for --help
+
+    p.add_argument(
+        "--sliding-mode", choices=SLIDING_MODES, default=None,
+        help="sliding-window state: paged (pages behind the window are freed; the default) or "
+        "ring (one ring of window rows per request)",
+    )  # fmt: skip
 
 
 class _RegistryNames:
@@ -377,6 +398,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _worker_backend_choices(backend)
     serve.add_argument("--pd-host", default="127.0.0.1", help="prefill: control endpoint host")
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
+    serve.add_argument(
+        "--transfer-host", default=None,
+        help="PD: the address peers reach this worker's transfer engine at (mooncake "
+        "advertises it; default: --pd-host on a prefill, --host on a decode, unless a wildcard)",
+    )  # fmt: skip
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
     serve.add_argument("--max-body-mb", type=float, default=16.0,

@@ -244,18 +244,20 @@ def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_di
 
 def test_engine_switches_reach_every_worker_as_given():
     """``baton serve`` / ``baton launch`` switches (speculation off, draft length, prefix
-    caching off) become engine options, and launch hands each worker the same ones."""
+    caching off, sliding mode) become engine options, and launch hands each worker the same ones."""
     from baton.cli import _engine_options, build_parser
     from baton.config import EngineConfig
     from baton.launch import _serve_args
 
     argv = ["serve", "--dtype", "float32", "--no-speculative", "--num-speculative-tokens", "2",
-            "--no-prefix-caching"]  # fmt: skip
+            "--no-prefix-caching", "--sliding-mode", "ring"]  # fmt: skip
     options = _engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.speculative is False and config.num_speculative_tokens == 2
     assert config.cache.enable_prefix_caching is False
+    assert config.cache.sliding_mode == "ring"
     child = build_parser().parse_args(["serve", *_serve_args("m", options, None)])
     assert _engine_options(child) == options
     default = _engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
+    assert "sliding_mode" not in default

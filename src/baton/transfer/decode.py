@@ -87,10 +87,12 @@ class DecodeEngine:
         *,
         shm_prefix: str | None = None,
         worker_id: str | None = None,
+        transfer_host: str | None = None,
     ) -> None:
         """Builds the engine, pairs with each prefill at ``prefill_endpoint``. Raises
         ``TimeoutError`` when one does not answer within ``bootstrap_s`` and ``PairingError``
-        when either side refuses a pairing; nothing is left behind then."""
+        when either side refuses a pairing; nothing is left behind then. ``transfer_host``:
+        the address prefills reach this decode's transfer engine at (``new_worker_backend``)."""
         if backend_kind not in WORKER_BACKENDS:
             new_worker_backend(backend_kind)  # raises the ValueError naming the choices
         endpoints = [prefill_endpoint] if isinstance(prefill_endpoint, str) else prefill_endpoint
@@ -102,6 +104,7 @@ class DecodeEngine:
         self.default_endpoints = [e for e in endpoints if e]
         """Where a request that names no prefill goes (round robin)."""
         self._next_default = 0
+        self.transfer_host = transfer_host
         try:
             self.engine = LLMEngine(model_dir, engine_config, allocator=self.allocator)
             self.links = self._pair(model_dir, token, backend_kind, worker_id)
@@ -124,7 +127,7 @@ class DecodeEngine:
         self, model_dir, token: str | bytes, backend_kind: str, worker_id: str | None
     ) -> PrefillLinks:
         """Register the pools with the backend, say Hello to each default prefill."""
-        self.backend = new_worker_backend(backend_kind, self.allocator)
+        self.backend = new_worker_backend(backend_kind, self.allocator, self.transfer_host)
         regions = {
             c.name: self.backend.register(c.name, c.storage).to_dict() for c in self.engine.registry
         }

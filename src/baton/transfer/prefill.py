@@ -96,10 +96,13 @@ class PrefillServer:
         debug_stall_s: float = 0.0,
         debug_step_pause_s: float = 0.0,
         worker_id: str | None = None,
+        transfer_host: str | None = None,
     ) -> None:
-        """``debug_stall_s`` (tests): hold every push that long after a request arrives.
-        ``debug_step_pause_s`` (tests): sleep that long between each engine step and its
-        pushes -- a step as long as a GC pause, in which a test can stop the process."""
+        """``transfer_host``: the address decodes reach this prefill's transfer engine at
+        (``new_worker_backend``). ``debug_stall_s`` (tests): hold every push that long after
+        a request arrives. ``debug_step_pause_s`` (tests): sleep that long between each
+        engine step and its pushes -- a step as long as a GC pause, in which a test can stop
+        the process."""
         if backend_kind not in WORKER_BACKENDS:
             new_worker_backend(backend_kind)  # raises the ValueError naming the choices
         if not debug_stall_s >= 0:
@@ -111,7 +114,10 @@ class PrefillServer:
         self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
         self.backend_kind = backend_kind
-        self.prefill = Sender(self.engine, new_worker_backend(backend_kind), self.deadlines)
+        self.transfer_host = transfer_host
+        self.prefill = Sender(
+            self.engine, new_worker_backend(backend_kind, host=transfer_host), self.deadlines
+        )
         self.hello = build_hello(
             self.engine, model_dir,
             worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
@@ -323,7 +329,8 @@ class PrefillServer:
                     f"{component.unit_bytes}-byte units of `{component.name}`"
                 )
             num_units[component.name] = d.nbytes // component.unit_bytes
-        prefill = Sender(self.engine, new_worker_backend(self.backend_kind), self.deadlines)
+        backend = new_worker_backend(self.backend_kind, host=self.transfer_host)
+        prefill = Sender(self.engine, backend, self.deadlines)
         prefill.refresh_fences = self._peek_fences
         try:
             prefill.connect(hello.regions)

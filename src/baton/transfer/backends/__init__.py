@@ -43,18 +43,21 @@ def backend_class(kind: str) -> type[TransferBackend]:
     return getattr(module, class_name)
 
 
-def new_worker_backend(kind: str, allocator=None) -> TransferBackend:
+def new_worker_backend(kind: str, allocator=None, host: str | None = None) -> TransferBackend:
     """The backend of a PD worker process. Decode's pools always live in shared memory
     (``allocator``; an ``shm`` prefill on the same host maps them); nixl and mooncake
     register the same memory with their own engines and push over UCX / TCP, as across
-    hosts. Raises ``ValueError`` for a kind that cannot cross processes."""
+    hosts. ``host``: the address peers reach this worker's engine at, for a backend that
+    advertises one (``takes_host``; None: the backend's default, loopback). Raises
+    ``ValueError`` for a kind that cannot cross processes."""
     if kind not in WORKER_BACKENDS:
         raise ValueError(
             f"transfer backend {kind!r} cannot cross processes here; use one of {WORKER_BACKENDS}"
         )
     if kind == "shm":
         return ShmBackend(allocator)
-    return backend_class(kind)()
+    cls = backend_class(kind)
+    return cls(host=host) if host and cls.takes_host else cls()
 
 
 __all__ = [

@@ -142,6 +142,10 @@ class TransferBackend(ABC):
     """Register regions, connect to a peer's, submit batches of copies, poll completion."""
 
     kind: ClassVar[str]
+    takes_host: ClassVar[bool] = False
+    """Whether the constructor takes ``host``: the address this engine tells its peers to
+    reach it at (a worker's ``--transfer-host``). Backends that name no address (``shm``
+    maps segments by name; NIXL's metadata lists every interface UCX uses) leave it False."""
 
     @classmethod
     def require_engine(cls) -> None:

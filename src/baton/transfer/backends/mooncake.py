@@ -58,6 +58,7 @@ def import_engine_class() -> Any:
 
 class MooncakeBackend(TransferBackend):
     kind = "mooncake"
+    takes_host = True
 
     @classmethod
     def require_engine(cls) -> None:

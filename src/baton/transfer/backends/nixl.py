@@ -19,10 +19,15 @@ hosts the post returns at once and the copy runs on UCX's progress thread.
 The ``nixl-cu12`` wheel is an optional extra, imported when a backend is built. Install it
 with ``pip install --no-deps nixl-cu12``: its declared dependencies pull a CUDA torch.
 
+Across hosts the agent needs no address of its own: its metadata lists every network
+interface UCX opened, and the peer picks one it reaches. ``UCX_TLS=tcp`` on hosts without
+RDMA (the namespace tests run so), ``UCX_NET_DEVICES`` to narrow the interfaces.
+
 NOTE: ``UCX_MODULES=^ib`` must be in the environment before UCX loads, or every process
 crashes at exit on machines without InfiniBand; ``import_nixl`` sets it unless the caller
-already has. Calls into one backend must come from one thread (the agent is built without
-NIXL's internal locking).
+already has. NIXL's UCX plugin takes no network-interface parameter (its ``device_list``
+names RDMA ports such as ``mlx5_0:1``): choose interfaces with UCX's variables. Calls into
+one backend must come from one thread (the agent is built without NIXL's internal locking).
 """
 
 from __future__ import annotations
@@ -93,17 +98,15 @@ class NixlBackend(TransferBackend):
     def require_engine(cls) -> None:
         import_nixl()
 
-    def __init__(self, agent_name: str = "", *, ucx_devices: str = "lo") -> None:
-        """``agent_name``: unique among the peers (default: pid + random suffix).
-        ``ucx_devices``: UCX network devices the agent may use; ``"lo"`` (the default)
-        keeps it on the loopback interface, ``""`` lets UCX use every device."""
+    def __init__(self, agent_name: str = "") -> None:
+        """``agent_name``: unique among the peers (default: pid + random suffix)."""
         super().__init__()
         if "#" in agent_name:
             raise ValueError(f"nixl: agent name {agent_name!r} must not contain '#'")
         nixl = import_nixl()
         self.agent_name = agent_name or f"baton-{os.getpid()}-{secrets.token_hex(4)}"
         self._agent = nixl.nixl_agent(self.agent_name, nixl.nixl_agent_config(backends=[]))
-        self._agent.create_backend("UCX", {"ucx_devices": ucx_devices} if ucx_devices else {})
+        self._agent.create_backend("UCX", {})
         self._registrations: list[Any] = []
         """NIXL registration lists, deregistered by ``close``."""
         self._peers: dict[str, int] = {}
