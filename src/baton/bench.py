@@ -21,6 +21,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,9 @@ class RequestRecord:
     """``usage.completion_tokens`` (or the counted tokens without a usage chunk)."""
     cached_tokens: int = 0
     """``usage.prompt_tokens_details.cached_tokens``: prompt tokens the prefix cache held."""
+    handoff: str | None = None
+    """A PD deployment's ``x-baton-handoff`` outcome (``transferred``, ``local_prefill;
+    reason=policy``, ...), without the byte counts; None from a colocated server."""
     chunk_itl_s: list[float] = field(default_factory=list)
     tokens_per_chunk: list[int] | None = None
     """Per chunk after the first; None where not known."""
@@ -160,6 +164,7 @@ async def _one(
     counts: list[int | None] = []
     try:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
+            record.handoff = _handoff_kind(resp.headers.get("x-baton-handoff"))
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
             async for line in resp.aiter_lines():
@@ -194,6 +199,14 @@ async def _one(
         record.output_tokens = record.output_tokens or 1 + sum(record.tokens_per_chunk)
     elif record.output_tokens == len(counts) + 1:  # one token per chunk
         record.tokens_per_chunk = [1] * len(counts)
+
+
+def _handoff_kind(header: str | None) -> str | None:
+    """``transferred; bytes=...`` -> ``transferred``; ``local_prefill; reason=policy`` kept."""
+    if header is None:
+        return None
+    parts = [p.strip() for p in header.split(";")]
+    return "; ".join([parts[0], *(p for p in parts[1:] if p.startswith("reason="))])
 
 
 def _chunk_tokens(choice: dict) -> int | None:
@@ -288,6 +301,7 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "itl_token_s": _stats([g for r in ok for g in r.token_itl_s]),
         "e2e_s": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "tokens_per_chunk_mean": _tokens_per_chunk(ok),
+        "handoffs": dict(Counter(r.handoff for r in records if r.handoff is not None)),
     }
 
 
@@ -307,6 +321,9 @@ def format_summary(result: dict[str, Any]) -> str:
     if s.get("total_cached_tokens"):
         hit = s["total_cached_tokens"] / max(1, s["total_prompt_tokens"])
         lines.append(f"prefix cache: {s['total_cached_tokens']} prompt tokens cached ({hit:.0%})")
+    if s.get("handoffs"):
+        counts = ", ".join(f"{n} {kind}" for kind, n in sorted(s["handoffs"].items()))
+        lines.append(f"handoffs: {counts}")
     if s["first_error"]:
         lines.append(f"first error: {s['first_error']}")
     lines.append(f"{'ms':<12}{'mean':>10}" + "".join(f"{'p' + str(p):>10}" for p in PERCENTILES))

@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _decode_engine(args: argparse.Namespace, config):
     """A ``DecodeEngine`` paired with the prefill at ``--prefill``; None (after saying why)
     when the pairing fails."""
-    from baton.config import read_secret_env
+    from baton.config import LocalPrefill, read_secret_env
     from baton.transfer.decode import DecodeEngine
     from baton.transfer.handshake import PairingError
 
@@ -136,9 +136,15 @@ def _decode_engine(args: argparse.Namespace, config):
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return None
     try:
+        local_prefill = LocalPrefill(args.local_prefill_tokens, args.local_fallback)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    try:
         return DecodeEngine(
             args.model, config, args.prefill or [], token, args.backend, _deadlines(args),
             shm_prefix=args.shm_prefix, transfer_host=_transfer_host(args),
+            local_prefill=local_prefill,
         )  # fmt: skip
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -240,8 +246,14 @@ def _launch(args: argparse.Namespace) -> int:
         args.model, args.host, args.port, _engine_options(args), args.served_model_name,
         num_prefill=args.num_prefill, num_decode=args.num_decode, policy=args.policy,
         prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-        restart=args.restart,
+        restart=args.restart, decode_args=_local_prefill_argv(args),
     )  # fmt: skip
+
+
+def _local_prefill_argv(args: argparse.Namespace) -> list[str]:
+    """The decode workers' local-prefill flags, as ``baton launch`` was given them."""
+    argv = ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+    return argv if args.local_fallback else [*argv, "--no-local-fallback"]
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -405,6 +417,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
+    _add_local_prefill_args(serve)
     serve.add_argument("--max-body-mb", type=float, default=16.0,
                        help="largest request body accepted (413 past it), in MiB")  # fmt: skip
     from baton.config import Deadlines  # light: torch is not imported for --help
@@ -431,6 +444,22 @@ def _add_router_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
 
 
+def _add_local_prefill_args(p: argparse.ArgumentParser) -> None:
+    from baton.config import DEFAULT_LOCAL_PREFILL_TOKENS
+
+    p.add_argument(
+        "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="decode: compute prompts of at most this many tokens here instead of on a "
+        f"prefill (default {DEFAULT_LOCAL_PREFILL_TOKENS}, the crossover measured by "
+        "benchmarks/local_prefill.py; 0: never by length)",
+    )  # fmt: skip
+    p.add_argument(
+        "--no-local-fallback", dest="local_fallback", action="store_false",
+        help="decode: fail a request no prefill can take (none healthy, or it refused) "
+        "instead of computing its prompt here",
+    )  # fmt: skip
+
+
 def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
@@ -439,6 +468,7 @@ def _add_launch_parser(sub: argparse._SubParsersAction) -> None:
     launch.add_argument("--num-prefill", type=int, default=1)
     launch.add_argument("--num-decode", type=int, default=1)
     launch.add_argument("--policy", default="round_robin", choices=_policy_names())
+    _add_local_prefill_args(launch)
     launch.add_argument("--no-restart", dest="restart", action="store_false",
                         help="stop everything when a child dies (default: restart it)")  # fmt: skip
     for role in ("prefill", "decode"):

@@ -200,6 +200,28 @@ class EngineConfig:
         )
 
 
+DEFAULT_LOCAL_PREFILL_TOKENS = 16
+"""Measured crossover (``benchmarks/local_prefill.py``, README): below it a PD decode
+computes a prompt itself -- see ``LocalPrefill``."""
+
+
+@dataclass(frozen=True)
+class LocalPrefill:
+    """When a PD decode computes a prompt itself instead of asking a prefill (conditional
+    disaggregation); every such request ends as ``local_prefill`` with its reason."""
+
+    max_prompt_tokens: int = DEFAULT_LOCAL_PREFILL_TOKENS
+    """Prompts at most this long are computed here (``policy``); 0: never by length."""
+    fallback: bool = True
+    """Compute here when there is no prefill to ask (``no_healthy_prefill``) or the prefill
+    refused the request before writing anything (``prefill_refused``); False: fail those."""
+
+    def __post_init__(self) -> None:
+        n = self.max_prompt_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"local_prefill max_prompt_tokens must be an integer >= 0, got {n!r}")
+
+
 @dataclass(frozen=True)
 class Deadlines:
     """Seconds each wait of a PD pair may last; both sides read the same values."""

@@ -62,15 +62,18 @@ def launch(
     prefill_cpus: Sequence[int] | None = None,
     decode_cpus: Sequence[int] | None = None,
     restart: bool = True,
+    decode_args: Sequence[str] = (),
 ) -> int:
     """Run the deployment until SIGINT/SIGTERM (exit 0), or until a child dies when
-    ``restart`` is off (exit 1); with it on, a dead child is started again (``Supervisor``)."""
+    ``restart`` is off (exit 1); with it on, a dead child is started again (``Supervisor``).
+    ``decode_args``: more ``baton serve`` flags for the decode workers."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     options = _child_engine_options(model, engine_options)
     if prefill_cpus is None and decode_cpus is None:
         prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
-    shape = {"prefill": (num_prefill, prefill_cpus), "decode": (num_decode, decode_cpus)}
+    shape = {"prefill": (num_prefill, prefill_cpus, ()),
+             "decode": (num_decode, decode_cpus, tuple(decode_args))}  # fmt: skip
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
@@ -132,11 +135,13 @@ def _watch(supervisor: Supervisor, stop: threading.Event) -> int:
 
 def _start_workers(
     supervisor: Supervisor, model: str, options: dict, served_model_name: str | None,
-    env: dict, shm_prefix: str, shape: dict[str, tuple[int, Sequence[int] | None]],
+    env: dict, shm_prefix: str,
+    shape: dict[str, tuple[int, Sequence[int] | None, Sequence[str]]],
 ) -> dict[str, list[str]]:  # fmt: skip
-    """Start ``shape[role] = (count, cpus)`` workers of each role; their URLs by role."""
+    """Start ``shape[role] = (count, cpus, more serve flags)`` workers of each role; their
+    URLs by role."""
     workers: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for role, (count, cpus) in shape.items():
+    for role, (count, cpus, extra) in shape.items():
         # NOTE: a pinned worker gets one thread per core it owns unless told otherwise.
         threads = {"num_threads": len(cpus)} if cpus and "num_threads" not in options else {}
         for i in range(count):
@@ -147,7 +152,7 @@ def _start_workers(
                 prefix = f"{shm_prefix}-{i}"
                 args += ["--shm-prefix", prefix]
                 cleanup = functools.partial(_remove_segments, prefix)
-            args += _serve_args(model, {**options, **threads}, served_model_name)
+            args += [*_serve_args(model, {**options, **threads}, served_model_name), *extra]
             supervisor.start(Child(f"{role} {i}", args, env, cpus, cleanup))
             workers[role].append(url)
     return workers

@@ -102,7 +102,7 @@ class Deployment:
 def deployment(text_model_dir, tmp_path_factory):
     d = Deployment(text_model_dir, tmp_path_factory.mktemp("router"))
     d.prefills = [d.serve("prefill-a", "prefill"), d.serve("prefill-b", "prefill")]
-    d.decode = d.serve("decode", "decode")
+    d.decode = d.serve("decode", "decode", "--local-prefill-tokens", "0")  # every one PD
     for name, url in [("prefill-a", d.prefills[0]), ("prefill-b", d.prefills[1]),
                       ("decode", d.decode)]:  # fmt: skip
         d.wait_healthy(url, name)
@@ -350,12 +350,74 @@ def test_bench_through_the_router_reads_every_worker(deployment, text_model_dir,
     assert summary["transfer_bytes"] > 0 and summary["transfer_gb_per_s"] > 0
 
 
+def test_handoff_outcome_in_header_metrics_and_bench(deployment, offline, text_model_dir):
+    """A decode that computes prompts of at most 12 tokens itself (``--local-prefill-tokens
+    12``) behind two routers: one with a live prefill, one whose only prefill is dead. Every
+    answer equals the offline engine's and says how its prompt state came
+    (``x-baton-handoff``); decode computes prompt tokens exactly for its ``local_prefill``
+    requests; a transferred one's header bytes are what decode's /metrics counted; /metrics
+    counts each outcome and reason; ``baton bench`` reports them."""
+    from baton.bench import BenchConfig, run_bench
+
+    d = deployment
+    decode = d.serve("decode-local", "decode", "--local-prefill-tokens", "12")
+    d.wait_healthy(decode, "decode-local")
+    live = d.start("router-live", "router", "--prefill", d.prefills[0], "--decode", decode,
+                   "--health-interval", "0.5")  # fmt: skip
+    dead = d.start("router-dead", "router", "--prefill", f"http://127.0.0.1:{_free_port()}",
+                   "--decode", decode, "--health-interval", "0.5")  # fmt: skip
+    try:
+        d.wait_healthy(live, "router-live")
+        d.wait_healthy(dead, "router-dead")  # degraded, still serving
+        assert httpx.get(f"{dead}/health", timeout=5).json()["status"] == "degraded"
+        short, long = "x = 1\n", "def parse(line):\n    fields = line.split(',')\n" * 3
+        cases = [(live, short, "local_prefill; reason=policy"), (live, long, "transferred"),
+                 (dead, long, "local_prefill; reason=no_healthy_prefill")]  # fmt: skip
+        for router, prompt, outcome in cases:
+            before = _metrics(decode)
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+            resp = httpx.post(f"{router}/v1/completions", json=body, timeout=60)
+            assert resp.status_code == 200, resp.text
+            want = offline.generate(prompt, SamplingParams(max_tokens=6, temperature=0))[0]
+            assert resp.json()["choices"][0]["text"] == want.outputs[0].text
+            header = resp.headers["x-baton-handoff"]
+            after = _metrics(decode)
+            grew = {k: after[k] - before.get(k, 0.0) for k in after if after[k] != before.get(k)}
+            computed = grew.get("baton_prompt_tokens_computed_total{}", 0)
+            pushed = sum(v for k, v in grew.items() if k.startswith("baton_transfer_bytes_total"))
+            if outcome == "transferred":
+                fields = dict(p.split("=") for p in header.split("; ")[1:])
+                assert header.startswith("transferred; bytes=") and int(fields["bytes"]) == pushed
+                assert computed == 0 and pushed > 0
+            else:
+                assert header == outcome
+                assert computed == resp.json()["usage"]["prompt_tokens"] and pushed == 0
+        counts = {k: v for k, v in _metrics(decode).items() if k.startswith("baton_handoff_total")}
+        assert counts == {
+            "baton_handoff_total{outcome=local_prefill,reason=no_healthy_prefill}": 1.0,
+            "baton_handoff_total{outcome=local_prefill,reason=policy}": 1.0,
+            "baton_handoff_total{outcome=transferred,reason=}": 1.0,
+        }
+        config = BenchConfig(
+            url=live, model="tiny", tokenizer_dir=str(text_model_dir), num_requests=6,
+            concurrency=2, prompt_tokens=(4, 24), output_tokens=(2, 4), seed=3,
+        )  # fmt: skip
+        summary = run_bench(config, show_progress=False)["summary"]
+        assert summary["num_completed"] == 6, summary["first_error"]
+        handoffs = summary["handoffs"]
+        assert sum(handoffs.values()) == 6
+        assert set(handoffs) == {"transferred", "local_prefill; reason=policy"}, handoffs
+    finally:
+        for name in ("router-dead", "router-live", "decode-local"):
+            d.stop(name)
+
+
 def test_prefix_affinity_keeps_a_prefix_on_one_decode(deployment, offline):
     """Two decodes behind a ``prefix_affinity`` router: requests sharing a long prompt
     prefix all land on one decode, whose prefix cache then serves them; prompts that differ
     from their first characters spread over both. Answers equal the offline engine's."""
     d = deployment
-    decodes = [d.decode, d.serve("decode-b", "decode")]
+    decodes = [d.decode, d.serve("decode-b", "decode", "--local-prefill-tokens", "0")]
     d.wait_healthy(decodes[1], "decode-b")
     router = d.start(
         "router-affinity", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],

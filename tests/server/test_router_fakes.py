@@ -20,7 +20,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from baton.engine.outputs import HandoffReason
 from baton.router.router import Router, build_router_app
+from baton.server.protocol import LOCAL_PREFILL_HEADER, PREFILL_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -152,17 +154,18 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error(servers):
     assert not next(i for i in listed if i["role"] == "decode")["healthy"]
 
 
-def test_no_healthy_prefill_is_a_clear_503(servers):
+def test_no_healthy_prefill_sends_the_request_to_decode_alone(servers):
     no_endpoint = servers(_prefill_app(endpoint=None))  # healthy HTTP, no control endpoint
     app, seen = _decode_app(die_mid_stream=False)
     decode = servers(app)
     router = _router(servers, [no_endpoint.url], [decode.url])
     resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
-    assert resp.status_code == 503
-    assert resp.json()["error"]["code"] == "no_instance"
-    assert "prefill" in resp.json()["error"]["message"]
-    assert httpx.get(f"{router}/health", timeout=10).status_code == 503
-    assert not seen  # nothing reached decode
+    assert resp.status_code == 200
+    (headers,) = seen  # decode computes the prompt itself: told why, no prefill named
+    assert headers[LOCAL_PREFILL_HEADER] == HandoffReason.NO_HEALTHY_PREFILL
+    assert PREFILL_HEADER not in headers
+    health = httpx.get(f"{router}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
     listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
     assert "pd_endpoint" in next(i for i in listed if i["role"] == "prefill")["last_error"]
 

@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.config import Deadlines, EngineConfig
+from baton.config import Deadlines, EngineConfig, LocalPrefill
 from baton.engine.engine import LLMEngine
+from baton.engine.outputs import HandoffKind, HandoffReason
 from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
@@ -101,7 +102,8 @@ def _worker_args(role: str, model_dir: Path, *extra: str) -> list[str]:
     engine = [f"--engine={k}={v}" for k, v in ENGINE.items()]
     return [
         sys.executable, "-m", "baton.transfer.worker", "--role", role, "--model", str(model_dir),
-        "--token-env", TOKEN_ENV, *engine, *extra,
+        "--token-env", TOKEN_ENV, *engine, *(("--local-prefill-tokens=0",) if role == "decode"
+        else ()), *extra,
     ]  # fmt: skip
 
 
@@ -146,6 +148,10 @@ def _config(**overrides) -> EngineConfig:
     return EngineConfig.from_kwargs(**{**ENGINE, **overrides})
 
 
+ALWAYS_PD = LocalPrefill(0, fallback=False)
+"""Every prompt to the prefill; a request it refuses fails (what most tests here check)."""
+
+
 def _client(
     pd_dir,
     endpoint: str,
@@ -154,12 +160,15 @@ def _client(
     token: str = TOKEN,
     config: EngineConfig | None = None,
     backend: str = "shm",
+    local_prefill: LocalPrefill = ALWAYS_PD,
 ) -> DecodeEngine:
-    """A decode in this process; its segments carry the session's leak-checked prefix."""
+    """A decode in this process; its segments carry the session's leak-checked prefix. By
+    default every prompt goes to the prefill, and a request it refuses fails."""
     prefix = f"{TEST_PREFIX}-{secrets.token_hex(3)}"
     return DecodeEngine(
-        pd_dir, config or _config(), endpoint, token, backend, deadlines, shm_prefix=prefix
-    )
+        pd_dir, config or _config(), endpoint, token, backend, deadlines, shm_prefix=prefix,
+        local_prefill=local_prefill,
+    )  # fmt: skip
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
@@ -402,6 +411,56 @@ def test_request_refused_by_prefill_fails_at_once(pd_dir, spawn_prefill):
         assert _free_units(client.engine) == start_free
     prefill.wait_for_log("refused")
     assert our_segments() == before
+
+
+def test_request_refused_by_prefill_is_computed_on_decode(pd_dir, spawn_prefill):
+    """With the local fallback (the default) the 83-token prompt the prefill refuses is
+    computed on decode instead: ``local_prefill`` / ``prefill_refused``, tokens and
+    acceptance equal colocated (the draft's prompt state is computed here too), the
+    16-token one still ``transferred``, and no unit is left held."""
+    prefill = spawn_prefill("--engine=max_model_len=64")
+    expected = _colocated(pd_dir)[2:4]
+    fallback = LocalPrefill(0, fallback=True)
+    with _client(pd_dir, prefill.endpoint, local_prefill=fallback) as client:
+        start_free = _free_units(client.engine)
+        rooms = [client.add_request(p, params) for p, params in _requests()[2:4]]
+        done = _run(client)
+        outs = [done[r] for r in rooms]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert [o.metrics.accepted_lengths for o in outs] == [
+            o.metrics.accepted_lengths for o in expected
+        ]
+        short, long = (o.metrics.handoff for o in outs)
+        assert (short.kind, long.kind, long.reason) == (
+            HandoffKind.TRANSFERRED, HandoffKind.LOCAL_PREFILL, HandoffReason.PREFILL_REFUSED
+        )  # fmt: skip
+        assert sum(short.component_bytes.values()) > 0
+        assert client.engine.runner.num_computed_prompt_tokens == 83  # the refused one only
+        assert client.stats().handoffs == {("transferred", ""): 1,
+                                           ("local_prefill", "prefill_refused"): 1}  # fmt: skip
+        assert _free_units(client.engine) == start_free
+
+
+def test_short_prompts_are_computed_on_decode(pd_dir, prefill_server):
+    """``local_prefill.max_prompt_tokens`` 16: the 3-, 8- and 16-token prompts are computed on
+    decode (``policy``; nothing is pushed for them), the 83-token one is transferred;
+    tokens and acceptance equal colocated either way."""
+    expected = _colocated(pd_dir)[:4]
+    with _client(pd_dir, prefill_server.endpoint, local_prefill=LocalPrefill(16)) as client:
+        rooms = [client.add_request(p, params) for p, params in _requests()[:4]]
+        done = _run(client)
+        outs = [done[r] for r in rooms]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+        assert [o.metrics.accepted_lengths for o in outs] == [
+            o.metrics.accepted_lengths for o in expected
+        ]
+        kinds = [(o.metrics.handoff.kind, o.metrics.handoff.reason) for o in outs]
+        local = (HandoffKind.LOCAL_PREFILL, HandoffReason.POLICY)
+        lengths = [len(p) for p, _ in _requests()[:4]]
+        want = [local if n <= 16 else (HandoffKind.TRANSFERRED, None) for n in lengths]
+        assert kinds == want, (lengths, kinds)
+        computed = sum(n for n in lengths if n <= 16)
+        assert client.engine.runner.num_computed_prompt_tokens == computed
 
 
 @pytest.mark.parametrize("mode", ["paged", "ring"])

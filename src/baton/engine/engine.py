@@ -70,6 +70,10 @@ class EngineStats:
     prefix_evictions: int = 0
     cached_units: dict[str, int] = field(default_factory=dict)
     """Per component: pages in the prefix cache (held or evictable)."""
+    prompt_tokens_computed: int = 0
+    """Prompt positions this engine computed (restored and pushed ones are not)."""
+    handoffs: dict[tuple[str, str], int] = field(default_factory=dict)
+    """PD decode: (outcome, reason or "") -> requests that ended their handoff so."""
 
 
 class LLMEngine:
@@ -313,8 +317,9 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.num_running, self.num_waiting, self.units_in_use(), **self._prefix_stats()
-        )
+            self.num_running, self.num_waiting, self.units_in_use(),
+            prompt_tokens_computed=self.runner.num_computed_prompt_tokens, **self._prefix_stats(),
+        )  # fmt: skip
 
     def _prefix_stats(self) -> dict:
         cache = self.prefix_cache

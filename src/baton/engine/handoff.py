@@ -28,6 +28,10 @@ reserve_queued     decode, each  reserve, oldest first, each queued request's un
 admit              decode, once  the state landed (nonce checked by the caller): ``RUNNING``,
                    the aux row   the first token appended, the aux record freed
                    is checked
+prefill_locally    decode        compute a queued request's prompt here instead, or a waiting
+                                 one's that nothing writes for (its prefill refused it): its
+                                 units are freed and it is queued as on a colocated engine
+                                 (``WAITING``); the draft's prompt state is computed here too
 fail               decode        end a waiting request now (``FAILED`` / aborted) with a
                                  reason; its units are freed now only if
                                  ``stopped_writing``, else quarantined until ``release``
@@ -220,6 +224,20 @@ class Handoff:
         if finish is not None:
             engine.finish(track, committed)
         return track.output(finish)
+
+    def prefill_locally(self, request_id: str) -> None:
+        """The caller vouches that nothing writes into the request's units (module
+        docstring). It then runs exactly as on a colocated engine, prefix cache included."""
+        engine = self.engine
+        track = engine.tracks[request_id]
+        request = track.request
+        if request_id in self.queued:
+            self.queued.remove(request_id)
+        else:
+            assert request.status is RequestStatus.WAITING_FOR_STATE, request.status
+            engine.free_units(request_id)  # a restored prefix comes back at admission
+            track.metrics.num_cached_tokens = 0
+        engine.scheduler.add(request)  # WAITING
 
     def fail(
         self,

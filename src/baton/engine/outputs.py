@@ -2,7 +2,87 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class HandoffKind(StrEnum):
+    """How a PD decode request got its prompt state: exactly one of these, once."""
+
+    TRANSFERRED = "transferred"
+    """A prefill computed it and pushed it here (bytes per component)."""
+    LOCAL_PREFILL = "local_prefill"
+    """This decode computed the prompt itself (the reason says why)."""
+    FAILED = "failed"
+    """Neither: the request failed before its first token (the reason says why)."""
+
+
+class HandoffReason(StrEnum):
+    """Why a request was prefilled locally or failed (a bounded set: metric labels)."""
+
+    # local_prefill
+    POLICY = "policy"
+    """The prompt is at most ``local_prefill_tokens`` long: computing it here is cheaper."""
+    NO_HEALTHY_PREFILL = "no_healthy_prefill"
+    """No prefill to send it to (none named, none configured, or the router found none)."""
+    PREFILL_REFUSED = "prefill_refused"
+    """The prefill refused it before writing anything (or refused to pair)."""
+    # failed
+    PREFILL_FAILED = "prefill_failed"
+    """The prefill reported a failure after accepting it."""
+    PREFILL_UNREACHABLE = "prefill_unreachable"
+    """The prefill died, went silent, was fenced, or could not be sent the request."""
+    STATE_TIMEOUT = "state_timeout"
+    """No state within ``waiting_for_state_s``."""
+    BAD_STATE = "bad_state"
+    """The state landed but its record did not check out."""
+    NO_ROOM = "no_room"
+    """Decode can never make room for it."""
+    ABORTED = "aborted"
+    """The client gave up before the state landed."""
+
+
+@dataclass(frozen=True)
+class HandoffOutcome:
+    """The typed end of a PD decode request's handoff (``RequestMetrics.handoff``)."""
+
+    kind: HandoffKind
+    reason: HandoffReason | None = None
+    """None exactly when ``kind`` is ``transferred``."""
+    component_bytes: Mapping[str, int] = field(default_factory=dict)
+    """``transferred``: bytes pushed here per state component."""
+    detail: str = ""
+    """``failed``: the failure in words."""
+
+    def __post_init__(self) -> None:
+        if (self.reason is None) != (self.kind is HandoffKind.TRANSFERRED):
+            raise ValueError(f"handoff {self.kind} with reason {self.reason!r}")
+
+    @classmethod
+    def transferred(cls, component_bytes: Mapping[str, int]) -> HandoffOutcome:
+        return cls(HandoffKind.TRANSFERRED, component_bytes=dict(component_bytes))
+
+    @classmethod
+    def local_prefill(cls, reason: HandoffReason) -> HandoffOutcome:
+        return cls(HandoffKind.LOCAL_PREFILL, reason)
+
+    @classmethod
+    def failed(cls, reason: HandoffReason, detail: str = "") -> HandoffOutcome:
+        return cls(HandoffKind.FAILED, reason, detail=detail)
+
+    def header(self) -> str:
+        """The ``x-baton-handoff`` value: ``transferred; bytes=N; target.full=N; ...``,
+        ``local_prefill; reason=policy`` or ``failed; reason=state_timeout``."""
+        if self.kind is HandoffKind.TRANSFERRED:
+            total = sum(self.component_bytes.values())
+            parts = [f"bytes={total}", *(f"{n}={b}" for n, b in self.component_bytes.items())]
+            return "; ".join([self.kind.value, *parts])
+        return f"{self.kind.value}; reason={self.reason}"
+
+    def __str__(self) -> str:
+        text = self.header()
+        return f"{text} ({self.detail})" if self.detail else text
 
 
 @dataclass
@@ -21,6 +101,8 @@ class RequestMetrics:
     """Draft tokens proposed and verified."""
     accepted_per_position: list[int] = field(default_factory=list)
     """How often the draft token at chain position i was accepted."""
+    handoff: HandoffOutcome | None = None
+    """PD decode: how the prompt state got here (None on a colocated engine)."""
 
     @property
     def acceptance_length(self) -> float | None:

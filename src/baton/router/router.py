@@ -11,7 +11,11 @@ Failure handling:
 
 - decode answers 503 ``prefill_failed`` (its prefill refused, died or stayed silent before
   the first token; decode has ended that leg and will free its units): retried once on
-  another healthy prefill, else relayed as the clear 5xx it is;
+  another healthy prefill, then on decode alone;
+- no healthy prefill (or every one tried failed the request): the request goes to a decode
+  with ``LOCAL_PREFILL_HEADER`` instead of a prefill, and decode computes the prompt itself
+  (its handoff outcome ``local_prefill``, reason ``no_healthy_prefill``; a decode started
+  with ``--no-local-fallback`` answers 503 instead);
 - decode unreachable: marked unhealthy and the request retried once on another decode;
 - client gone (before or during the answer): the upstream request is cancelled, which makes
   the decode abort the request, which makes it send ``Abort`` to the prefill;
@@ -46,7 +50,7 @@ from prometheus_client import (
 
 from baton.router.admin import add_admin_routes
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
-from baton.server.protocol import PREFILL_HEADER, ROOM_HEADER, ApiError
+from baton.server.protocol import LOCAL_PREFILL_HEADER, PREFILL_HEADER, ROOM_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
 
@@ -157,26 +161,24 @@ class Router:
         return self.policies[role].choose(candidates, key)
 
     async def forward(self, request: Request, path: str) -> Response:
-        """Send the request to a decode paired with a prefill; relay the answer."""
+        """Send the request to a decode paired with a prefill (with none healthy, to a decode
+        alone, which computes the prompt itself: ``local_prefill``); relay the answer."""
         body = await request.body()
         key = _prompt_key(body) if self.policy_name == "prefix_affinity" else None
         tried_prefills: set[str] = set()
         tried_decodes: set[str] = set()
         failure: ApiError | None = None
-        for attempt in range(2):
+        for attempt in range(3):  # a prefill, another one, then (all failed) decode alone
             decode = self.choose("decode", tried_decodes, key)
             prefill = self.choose("prefill", tried_prefills, key)
-            if decode is None or prefill is None:
-                missing = "decode" if decode is None else "prefill"
+            if decode is None:
                 failure = failure or ApiError(
-                    f"no healthy {missing} instance to serve the request", 503,
+                    "no healthy decode instance to serve the request", 503,
                     type="server_error", code="no_instance",
                 )  # fmt: skip
                 break
             room = secrets.randbits(63) or 1
-            decode.outstanding += 1
-            prefill.outstanding += 1
-            release = _Release(decode, prefill)
+            release = _Release(*(i for i in (decode, prefill) if i is not None))
             try:
                 upstream = await self._send_once_more_if_dropped(
                     request, decode, prefill, room, path, body
@@ -195,7 +197,7 @@ class Router:
                 self.metrics.requests.labels("client_gone").inc()
                 return Response(status_code=499)
             prefill_error = await _prefill_failure(upstream)
-            if prefill_error is not None:
+            if prefill_error is not None and prefill is not None:
                 release()
                 tried_prefills.add(prefill.url)
                 failure = ApiError(
@@ -209,14 +211,15 @@ class Router:
                     self.metrics.retries.labels("prefill_failed").inc()
                 continue
             self.metrics.requests.labels(str(upstream.status_code)).inc()
-            access = f"room {room} {path} -> decode {decode.url}, prefill {prefill.url}"
+            via = f"prefill {prefill.url}" if prefill else "no healthy prefill"
+            access = f"room {room} {path} -> decode {decode.url}, {via}"
             return _relay(upstream, release, decode, access)
         assert failure is not None
         self.metrics.requests.labels(str(failure.status_code)).inc()
         return JSONResponse(failure.body(), status_code=failure.status_code)
 
     async def _send_once_more_if_dropped(
-        self, request: Request, decode: Instance, prefill: Instance, room: int, path: str,
+        self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
         body: bytes,
     ) -> httpx.Response:  # fmt: skip
         """``_send``, sent a second time to the same decode when the first found its pooled
@@ -232,16 +235,21 @@ class Router:
             return await self._send(request, decode, prefill, room, path, body)
 
     async def _send(
-        self, request: Request, decode: Instance, prefill: Instance, room: int, path: str,
+        self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
         body: bytes,
     ) -> httpx.Response:  # fmt: skip
-        """The decode's response head, or ``_ClientGone`` if the client left while waiting."""
-        assert self.http is not None and prefill.pd_endpoint is not None
+        """The decode's response head, or ``_ClientGone`` if the client left while waiting.
+        Without ``prefill`` decode is told there is none healthy (``LOCAL_PREFILL_HEADER``)."""
+        assert self.http is not None
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
-            PREFILL_HEADER: prefill.pd_endpoint,
             ROOM_HEADER: str(room),
         }
+        if prefill is None:
+            headers[LOCAL_PREFILL_HEADER] = "no_healthy_prefill"
+        else:
+            assert prefill.pd_endpoint is not None
+            headers[PREFILL_HEADER] = prefill.pd_endpoint
         upstream = self.http.build_request("POST", f"{decode.url}{path}", content=body,
                                            headers=headers)  # fmt: skip
         task = asyncio.ensure_future(self.http.send(upstream, stream=True))
@@ -277,6 +285,8 @@ class _Release:
 
     def __init__(self, *instances: Instance) -> None:
         self.instances = instances
+        for i in instances:
+            i.outstanding += 1
 
     def __call__(self) -> None:
         for i in self.instances:
@@ -398,10 +408,10 @@ async def _models(request: Request) -> Response:
 async def _health(request: Request) -> Response:
     router: Router = request.app.state.router
     counts = {role: len(router.table.healthy(role)) for role in ROLES}
-    if all(counts.values()):
-        return JSONResponse({"status": "ok", "healthy": counts})
-    missing = [role for role, n in counts.items() if not n]
-    error = ApiError(f"no healthy {' or '.join(missing)} instance", 503, type="server_error")
+    if counts["decode"]:  # with no prefill healthy, decodes compute prompts themselves
+        return JSONResponse({"status": "ok" if all(counts.values()) else "degraded",
+                             "healthy": counts})  # fmt: skip
+    error = ApiError("no healthy decode instance", 503, type="server_error")
     return JSONResponse(error.body(), status_code=503)
 
 

@@ -23,10 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.engine.outputs import CompletionOutput, RequestOutput
+from baton.engine.outputs import CompletionOutput, HandoffReason, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
+    HANDOFF_HEADER,
+    LOCAL_PREFILL_HEADER,
     PREFILL_HEADER,
     ROOM_HEADER,
     ApiError,
@@ -37,7 +39,7 @@ from baton.server.request_body import MAX_BODY_BYTES, openapi_body, parse_body, 
 
 
 def _error(exc: ApiError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status_code)
+    return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def _usage(out: RequestOutput) -> dict:
@@ -125,7 +127,7 @@ async def _completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest, server.max_body_bytes)
     _check_model(server, req.model)
     params = req.sampling_params()
-    outputs = await _run(server, req.engine_prompt(), params, _route(request))
+    outputs, headers = await _run(server, req.engine_prompt(), params, _route(request))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.logprobs or 0
     head = {"id": rid, "object": "text_completion", "created": created,
@@ -133,7 +135,7 @@ async def _completions(request: Request) -> Response:
     if req.stream:
         chunk = _completion_chunks(server.tokenizer, head, n_top)
         events = _sse_events(outputs, chunk, head if req.include_usage else None)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     final = await _last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
@@ -142,7 +144,7 @@ async def _completions(request: Request) -> Response:
         "logprobs": _completion_logprobs(server.tokenizer, completion, n_top, 0),
         "finish_reason": completion.finish_reason,
     }
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)}, headers=headers)
 
 
 async def _chat_completions(request: Request) -> Response:
@@ -153,7 +155,7 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(server, req.model)
     params = req.sampling_params()
     prompt = _chat_prompt(server.tokenizer, req)
-    outputs = await _run(server, prompt, params, _route(request))
+    outputs, headers = await _run(server, prompt, params, _route(request))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.top_logprobs or 0
     if req.stream:
@@ -165,7 +167,7 @@ async def _chat_completions(request: Request) -> Response:
         }
         chunk = _chat_chunks(server.tokenizer, head, n_top)
         events = _sse_events(outputs, chunk, head if req.include_usage else None)
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     final = await _last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
@@ -176,7 +178,7 @@ async def _chat_completions(request: Request) -> Response:
     }
     head = {"id": rid, "object": "chat.completion", "created": created,
             "model": server.model_name}  # fmt: skip
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)})
+    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)}, headers=headers)
 
 
 async def _models(request: Request) -> dict:
@@ -220,8 +222,9 @@ def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Any:
 
 async def _run(
     server: _Server, prompt: Any, params: Any, route: dict
-) -> AsyncIterator[RequestOutput]:
-    """The engine's outputs, with latency and token metrics recorded on the way. A
+) -> tuple[AsyncIterator[RequestOutput], dict[str, str]]:
+    """The engine's outputs, with latency and token metrics recorded on the way, and the
+    response's headers (a PD decode's handoff outcome, known at the first output). A
     request that fails before its first token (a PD prefill died, ...) is a 503 here,
     before any response starts, so a router can retry it."""
     arrival = time.monotonic()
@@ -232,13 +235,15 @@ async def _run(
     except RuntimeError as exc:
         raise ApiError(str(exc), 503, type="server_error") from exc
     first = await anext(stream)  # an EngineFailed here is a 500 (its handler above)
+    handoff = first.metrics.handoff
+    headers = {HANDOFF_HEADER: handoff.header()} if handoff is not None else {}
     failed = first.outputs[0]
     if first.finished and failed.finish_reason == "error" and not failed.token_ids:
         await stream.aclose()
         code = "prefill_failed" if server.engine.is_pd else None
         message = first.error or "the request failed before its first token"
-        raise ApiError(message, 503, type="server_error", code=code)
-    return _observed(server.metrics, arrival, first, stream)
+        raise ApiError(message, 503, type="server_error", code=code, headers=headers)
+    return _observed(server.metrics, arrival, first, stream), headers
 
 
 async def _replayed(
@@ -437,6 +442,11 @@ def _route(request: Request) -> dict:
     route: dict[str, Any] = {}
     if prefill := request.headers.get(PREFILL_HEADER):
         route["prefill"] = prefill
+    if local := request.headers.get(LOCAL_PREFILL_HEADER):
+        try:
+            route["local"] = HandoffReason(local)
+        except ValueError:
+            raise ApiError(f"header {LOCAL_PREFILL_HEADER} names no reason: {local!r}") from None
     if (room := request.headers.get(ROOM_HEADER)) is not None:
         if not room.isdigit() or not 0 < int(room) < 2**63:
             raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")

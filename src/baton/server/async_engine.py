@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from baton.engine.core import EngineCore
 from baton.engine.engine import EngineStats
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import HandoffReason, RequestOutput
 from baton.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,9 +126,12 @@ class AsyncEngine:
         *,
         prefill: str | None = None,
         room: int | None = None,
+        local: HandoffReason | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``prefill`` / ``room``: a PD decode's routing (``ValueError`` on a colocated one)."""
-        route = {k: v for k, v in (("prefill", prefill), ("room", room)) if v is not None}
+        """``prefill`` / ``room`` / ``local``: a PD decode's routing (``DecodeEngine.
+        add_request``; ``ValueError`` on a colocated engine)."""
+        given = (("prefill", prefill), ("room", room), ("local", local))
+        route = {k: v for k, v in given if v is not None}
         if route and not self.is_pd:
             raise ValueError(f"this server is colocated; it takes no PD routing ({route})")
         loop = asyncio.get_running_loop()

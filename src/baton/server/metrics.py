@@ -19,16 +19,15 @@ class TotalCounter:
     """A Prometheus counter fed with running totals (a worker thread's snapshot): each
     ``set_total`` adds what the total grew by since the last one, per label value."""
 
-    def __init__(
-        self, name: str, doc: str, registry: CollectorRegistry, label: str | None = None
-    ) -> None:
-        self.counter = Counter(name, doc, [label] if label else [], registry=registry)
-        self._seen: dict[str | None, float] = {}
+    def __init__(self, name: str, doc: str, registry: CollectorRegistry, *labels: str) -> None:
+        self.counter = Counter(name, doc, list(labels), registry=registry)
+        self._seen: dict[tuple[str, ...], float] = {}
 
-    def set_total(self, total: float, label: str | None = None) -> None:
-        counter = self.counter if label is None else self.counter.labels(label)
-        counter.inc(max(0.0, total - self._seen.get(label, 0.0)))
-        self._seen[label] = total
+    def set_total(self, total: float, *values: str) -> None:
+        """``values``: one per label, in the order the labels were given."""
+        counter = self.counter.labels(*values) if values else self.counter
+        counter.inc(max(0.0, total - self._seen.get(values, 0.0)))
+        self._seen[values] = total
 
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -80,6 +79,14 @@ class ServerMetrics:
         self.prefix_evictions = TotalCounter(
             "baton_prefix_cache_evictions", "cached pages evicted for new allocations", r
         )
+        self.prompt_tokens_computed = TotalCounter(
+            "baton_prompt_tokens_computed", "prompt positions this engine computed (a PD "
+            "decode: only its local_prefill requests')", r,
+        )  # fmt: skip
+        self.handoffs = TotalCounter(
+            "baton_handoff", "PD decode: requests by handoff outcome (transferred, "
+            "local_prefill, failed) and reason", r, "outcome", "reason",
+        )  # fmt: skip
         self.cached_units = Gauge(
             "baton_prefix_cache_units", "pages in the prefix cache per state component",
             ["component"], registry=r,
@@ -101,3 +108,6 @@ class ServerMetrics:
         self.prefix_evictions.set_total(stats.prefix_evictions)
         for name, n in stats.cached_units.items():
             self.cached_units.labels(name).set(n)
+        self.prompt_tokens_computed.set_total(stats.prompt_tokens_computed)
+        for (outcome, reason), total in stats.handoffs.items():
+            self.handoffs.set_total(total, outcome, reason)

@@ -25,6 +25,12 @@ PREFILL_HEADER = "x-baton-prefill"
 ROOM_HEADER = "x-baton-room"
 """PD routing a router adds to a decode server's request: the prefill's control endpoint
 and the room id (both sides of the handoff and the router's logs share it)."""
+LOCAL_PREFILL_HEADER = "x-baton-local-prefill"
+"""A router's request to a decode server with no prefill to name: the reason (e.g.
+``no_healthy_prefill``), so that decode computes the prompt itself."""
+HANDOFF_HEADER = "x-baton-handoff"
+"""A PD decode server's response: the request's handoff outcome
+(``HandoffOutcome.header``: ``transferred; bytes=...``, ``local_prefill; reason=...``)."""
 
 
 class ApiError(Exception):
@@ -37,10 +43,13 @@ class ApiError(Exception):
         param: str | None = None,
         type: str = "invalid_request_error",
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message, self.status_code, self.param = message, status_code, param
         self.type, self.code = type, code
+        self.headers = headers or {}
+        """Sent with the error response (a PD decode's ``HANDOFF_HEADER``)."""
 
     def body(self) -> dict[str, Any]:
         return {

@@ -40,9 +40,9 @@ from collections.abc import Sequence
 
 import zmq
 
-from baton.config import Deadlines, EngineConfig
+from baton.config import Deadlines, EngineConfig, LocalPrefill
 from baton.engine.engine import EngineStats, LLMEngine
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestOutput
 from baton.memory.allocator import SharedMemoryAllocator
 from baton.memory.state import PushPhase
 from baton.request import SamplingParams
@@ -88,6 +88,7 @@ class DecodeEngine:
         shm_prefix: str | None = None,
         worker_id: str | None = None,
         transfer_host: str | None = None,
+        local_prefill: LocalPrefill | None = None,
     ) -> None:
         """Builds the engine, pairs with each prefill at ``prefill_endpoint``. Raises
         ``TimeoutError`` when one does not answer within ``bootstrap_s`` and ``PairingError``
@@ -97,6 +98,8 @@ class DecodeEngine:
             new_worker_backend(backend_kind)  # raises the ValueError naming the choices
         endpoints = [prefill_endpoint] if isinstance(prefill_endpoint, str) else prefill_endpoint
         self.deadlines = deadlines or Deadlines()
+        self.local_prefill = local_prefill or LocalPrefill()
+        """When a prompt is computed here instead of on a prefill (conditional PD)."""
         self.allocator = SharedMemoryAllocator(shm_prefix)
         self.backend: TransferBackend | None = None
         self.links: PrefillLinks | None = None
@@ -114,6 +117,9 @@ class DecodeEngine:
         self.receiver = Receiver(self.engine)
         self.rooms = DecodeRooms(self.engine, self.receiver, self.links, self.deadlines)
         self.routes: dict[str, tuple[int, str]] = {}
+        self.named: set[str] = set()
+        """Requests whose prefill a router named: one that refuses them fails them (503
+        ``prefill_failed``), so that the router tries another prefill before local."""
         """Request id -> (room, prefill endpoint), from ``add_request`` until it ends."""
         self._outputs: list[RequestOutput] = []
         self.transfer_bytes: dict[str, int] = {}
@@ -165,34 +171,63 @@ class DecodeEngine:
         *,
         prefill: str | None = None,
         room: int | None = None,
+        local: HandoffReason | None = None,
     ) -> str:
         """Queue a request for the prefill at ``prefill`` (default: the next of
         ``default_endpoints``) under ``room`` (default: a fresh one; a router chooses it);
-        returns its id, ``request_id_of(room)``. Raises ``ValueError`` for a bad request
-        (nothing is kept then) and ``RuntimeError`` when there is no prefill to use."""
+        returns its id, ``request_id_of(room)``. ``local_prefill`` decides whether this
+        decode computes the prompt itself instead (so does ``local``: the router found no
+        prefill). Raises ``ValueError`` for a bad request (nothing is kept then) and
+        ``RuntimeError`` when there is no prefill to use and no local fallback."""
         if request_id is not None:
             raise ValueError("a decode names its requests by room: pass room, not request_id")
-        if prefill is None and not self.default_endpoints:
+        if prefill is None and not self.default_endpoints and not self.local_prefill.fallback:
             raise RuntimeError(
                 "this decode server has no prefill worker of its own; send requests through "
                 "a router (which names one per request) or start it with --prefill"
             )
         room = new_room() if room is None else room
         request_id = request_id_of(room)  # a room still in quarantine: the engine refuses it
-        endpoint = prefill or self._default_endpoint()
         self.engine.handoff.add_for_decode(prompt, params or SamplingParams(), request_id)
+        local = self._local_reason(request_id, prefill, local)
+        if local is not None:
+            self.engine.handoff.prefill_locally(request_id)
+            self._record(request_id, HandoffOutcome.local_prefill(local))
+            self.routes[request_id] = (room, "")
+            return request_id
+        endpoint = prefill or self._default_endpoint()
         try:
             self._link(endpoint)
         except ValueError:
             self.engine.handoff.fail(request_id, "bad endpoint", stopped_writing=True)
             raise
         self.routes[request_id] = (room, endpoint)
+        if prefill is not None:
+            self.named.add(request_id)
         self._reserve_queued(fail_stuck=False)
         if request_id in self.engine.handoff.queued and not self._is_busy():
             self.engine.handoff.fail(request_id, "no room", stopped_writing=True)
             del self.routes[request_id]
             raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
         return request_id
+
+    def _local_reason(
+        self, request_id: str, prefill: str | None, local: HandoffReason | None
+    ) -> HandoffReason | None:
+        """Why this request's prompt is computed here, or None (a prefill computes it)."""
+        request = self.engine.tracks[request_id].request
+        if request.num_prompt_tokens <= self.local_prefill.max_prompt_tokens:
+            return HandoffReason.POLICY
+        if not self.local_prefill.fallback:
+            return None
+        if local is not None:
+            return local
+        if prefill is None and not self.default_endpoints:
+            return HandoffReason.NO_HEALTHY_PREFILL
+        return None
+
+    def _record(self, request_id: str, outcome: HandoffOutcome) -> None:
+        self.rooms.outcomes.record(request_id, self.engine.tracks[request_id].metrics, outcome)
 
     def step(self) -> list[RequestOutput]:
         """Admit what landed, fail what failed or timed out, one engine step, then reserve
@@ -211,11 +246,13 @@ class DecodeEngine:
         for out in outputs:
             if out.finished:
                 self.routes.pop(out.request_id, None)
+                self.named.discard(out.request_id)
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; a waiting one keeps its units until prefill confirms."""
         route = self.routes.pop(request_id, None)
+        self.named.discard(request_id)
         if route is not None and route[0] in self.rooms.waiting:
             return self.rooms.abort(route[0])
         return self.engine.abort_request(request_id)
@@ -232,7 +269,10 @@ class DecodeEngine:
         seconds = self.transfer_seconds
         transfer = {n: (b, seconds.get(n, 0.0)) for n, b in self.transfer_bytes.items()}
         engine = self.engine.stats()
-        return dataclasses.replace(engine, transfer=transfer, push_seconds=self.push_seconds)
+        return dataclasses.replace(
+            engine, transfer=transfer, push_seconds=self.push_seconds,
+            handoffs=dict(self.rooms.outcomes.counts),
+        )  # fmt: skip
 
     def close(self) -> None:
         """Close the channels and the backend, unlink the shared pools. Idempotent."""
@@ -285,15 +325,17 @@ class DecodeEngine:
             link = self._link(endpoint)
             msg = self.receiver.reserve_state(room, reservation, link.epoch)
             self.rooms.wait(room, endpoint, link.epoch)
+            unreachable = HandoffReason.PREFILL_UNREACHABLE
             if link.fenced is not None:  # never sent: nothing can write for it
                 reason = f"the prefill at {endpoint} is fenced: {link.fenced}"
-                self._outputs.append(self.rooms.fail(room, reason, True))
+                self._outputs.append(self.rooms.fail(room, reason, True, unreachable))
             elif not link.client.send(msg):  # never queued: prefill cannot be writing for it
                 reason = "could not send the request to prefill"
-                self._outputs.append(self.rooms.fail(room, reason, True))
+                self._outputs.append(self.rooms.fail(room, reason, True, unreachable))
         queued = self.engine.handoff.queued
         if fail_stuck and queued and not self._is_busy():
             reason = "decode has no room for it"
+            self._record(queued[0], HandoffOutcome.failed(HandoffReason.NO_ROOM, reason))
             self._outputs.append(self.engine.handoff.fail(queued[0], reason, stopped_writing=True))
 
     def _idle_wait_ms(self) -> int:
@@ -322,8 +364,7 @@ class DecodeEngine:
             elif isinstance(msg, StateDone) and msg.room in rooms.waiting:
                 self._on_done(msg, outputs)
             elif isinstance(msg, StateFailed) and msg.room in rooms.waiting:
-                reason = f"prefill failed the request: {msg.reason}"
-                outputs.append(rooms.fail(msg.room, reason, msg.stopped_writing))
+                self._on_failed(msg, outputs)
             else:
                 logger.debug("decode: %s ignored (unknown room or late)", type(msg).__name__)
 
@@ -335,15 +376,41 @@ class DecodeEngine:
             self.links.accept(link, msg)
         except PairingError as e:
             # A refusing prefill refuses our requests too (not paired): nothing writes.
-            self.rooms.drop_link(link, str(e), stopped_writing=not msg.accepted, outputs=outputs)
+            refused = not msg.accepted
+            mine = [r for r, p in self.rooms.waiting.items() if p.endpoint == link.endpoint]
+            for room in mine if refused else ():
+                if self._falls_back(room):
+                    self.rooms.prefill_locally(room, HandoffReason.PREFILL_REFUSED)
+            code = HandoffReason.PREFILL_REFUSED if refused else HandoffReason.PREFILL_UNREACHABLE
+            self.rooms.drop_link(link, str(e), refused, outputs, code)
+
+    def _falls_back(self, room: int) -> bool:
+        """Whether a room its prefill refused is computed here: with ``local_prefill.
+        fallback``, unless a router named the prefill (the router retries elsewhere)."""
+        return self.local_prefill.fallback and request_id_of(room) not in self.named
+
+    def _on_failed(self, msg: StateFailed, outputs: list[RequestOutput]) -> None:
+        """Prefill failed a waiting room: computed here if it refused before writing
+        anything (``_falls_back``), else the request fails."""
+        if msg.refused and msg.stopped_writing and self._falls_back(msg.room):
+            logger.info("decode: prefill refused room %d (%s): computed here", msg.room, msg.reason)
+            self.rooms.prefill_locally(msg.room, HandoffReason.PREFILL_REFUSED)
+            return
+        code = HandoffReason.PREFILL_REFUSED if msg.refused else HandoffReason.PREFILL_FAILED
+        reason = f"prefill failed the request: {msg.reason}"
+        outputs.append(self.rooms.fail(msg.room, reason, msg.stopped_writing, code))
 
     def _on_done(self, msg: StateDone, outputs: list[RequestOutput]) -> None:
         try:
             first = self.receiver.admit(msg)
         except ValueError as e:  # a stale or corrupt aux record; prefill is done writing
-            outputs.append(self.rooms.fail(msg.room, str(e), True))
+            outputs.append(self.rooms.fail(msg.room, str(e), True, HandoffReason.BAD_STATE))
             return
         del self.rooms.waiting[msg.room]
+        pushed = {name: stats.num_bytes for name, stats in msg.component_stats.items()}
+        self.rooms.outcomes.record(
+            first.request_id, first.metrics, HandoffOutcome.transferred(pushed)
+        )
         for name, stats in msg.component_stats.items():
             self.transfer_bytes[name] = self.transfer_bytes.get(name, 0) + stats.num_bytes
             self.transfer_seconds[name] = self.transfer_seconds.get(name, 0.0) + stats.seconds

@@ -349,12 +349,14 @@ class PrefillServer:
         problem = self._reserve_problem(identity, msg)
         failed = None
         if problem is not None:
-            failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True)
+            failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True, refused=True)
         else:
             try:
                 failed = self.peers[identity].sender.on_reserve(msg)
             except ValueError as e:  # invalid sampling params (a ProtocolError)
-                failed = StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
+                failed = StateFailed(
+                    room=msg.room, reason=str(e), stopped_writing=True, refused=True
+                )
         if failed is not None:
             logger.warning("prefill: room %d refused: %s", msg.room, failed.reason)
             self.server.send(identity, failed)

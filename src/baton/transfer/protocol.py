@@ -43,11 +43,12 @@ import msgspec
 
 from baton.request import SamplingParams
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Bumped on any incompatible change to a message; peers of different versions never pair.
 Version 3: every frame after the channel handshake is MACed with a per-connection session key
 and carries a sequence number (``session.py``). Version 4: ``ReserveState.num_held_units``
-(decode's own prefix cache holds those units: prefill pushes only the rest)."""
+(decode's own prefix cache holds those units: prefill pushes only the rest). Version 5:
+``StateFailed.refused`` (refused before anything was written: decode may prefill locally)."""
 
 MAX_ID = 2**63 - 1
 Id63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
@@ -197,6 +198,9 @@ class StateFailed(_Struct, tag=True):
     reason: str
     stopped_writing: bool
     """The sender confirms it no longer writes into the peer's units (they may be freed)."""
+    refused: bool = False
+    """prefill -> decode: refused at ``ReserveState``, before computing or writing anything
+    (a decode may then compute the prompt itself: ``local_prefill``)."""
 
 
 class Abort(_Struct, tag=True):

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestMetrics, RequestOutput
 from baton.request import FinishReason
 from baton.transfer.prefill_links import PrefillLink, PrefillLinks
 from baton.transfer.protocol import Abort, Fence, FenceAck, request_id_of
@@ -57,6 +57,21 @@ class Room:
     """The link's fence epoch when the room was reserved (``ReserveState.epoch``)."""
 
 
+class HandoffLog:
+    """Every decode request's handoff outcome, once: set on its metrics (the response's
+    ``x-baton-handoff``), counted by (outcome, reason) for ``/metrics``, one log line."""
+
+    def __init__(self) -> None:
+        self.counts: dict[tuple[str, str], int] = {}
+
+    def record(self, request_id: str, metrics: RequestMetrics, outcome: HandoffOutcome) -> None:
+        assert metrics.handoff is None, (request_id, metrics.handoff, outcome)
+        metrics.handoff = outcome
+        key = (outcome.kind.value, outcome.reason.value if outcome.reason else "")
+        self.counts[key] = self.counts.get(key, 0) + 1
+        logger.info("decode: request %s handoff %s", request_id, outcome)
+
+
 class DecodeRooms:
     """Rooms waiting for state (``waiting``) and failed rooms in quarantine (``releasing``)."""
 
@@ -72,6 +87,7 @@ class DecodeRooms:
         self.releasing: dict[int, Room] = {}
         """Quarantine: failed rooms whose units wait for prefill's confirmation that nothing
         writes there any more (module docstring); never freed on a timer."""
+        self.outcomes = HandoffLog()
 
     def wait(self, room: int, endpoint: str, epoch: int) -> None:
         """``room`` was reserved for the prefill at ``endpoint``: its state is due."""
@@ -106,19 +122,31 @@ class DecodeRooms:
         room: int,
         reason: str,
         stopped_writing: bool,
+        code: HandoffReason,
         finish: FinishReason = FinishReason.ERROR,
     ) -> RequestOutput:
-        """End a waiting request now; free its units now if prefill stopped writing, else
-        quarantine them until it confirms (module docstring)."""
+        """End a waiting request now (handoff ``failed`` with ``code``); free its units now if
+        prefill stopped writing, else quarantine them until it confirms (module docstring)."""
         pending = self.waiting.pop(room)
         self.receiver.forget(pending.request_id)
         if finish is FinishReason.ERROR:
             logger.warning("decode: room %d failed: %s", room, reason)
         out = self.engine.handoff.fail(pending.request_id, reason, finish, stopped_writing)
+        self.outcomes.record(out.request_id, out.metrics, HandoffOutcome.failed(code, reason))
         if not stopped_writing:
             grace = time.monotonic() + self.deadlines.abort_grace_s
             self.releasing[room] = dataclasses.replace(pending, deadline=grace)
         return out
+
+    def prefill_locally(self, room: int, reason: HandoffReason) -> None:
+        """A waiting room whose prefill never wrote for it (it refused): computed here."""
+        pending = self.waiting.pop(room)
+        self.receiver.forget(pending.request_id)
+        self.engine.handoff.prefill_locally(pending.request_id)
+        track = self.engine.tracks[pending.request_id]
+        self.outcomes.record(
+            pending.request_id, track.metrics, HandoffOutcome.local_prefill(reason)
+        )
 
     def release(self, room: int) -> None:
         """Prefill confirmed nothing writes for ``room`` any more: its units are free."""
@@ -129,7 +157,7 @@ class DecodeRooms:
         link = self.links.get(self.waiting[room].endpoint)
         if link is not None:
             link.client.send(Abort(room=room, reason="aborted by decode's client"))
-        return self.fail(room, "aborted", False, finish=FinishReason.ABORT)
+        return self.fail(room, "aborted", False, HandoffReason.ABORTED, FinishReason.ABORT)
 
     def on_fence_ack(self, link: PrefillLink, msg: FenceAck) -> None:
         """Prefill confirms nothing below ``msg.epoch`` writes: free those rooms' units."""
@@ -145,7 +173,12 @@ class DecodeRooms:
         self.close_if_settled(link)
 
     def drop_link(
-        self, link: PrefillLink, reason: str, stopped_writing: bool, outputs: list[RequestOutput]
+        self,
+        link: PrefillLink,
+        reason: str,
+        stopped_writing: bool,
+        outputs: list[RequestOutput],
+        code: HandoffReason = HandoffReason.PREFILL_UNREACHABLE,
     ) -> None:
         """Fail the requests waiting on ``link``. With ``stopped_writing`` (the prefill
         refused the pairing: it writes nothing) the link closes now; else the peer is failed
@@ -153,7 +186,7 @@ class DecodeRooms:
         to that endpoint pairs afresh once the link is closed."""
         logger.warning("decode: %s", reason)
         for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
-            outputs.append(self.fail(room, reason, stopped_writing))
+            outputs.append(self.fail(room, reason, stopped_writing, code))
         if stopped_writing:
             # NOTE: it refused the pairing, so it never mapped our regions: rooms of this link
             # still waiting for an Abort's answer are safe to free too (none would come now).
@@ -173,7 +206,8 @@ class DecodeRooms:
                            "failed rooms stay quarantined until it confirms",
                            link.endpoint, link.epoch, reason)  # fmt: skip
             for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
-                outputs.append(self.fail(room, f"prefill fenced: {reason}", False))
+                why = f"prefill fenced: {reason}"
+                outputs.append(self.fail(room, why, False, HandoffReason.PREFILL_UNREACHABLE))
         self._send_fence(link)
         self.close_if_settled(link)
 
@@ -213,7 +247,7 @@ class DecodeRooms:
             link = self.links.get(self.waiting[room].endpoint)
             if link is not None:
                 link.client.send(Abort(room=room, reason=reason))
-            outputs.append(self.fail(room, reason, False))
+            outputs.append(self.fail(room, reason, False, HandoffReason.STATE_TIMEOUT))
         for room in [r for r, p in self.releasing.items() if p.deadline <= now]:
             pending = self.releasing.get(room)
             if pending is None:  # freed by an earlier fence of this loop

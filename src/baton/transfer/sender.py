@@ -148,7 +148,7 @@ class Sender:
                 {"prompt_token_ids": msg.prompt_token_ids}, params, request_id
             )
         except ValueError as e:
-            return StateFailed(room=msg.room, reason=str(e), stopped_writing=True)
+            return StateFailed(room=msg.room, reason=str(e), stopped_writing=True, refused=True)
         self.outgoing[request_id] = _Outgoing(msg, request_id, dict(msg.num_held_units))
         return None
 

@@ -21,7 +21,13 @@ import signal
 import sys
 import threading
 
-from baton.config import Deadlines, EngineConfig, read_secret_env
+from baton.config import (
+    DEFAULT_LOCAL_PREFILL_TOKENS,
+    Deadlines,
+    EngineConfig,
+    LocalPrefill,
+    read_secret_env,
+)
 from baton.request import FinishReason, SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS
 from baton.transfer.channel import DEFAULT_HOST
@@ -58,6 +64,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--connect", help="decode: the prefill endpoint, e.g. tcp://127.0.0.1:5557")
     p.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the shared token")
     p.add_argument("--backend", default="shm", choices=WORKER_BACKENDS)
+    p.add_argument(
+        "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        help="decode: compute prompts at most this long here (0: always ask the prefill)",
+    )  # fmt: skip
     p.add_argument(
         "--engine", action="append", default=[], metavar="KEY=VALUE",
         help="engine option as in EngineConfig.from_kwargs, e.g. page_size=8 (repeatable)",
@@ -121,8 +131,11 @@ def _run_decode(
 ) -> int:
     jobs = [json.loads(line) for line in sys.stdin if line.strip()]
     try:
-        decode = DecodeEngine(args.model, config, args.connect, token, args.backend, deadlines)
-    except (TimeoutError, PairingError) as e:
+        decode = DecodeEngine(
+            args.model, config, args.connect, token, args.backend, deadlines,
+            local_prefill=LocalPrefill(args.local_prefill_tokens),
+        )  # fmt: skip
+    except (TimeoutError, PairingError, ValueError) as e:
         logger.error("%s", e)
         return 2
     num_failed, index = 0, {}
@@ -149,6 +162,7 @@ def _run_decode(
                     "finish_reason": completion.finish_reason,
                     "error": out.error,
                     "acceptance_length": out.metrics.acceptance_length,
+                    "handoff": str(out.metrics.handoff),
                 }
                 print(json.dumps(result), flush=True)
     return 1 if num_failed else 0
