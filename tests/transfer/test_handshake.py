@@ -30,25 +30,33 @@ from baton.transfer.protocol import (
 
 
 def make_registry(
-    *, swa_window: int = 16, with_draft: bool = True, dtype: str = "float32"
+    *,
+    swa_window: int = 16,
+    with_draft: bool = True,
+    dtype: str = "float32",
+    page_size: int = 4,
+    head_dim: int = 16,
+    num_units: int = 8,
 ) -> StateRegistry:
     registry = StateRegistry()
-    page = dict(unit="page", num_units=8, dtype=dtype, page_size=4)
+    page = dict(unit="page", num_units=num_units, dtype=dtype, page_size=page_size)
+    shape = (1, 2, page_size, 2, head_dim)
+    unit_bytes = 2 * page_size * 2 * head_dim * 4
     registry.register(
         StateComponent(
-            "target.full", "paged_full", (1,), unit_bytes=1024, unit_shape=(1, 2, 4, 2, 16), **page
+            "target.full", "paged_full", (1,), unit_bytes=unit_bytes, unit_shape=shape, **page
         )
     )
     registry.register(
         StateComponent(
-            "target.swa", "paged_sliding", (0,), unit_bytes=1024, unit_shape=(1, 2, 4, 2, 16),
+            "target.swa", "paged_sliding", (0,), unit_bytes=unit_bytes, unit_shape=shape,
             window=swa_window, **page,
         )
     )  # fmt: skip
     if with_draft:
         registry.register(
             StateComponent(
-                "draft.swa", "paged_sliding", (0,), unit_bytes=1024, unit_shape=(1, 2, 4, 2, 16),
+                "draft.swa", "paged_sliding", (0,), unit_bytes=unit_bytes, unit_shape=shape,
                 window=16, **page,
             )
         )  # fmt: skip
@@ -117,6 +125,30 @@ def test_different_dtypes_are_refused_saying_which_flag_to_set():
     message = refusal(hello("decode"), hello("prefill", make_registry(dtype="bfloat16")))
     assert "compute dtype differs (decode 'float32', prefill 'bfloat16')" in message
     assert "start both with the same --dtype" in message
+
+
+def test_page_sizes_the_plan_translates_pair():
+    """Page 16 against page 32 (and other pool sizes): the transfer plan maps tokens."""
+    decode_hello = hello("decode", make_registry(page_size=32, num_units=100))
+    prefill_hello = hello("prefill", make_registry(page_size=16))
+    check_pairing(decode_hello, prefill_hello)
+    check_pairing(prefill_hello, HelloAck.answer(decode_hello, accepted=True))
+
+
+def test_differences_beside_the_page_size_are_still_refused_by_name():
+    decode_hello = hello("decode", make_registry(page_size=32))
+    message = refusal(decode_hello, hello("prefill", make_registry(page_size=16, head_dim=8)))
+    for name in ("target.full", "target.swa", "draft.swa"):
+        assert f"component `{name}`: unit_shape differs" in message
+        assert f"component `{name}`: page_size differs (decode 32, prefill 16)" in message
+    message = refusal(decode_hello, hello("prefill", make_registry(page_size=16, swa_window=8)))
+    assert "component `target.swa`: window differs (decode 16, prefill 8)" in message
+    assert "target.full" not in message and "draft.swa" not in message  # translated
+    message = refusal(decode_hello, hello("prefill", make_registry(page_size=16, dtype="bfloat16")))
+    assert (
+        "component `target.full`: dtype differs (decode 'float32', prefill 'bfloat16')" in message
+    )
+    assert "compute dtype differs" in message
 
 
 def test_model_identity_mismatch():

@@ -1,4 +1,5 @@
-"""Transfer plans: coalescing vs the one-run-per-unit reference, on real bytes."""
+"""Transfer plans: coalescing vs the one-run-per-unit reference, on real bytes; token plans
+(pages of different sizes) vs the one-run-per-token-and-plane reference."""
 
 from __future__ import annotations
 
@@ -9,13 +10,17 @@ from hypothesis import strategies as st
 
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.plan import (
+    PagedUnits,
+    PlaneLayout,
     PlanStats,
     Run,
     plan_component,
     plan_ops,
     plan_request,
     plan_stats,
+    plan_tokens,
     reference_plan,
+    reference_token_plan,
     total_stats,
 )
 
@@ -123,3 +128,116 @@ def test_plan_moves_the_same_bytes_as_the_reference(case, seed):
         assert not (
             a.src_offset + a.nbytes == b.src_offset and a.dst_offset + a.nbytes == b.dst_offset
         )
+
+
+# -- token plans: pages of different sizes ---------------------------------------------------
+def _rows(runs: list[Run], row_bytes: int) -> list[tuple[int, int]]:
+    """Every (source, destination) row offset the runs move, sorted."""
+    return sorted(
+        (r.src_offset + i, r.dst_offset + i) for r in runs for i in range(0, r.nbytes, row_bytes)
+    )
+
+
+def test_token_plan_splits_at_both_sides_page_edges():
+    layout = PlaneLayout(num_planes=2, row_bytes=4)  # one layer, k and v
+    src = PagedUnits([7, 2], first_token=0, page_size=2)  # unit: 2 planes x 2 rows = 16 bytes
+    dst = PagedUnits([3], first_token=0, page_size=4)  # unit: 2 planes x 4 rows = 32 bytes
+    runs = plan_tokens(src, dst, 0, 4, layout)
+    # Per source page, its k rows then its v rows, into dst 3's k rows 0..1 / 2..3 and v.
+    assert runs == [
+        Run(7 * 16, 3 * 32, 8),
+        Run(7 * 16 + 8, 3 * 32 + 16, 8),
+        Run(2 * 16, 3 * 32 + 8, 8),
+        Run(2 * 16 + 8, 3 * 32 + 24, 8),
+    ]
+    assert _rows(runs, 4) == _rows(reference_token_plan(src, dst, 0, 4, layout), 4)
+    # A window that starts mid-page on one side: only the rows of [3, 6).
+    src = PagedUnits([5, 6], first_token=2, page_size=2)
+    dst = PagedUnits([1, 0], first_token=0, page_size=4)
+    assert plan_tokens(src, dst, 3, 6, layout) == [
+        Run(5 * 16 + 4, 1 * 32 + 12, 4),
+        Run(5 * 16 + 12, 1 * 32 + 28, 4),
+        Run(6 * 16, 0, 8),
+        Run(6 * 16 + 8, 16, 8),
+    ]
+
+
+def test_token_plan_rejects_tokens_a_side_does_not_hold():
+    layout = PlaneLayout(2, 4)
+    src, dst = PagedUnits([1], 0, 4), PagedUnits([2], 0, 8)
+    with pytest.raises(ValueError, match=r"'t.full'.*\[0, 6\) outside the source's \[0, 4\)"):
+        plan_tokens(src, dst, 0, 6, layout, name="t.full")
+    with pytest.raises(ValueError, match="destination's"):
+        plan_tokens(PagedUnits([1, 2], 0, 4), PagedUnits([2], 8, 8), 4, 8, layout)
+    with pytest.raises(ValueError, match="named twice"):
+        plan_tokens(PagedUnits([1, 2], 0, 4), PagedUnits([3, 3], 0, 4), 0, 8, layout)
+    assert plan_tokens(src, dst, 3, 3, layout) == []
+
+
+@st.composite
+def token_mappings(draw):
+    """Two sides holding the same tokens [start, end) in pages of their own sizes, each
+    page-floored on its own size (a sliding window) or from 0 (full attention)."""
+    src_page, dst_page = draw(st.sampled_from([1, 2, 4, 8, 16])), draw(st.sampled_from([2, 4, 8]))
+    end = draw(st.integers(0, 40))
+    start = draw(st.integers(0, end))
+    layout = PlaneLayout(draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    sides = []
+    for page_size in (src_page, dst_page):
+        first = draw(st.sampled_from([0, start // page_size * page_size]))
+        num_pages = -(-(end - first) // page_size) if end > first else 0
+        ids = draw(st.permutations(range(num_pages + draw(st.integers(0, 3)))))[:num_pages]
+        if draw(st.booleans()):
+            ids = sorted(ids)  # consecutive ids coalesce
+        sides.append(PagedUnits(ids, first, page_size))
+    return sides[0], sides[1], start, end, layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=token_mappings(), seed=st.integers(0, 2**16))
+def test_token_plan_moves_the_same_rows_as_the_reference(case, seed):
+    src, dst, start, end, layout = case
+    runs = plan_tokens(src, dst, start, end, layout)
+    reference = reference_token_plan(src, dst, start, end, layout)
+    assert _rows(runs, layout.row_bytes) == _rows(reference, layout.row_bytes)
+    # Applied to real bytes by a backend: what the reference writes, nothing else.
+    src_unit = layout.num_planes * src.page_size * layout.row_bytes
+    dst_unit = layout.num_planes * dst.page_size * layout.row_bytes
+    g = torch.Generator().manual_seed(seed)
+    source = torch.randint(0, 256, ((max(src.unit_ids, default=0) + 1) * src_unit,), generator=g)
+    source = source.to(torch.uint8)
+    before = torch.randint(0, 256, ((max(dst.unit_ids, default=0) + 1) * dst_unit,), generator=g)
+    before = before.to(torch.uint8)
+    expected = bytearray(before.numpy().tobytes())
+    apply_reference(source.numpy().tobytes(), expected, reference)
+    moved = before.clone()
+    with LoopbackBackend() as receiver, LoopbackBackend() as sender:
+        sender.register("c", source)
+        sender.connect([receiver.register("c", moved)])
+        if runs:
+            assert sender.poll(sender.submit(plan_ops({"c": runs}))).is_done
+    assert moved.numpy().tobytes() == bytes(expected)
+    # Maximal coalescing, and no destination byte written twice.
+    for a, b in zip(runs, runs[1:], strict=False):
+        assert not (
+            a.src_offset + a.nbytes == b.src_offset and a.dst_offset + a.nbytes == b.dst_offset
+        )
+    rows = _rows(runs, layout.row_bytes)
+    assert len({d for _, d in rows}) == len(rows)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=unit_mappings(), page_size=st.integers(1, 4), num_planes=st.integers(1, 3))
+def test_token_plan_of_whole_equal_pages_is_the_unit_plan(case, page_size, num_planes):
+    """Equal page sizes, whole pages: the same runs as ``plan_component``."""
+    _, _, src_ids, dst_ids, row_bytes = case
+    layout = PlaneLayout(num_planes, row_bytes)
+    src, dst = PagedUnits(src_ids, 0, page_size), PagedUnits(dst_ids, 0, page_size)
+    unit_bytes = num_planes * page_size * row_bytes
+    runs = plan_tokens(src, dst, 0, len(src_ids) * page_size, layout)
+    assert runs == plan_component(src_ids, dst_ids, unit_bytes)
+
+
+def test_plane_layout_of_a_unit_shape():
+    # [num_layers, 2 (k/v), page_size, num_kv_heads, head_dim] of float32.
+    assert PlaneLayout.of((3, 2, 16, 2, 8), 3 * 2 * 16 * 2 * 8 * 4) == PlaneLayout(6, 64)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -155,7 +156,9 @@ class Handoff:
             ranges = self.token_ranges(request.num_prompt_tokens)
             # Decode's own prefix cache first: those units need no push.
             cache = engine.prefix_cache
-            num_cached = cache.restore(request_id, request.prompt_token_ids) if cache else 0
+            kept_at = {name: end for name, (_, end) in ranges.items()}
+            prompt = request.prompt_token_ids
+            num_cached = cache.restore(request_id, prompt, kept_at) if cache else 0
             if any(
                 c.owner.num_new_units(request_id, *ranges[c.name]) > c.owner.num_free_units
                 for c in components
@@ -198,9 +201,12 @@ class Handoff:
         logprob: float,
         top_logprobs: list[tuple[int, float]] | None,
         seed_hidden: torch.Tensor,
+        first_valid: Mapping[str, int] | None = None,
     ) -> RequestOutput:
         """Returns the request's first output -- prefill's token, to stream now rather than
-        after a decode step (finished already if that token ends it)."""
+        after a decode step (finished already if that token ends it). ``first_valid``:
+        component -> the first position prefill's push holds computed state for
+        (``StateDone.first_valid_tokens``)."""
         engine = self.engine
         track = engine.tracks[request_id]
         request = track.request
@@ -209,6 +215,10 @@ class Handoff:
         request.num_computed_tokens = num_prompt
         for c in engine.registry:
             c.owner.trim(request_id, c.handoff_range(num_prompt)[1])  # what the units now hold
+        cache, valid = engine.prefix_cache, first_valid or {}
+        if cache is not None:  # it may cache only pages pushed (or restored) and computed
+            starts = {c.name: c.index(request_id).token_start for c in engine.registry}
+            cache.distrust(request_id, {n: max(s, valid.get(n, 0)) for n, s in starts.items()})
         for record in engine.registry.pushed_in(PushPhase.LAST):
             record.owner.free(request_id)  # read: the record's row is free again
         track.sampling.append(first_token)

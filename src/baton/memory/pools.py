@@ -288,8 +288,7 @@ class PagedPool(StatePool):
         if self.keep is None or request_id not in self.tables:
             return
         table = self.tables[request_id]
-        # Queries >= num_computed see keys >= num_computed - window + 1 (- slack).
-        first_needed = max(0, num_computed - self.keep) // self.page_size
+        first_needed = self.first_kept_page(num_computed)
         stale = [p for p in table if p < first_needed]
         if self.store_all:  # offered to the cache first (``register``), then freed
             self.retired.setdefault(request_id, {}).update({p: table.pop(p) for p in stale})
@@ -302,6 +301,12 @@ class PagedPool(StatePool):
         self.num_tokens.pop(request_id, None)
         self.num_registered.pop(request_id, None)
         self.blocks.free(list(self.retired.pop(request_id, {}).values()))
+
+    def first_kept_page(self, num_computed: int) -> int:
+        """The first logical page a request holds once trimmed at ``num_computed`` (0 for
+        full attention): queries >= num_computed see keys >= num_computed - window + 1, and
+        ``slack`` positions more are kept."""
+        return 0 if self.keep is None else max(0, num_computed - self.keep) // self.page_size
 
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_pages(self, num_tokens: int) -> range:
@@ -338,6 +343,12 @@ class PagedPool(StatePool):
             logical += 1
         self.num_registered[request_id] = max(first, logical)
         self.blocks.free(list(retired.values()))  # trimmed: cached now, or free
+
+    def distrust_below(self, request_id: str, position: int) -> None:
+        """Positions below ``position`` may hold nothing computed (a PD handoff wrote from
+        there on): no page holding one is offered to the cache."""
+        first = -(-position // self.page_size)
+        self.num_registered[request_id] = max(self.num_registered.get(request_id, 0), first)
 
     def _evict(self, page: int) -> None:
         del self.cached[self.page_key.pop(page)]

@@ -22,11 +22,17 @@ every hit 0 -- prefix caching in ring mode gives no hit, by this rule.
 Complete pages are offered to the cache after every step (``register``); a page nobody
 holds stays cached, evictable least recently released first, when an allocation needs it
 (``BlockPool``). Pages are never written after they are complete, so sharing is safe.
+
+A PD decode computes no prompt token: it restores only the window its reservation keeps
+(``restore(kept_at=...)``), and after a handoff offers only pages it knows hold computed
+state (``distrust``): not those its reservation grew behind the window, nor rows prefill
+did not write (``StateDone.first_valid_tokens``).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.memory.state import Caching, ComponentKind, PushPhase, StateComponent, StateRegistry
@@ -86,10 +92,15 @@ class PrefixCache:
 
         return key
 
-    def restore(self, request_id: str, token_ids: list[int]) -> int:
+    def restore(
+        self, request_id: str, token_ids: list[int], kept_at: Mapping[str, int] | None = None
+    ) -> int:
         """Share the longest cached prefix's pages with a new request; returns its length
         S (0: nothing restored). The caller frees them (``owner.free``) if it does not
-        admit the request after all."""
+        admit the request after all. ``kept_at`` (a PD decode's reservation: component ->
+        the end of its handoff range) -- the request computes nothing before that, so a
+        sliding component needs only the cached pages of its window there, not of the
+        window at S."""
         components = self._components()
         max_pages = (len(token_ids) - 1) // self.page_size
         if components is None or max_pages == 0:
@@ -106,7 +117,8 @@ class PrefixCache:
             num_tokens = num_pages * self.page_size
             found = {}
             for c in components:
-                pages = self._lookup(c, keys[c.name], num_tokens)
+                kept = None if kept_at is None else kept_at[c.name]
+                pages = self._lookup(c, keys[c.name], num_tokens, kept)
                 if pages is None:
                     break
                 found[c.name] = pages
@@ -117,12 +129,17 @@ class PrefixCache:
                 return num_tokens
         return 0
 
-    def _lookup(self, component: StateComponent, key, num_tokens: int) -> dict[int, int] | None:
+    def _lookup(
+        self, component: StateComponent, key, num_tokens: int, kept_at: int | None
+    ) -> dict[int, int] | None:
         pool = component.owner
         if component.name in self.skip:
             return {}
         pages = {}
-        for logical in pool.prefix_pages(num_tokens):
+        needed = pool.prefix_pages(num_tokens)
+        if kept_at is not None:  # only the pages of the window at kept_at
+            needed = range(max(needed.start, pool.first_kept_page(kept_at)), needed.stop)
+        for logical in needed:
             page = pool.cached.get(key(logical))
             if page is None:
                 return None
@@ -137,6 +154,14 @@ class PrefixCache:
         chain = self._chain(request_id, token_ids, len(token_ids) // self.page_size)
         for c in components:
             c.owner.register(request_id, self._key_of(c, chain, token_ids))
+
+    def distrust(self, request_id: str, first_valid: Mapping[str, int]) -> None:
+        """Component -> the first position of the request's state known to be computed (a
+        PD handoff: what decode reserved and prefill pushed): earlier pages are never
+        offered to the cache."""
+        for c in self._components() or []:
+            if first_valid.get(c.name, 0) > 0:
+                c.owner.distrust_below(request_id, first_valid[c.name])
 
     def count(self, num_prompt_tokens: int, num_cached: int) -> None:
         """A request's first admission looked its prompt up and restored ``num_cached``."""

@@ -12,8 +12,9 @@ components, so a new one -- a recurrent state, a second draft -- moves with no e
 elsewhere, and a forgotten one cannot exist.
 
 The schema is the canonical, JSON-able description of every component (no ids, no
-addresses); two workers may pair only if their schemas are equal, and the hash is a
-cheap first check.
+addresses); two workers may pair only if their schemas are equal but for a paged
+component's page size, which the transfer plan translates (``transfer/handshake.py``), and
+the hash is a cheap first check.
 """
 
 from __future__ import annotations

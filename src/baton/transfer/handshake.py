@@ -8,6 +8,12 @@ difference, each naming the component and the field with both sides' values, so 
 pool (``draft.swa`` declared on one side only) is an error at bootstrap, not a silent drop in
 acceptance length later. It sends nothing (``channel.py``) and never touches pools.
 
+One difference is not refused: the page size of a paged component (``page_size``, the
+page dimension of ``unit_shape`` and so ``unit_bytes``), which the transfer plan translates
+token by token (``plan.plan_tokens``); everything else about the component -- kind,
+layers, dtype, heads, head dim, window, token lag -- must be equal. Pool sizes are no part
+of the schema: each side sizes its own.
+
 Model identity is cheap by design: config files are hashed, weight files only by name and
 size (hashing gigabytes of weights at every bootstrap is not worth it).
 """
@@ -200,8 +206,40 @@ def _by_name(sides: str, schema: list[dict[str, Any]], problems: list[str]) -> d
     return components
 
 
+PAGE_DIM = 2
+"""Index of the page dimension in a paged unit's shape [num_layers, 2 (k/v), page_size,
+num_kv_heads, head_dim]."""
+PAGE_FIELDS = frozenset({"page_size", "unit_bytes", "unit_shape"})
+"""The fields a page-size difference changes."""
+
+
+def page_size_differs(local: dict[str, Any], remote: dict[str, Any]) -> bool:
+    """Whether two declarations of one component differ only in a page size the transfer
+    plan translates: both paged with k/v planes, every other field and dimension equal, the
+    same bytes per token."""
+    shapes = local.get("unit_shape"), remote.get("unit_shape")
+    sizes = local.get("page_size"), remote.get("page_size")
+    if local.get("unit") != "page" or remote.get("unit") != "page" or sizes[0] == sizes[1]:
+        return False
+    if not all(isinstance(s, list) and len(s) == 5 and s[1] == 2 for s in shapes):
+        return False
+    pairs = zip(shapes, sizes, strict=True)
+    if not all(isinstance(n, int) and n > 0 and s[PAGE_DIM] == n for s, n in pairs):
+        return False
+    page_free = [s[:PAGE_DIM] + s[PAGE_DIM + 1 :] for s in shapes]
+    same_bytes = local.get("unit_bytes", 0) * sizes[1] == remote.get("unit_bytes", 0) * sizes[0]
+    others = (local.keys() | remote.keys()) - PAGE_FIELDS
+    return (
+        page_free[0] == page_free[1]
+        and same_bytes
+        and all(local.get(k, _MISSING) == remote.get(k, _MISSING) for k in others)
+    )
+
+
 def schema_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
-    """Every difference between the two state schemas, component by component."""
+    """Every difference between the two state schemas, component by component, except a
+    page size the transfer plan translates (``page_size_differs``); equal schemas (their
+    hashes) are the fast path."""
     sides = _Sides(local, remote)
     problems = []
     for side, info in ((sides.local, local), (sides.remote, remote)):
@@ -215,9 +253,13 @@ def schema_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
         problems.append(f"{sides.local} expects `{name}`, {sides.remote} does not declare it")
     for name in sorted(theirs.keys() - mine.keys()):
         problems.append(f"{sides.remote} expects `{name}`, {sides.local} does not declare it")
+    translated = 0
     for name in sorted(mine.keys() & theirs.keys()):
-        problems += _compare_dicts(sides, f"component `{name}`: ", mine[name], theirs[name])
-    if not problems:  # same content, different order or encoding: still not the same schema
+        if page_size_differs(mine[name], theirs[name]):
+            translated += 1  # the plan moves it token by token
+        else:
+            problems += _compare_dicts(sides, f"component `{name}`: ", mine[name], theirs[name])
+    if not problems and not translated:  # same content, other order or encoding: not equal
         problems.append("schemas differ in component order though no field differs")
     return problems
 

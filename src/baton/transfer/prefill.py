@@ -321,19 +321,21 @@ class PrefillServer:
                 f"decode declares regions {sorted(hello.regions)}, prefill needs {sorted(names)}"
             )
         num_units = {}
+        theirs = {c["name"]: c for c in hello.schema}  # paired: unit sizes may differ
         for component in self.engine.registry:
             d = RegionDescriptor.from_dict(hello.regions[component.name])
-            if d.region != component.name or d.nbytes % component.unit_bytes:
+            unit_bytes = theirs[component.name]["unit_bytes"]
+            if d.region != component.name or d.nbytes % unit_bytes:
                 raise ValueError(
                     f"decode region {d.region!r} of {d.nbytes} bytes is not whole "
-                    f"{component.unit_bytes}-byte units of `{component.name}`"
+                    f"{unit_bytes}-byte units of `{component.name}`"
                 )
-            num_units[component.name] = d.nbytes // component.unit_bytes
+            num_units[component.name] = d.nbytes // unit_bytes
         backend = new_worker_backend(self.backend_kind, host=self.transfer_host)
         prefill = Sender(self.engine, backend, self.deadlines)
         prefill.refresh_fences = self._peek_fences
         try:
-            prefill.connect(hello.regions)
+            prefill.connect(hello.regions, hello.schema)
         except BaseException:
             prefill.backend.close()
             raise

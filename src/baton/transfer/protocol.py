@@ -43,12 +43,13 @@ import msgspec
 
 from baton.request import SamplingParams
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Bumped on any incompatible change to a message; peers of different versions never pair.
 Version 3: every frame after the channel handshake is MACed with a per-connection session key
 and carries a sequence number (``session.py``). Version 4: ``ReserveState.num_held_units``
 (decode's own prefix cache holds those units: prefill pushes only the rest). Version 5:
-``StateFailed.refused`` (refused before anything was written: decode may prefill locally)."""
+``StateFailed.refused`` (refused before anything was written: decode may prefill locally).
+Version 6: ``StateDone.first_valid_tokens`` (workers of different page sizes pair)."""
 
 MAX_ID = 2**63 - 1
 Id63 = Annotated[int, msgspec.Meta(ge=0, le=MAX_ID)]
@@ -189,6 +190,11 @@ class StateDone(_Struct, tag=True):
     first_token_top_logprobs: list[tuple[NonNegInt, float]] = []
     """(token id, logprob) pairs for requests that asked for logprobs; else empty."""
     component_stats: dict[str, ComponentStats] = {}
+    first_valid_tokens: dict[str, NonNegInt] = {}
+    """Sliding paged component -> the first position whose pushed row holds computed state
+    (below it, rows of decode's first pages may hold nothing prefill wrote: the tail of a
+    window that prefill stores only partly, or a page floor that comes earlier on decode's
+    page size). Decode's prefix cache offers no page holding a position below it."""
 
 
 class StateFailed(_Struct, tag=True):

@@ -74,4 +74,6 @@ class Receiver:
                 f"(row {nonce}, expected {expected})"
             )
         top = [tuple(x) for x in msg.first_token_top_logprobs] or None
-        return self.engine.handoff.admit(request_id, token, logprob, top, hidden)
+        return self.engine.handoff.admit(
+            request_id, token, logprob, top, hidden, msg.first_valid_tokens
+        )

@@ -11,6 +11,12 @@ and, once that batch is DONE, the aux record (nonce, first token, logprob, draft
 last; decode admits the request when the aux row holds the nonce it chose. Every component
 comes from iterating the registry; nothing here names one.
 
+Prefill pushes in its own units, decode reserved in its own: where a paged component's page
+size differs between the two (``connect`` reads decode's schema), its units are mapped at
+token granularity (``plan.plan_tokens``), decode's ``num_held_units`` -- counted in its
+pages -- become tokens here, and a sliding window moves what decode's page-floored
+reservation covers and prefill still holds (the rest of it no query reads).
+
 No I/O of its own: messages go in and out as values, so the same code runs in one process
 (tests, loopback) and behind the zmq control channel (``prefill.PrefillServer``). Its
 decode-side mirror is ``receiver.Receiver``.
@@ -18,17 +24,17 @@ decode-side mirror is ``receiver.Receiver``.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.engine.handoff import num_complete_units
-from baton.memory.state import PushPhase
+from baton.memory.state import PushPhase, UnitKind
 from baton.transfer.backends.base import (
     RegionDescriptor,
     Status,
@@ -36,6 +42,7 @@ from baton.transfer.backends.base import (
     TransferOp,
     failed,
 )
+from baton.transfer.checksums import component_checksums
 from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
 from baton.transfer.protocol import (
     ComponentStats,
@@ -45,16 +52,7 @@ from baton.transfer.protocol import (
     request_id_of,
     sampling_params_from_wire,
 )
-
-
-def component_checksums(engine: LLMEngine, request_id: str) -> dict[str, str]:
-    """Debug parity: sha256 of each component's bytes for a request, in logical unit order."""
-    sums = {}
-    for component in engine.registry:
-        ids = list(component.index(request_id).unit_ids)
-        data = component.storage[ids].contiguous().view(-1).view(torch.uint8)
-        sums[component.name] = hashlib.sha256(data.numpy().tobytes()).hexdigest()
-    return sums
+from baton.transfer.translate import final_tokens, first_valid_tokens, streamed_tokens
 
 
 @dataclass
@@ -63,6 +61,8 @@ class _Outgoing:
     request_id: str
     num_sent_units: dict[str, int] = field(default_factory=dict)
     """Component -> leading units already pushed while the prompt was being computed."""
+    num_sent_tokens: dict[str, int] = field(default_factory=dict)
+    """The same for a component whose page size differs: pushed up to this token."""
     num_bytes: dict[str, int] = field(default_factory=dict)
     """Component -> bytes pushed so far (every push counts, a resend after preemption too)."""
     seconds: dict[str, float] = field(default_factory=dict)
@@ -116,6 +116,11 @@ class Sender:
         self.outgoing: dict[str, _Outgoing] = {}
         self.checksums: dict[int, dict[str, str]] = {}
         """room -> per-component checksums taken before the push (debug parity)."""
+        self.checksum_ranges: dict[int, dict[str, tuple[int, int]]] = {}
+        """room -> the tokens each translated component's checksum covers: what both sides
+        hold (``component_checksums``; empty when the page sizes are equal)."""
+        self.dst_page_size: dict[str, int] = {}
+        """Component -> decode's page size, where it differs from ours (``connect``)."""
         self.keep_checksums = False
         self.debug_skip_components: frozenset[str] = frozenset()
         """Debug switch: components not pushed although declared (the classic missing-piece
@@ -137,7 +142,16 @@ class Sender:
         """Whether ``push_ready`` has work: requests to push or timed-out batches to settle."""
         return bool(self.outgoing) or bool(self._abandoned)
 
-    def connect(self, peer_regions: dict[str, dict]) -> None:
+    def connect(
+        self, peer_regions: dict[str, dict], peer_schema: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Map decode's regions; ``peer_schema`` (its ``Hello.schema``, paired already) says
+        which paged components have another page size there (None: none)."""
+        theirs = {c["name"]: c for c in peer_schema or []}
+        for c in self.engine.registry:
+            page_size = theirs.get(c.name, {}).get("page_size")
+            if c.unit is UnitKind.PAGE and page_size is not None and page_size != c.page_size:
+                self.dst_page_size[c.name] = page_size
         self.backend.connect([RegionDescriptor.from_dict(d) for d in peer_regions.values()])
 
     def on_reserve(self, msg: ReserveState) -> StateFailed | None:
@@ -170,6 +184,7 @@ class Sender:
             self._num_preemptions = self.engine.num_preemptions
             for out in self.outgoing.values():
                 out.num_sent_units = dict(out.reserve.num_held_units)
+                out.num_sent_tokens = {}
         for request_id in [r for r in self.outgoing if r in self.engine.held]:
             out = self.outgoing.pop(request_id)
             replies.append(self._push(out))
@@ -192,11 +207,19 @@ class Sender:
             if c.name not in self.debug_skip_components
         ]
         for request_id, out in self.outgoing.items():
-            components = {}
+            components, translated = {}, {}
             for c in streamed:
                 dst = out.reserve.dst_unit_ids.get(c.name)
                 if dst is None:
                     continue  # the final push reports it
+                if c.name in self.dst_page_size:
+                    sent = out.num_sent_tokens.get(c.name)
+                    tokens = streamed_tokens(
+                        c, request_id, out.reserve, self.dst_page_size[c.name], sent
+                    )
+                    if tokens is not None:
+                        translated[c.name], ends.setdefault(request_id, {})[c.name] = tokens
+                    continue
                 held = out.reserve.num_held_units.get(c.name, 0)  # decode has them cached
                 first = out.num_sent_units.get(c.name, 0)
                 end = min(num_complete_units(c, request_id), held + len(dst))
@@ -204,8 +227,8 @@ class Sender:
                     src = c.index(request_id).unit_ids[first:end]
                     components[c.name] = (src, dst[first - held : end - held], c.unit_bytes)
                     ends.setdefault(request_id, {})[c.name] = end
-            if components:
-                plans[request_id] = plan_request(components)
+            if components or translated:
+                plans[request_id] = {**plan_request(components), **translated}
         if not plans:
             return replies
         rooms = [self.outgoing[r].reserve.room for r in plans]
@@ -219,7 +242,9 @@ class Sender:
         for request_id, plan in plans.items():
             out = self.outgoing[request_id]
             out.count(plan, moved.seconds)
-            out.num_sent_units.update(ends[request_id])
+            for name, end in ends[request_id].items():
+                sent = out.num_sent_tokens if name in self.dst_page_size else out.num_sent_units
+                sent[name] = end
         return replies
 
     def _is_fenced(self, out: _Outgoing, refresh: bool = True) -> bool:
@@ -251,28 +276,10 @@ class Sender:
         if self._is_fenced(out):
             return self._fenced(out)
         held = self.engine.held[request_id]
-        components = {}
-        for component in self.engine.registry:
-            if component.push is PushPhase.LAST:
-                continue  # the record, written below
-            src = list(component.index(request_id).unit_ids)
-            dst = msg.dst_unit_ids.get(component.name)
-            num_held = msg.num_held_units.get(component.name, 0)  # decode has them cached
-            if dst is None or len(dst) + num_held != len(src):
-                return StateFailed(
-                    room=msg.room,
-                    reason=f"component `{component.name}`: prefill holds {len(src)} units, "
-                    f"decode reserved {None if dst is None else len(dst)} (+{num_held} cached)",
-                    stopped_writing=True,
-                )
-            if component.name not in self.debug_skip_components:
-                first = out.num_sent_units.get(component.name, num_held)
-                components[component.name] = (
-                    src[first:],
-                    dst[first - num_held :],
-                    component.unit_bytes,
-                )
-        plan = plan_request(components)
+        planned = self._plan_rest(out)
+        if isinstance(planned, str):
+            return StateFailed(room=msg.room, reason=planned, stopped_writing=True)
+        plan, checksum_ranges = planned
         ops = plan_ops(plan)
         if ops:
             moved = self._transfer(ops, [msg.room])
@@ -291,7 +298,10 @@ class Sender:
         aux = self.engine.aux
         aux.write(request_id, msg.nonce, token, logprob, hidden)
         if self.keep_checksums:
-            self.checksums[msg.room] = component_checksums(self.engine, request_id)
+            sums = component_checksums(self.engine, request_id, checksum_ranges or None)
+            self.checksums[msg.room] = sums
+            if checksum_ranges:
+                self.checksum_ranges[msg.room] = checksum_ranges
         aux_plan = plan_request(
             {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
         )
@@ -309,7 +319,39 @@ class Sender:
             first_token_logprob=logprob,
             first_token_top_logprobs=[(int(t), float(lp)) for t, lp in top],
             component_stats=stats,
+            first_valid_tokens=first_valid_tokens(self.engine.registry, request_id, msg),
         )
+
+    def _plan_rest(self, out: _Outgoing) -> tuple[TransferPlan, dict[str, tuple[int, int]]] | str:
+        """The plan of a finished request's state not pushed yet, and the tokens each
+        translated component's checksum covers; or why it cannot be pushed."""
+        msg, request_id = out.reserve, out.request_id
+        components, translated, checksum_ranges = {}, {}, {}
+        for component in self.engine.registry:
+            name = component.name
+            if component.push is PushPhase.LAST:
+                continue  # the record, written last
+            if name in self.dst_page_size and name in msg.dst_unit_ids:
+                sent = out.num_sent_tokens.get(name, 0)
+                tokens = final_tokens(component, request_id, msg, self.dst_page_size[name], sent)
+                if isinstance(tokens, str):
+                    return tokens
+                if name not in self.debug_skip_components:
+                    translated[name] = tokens[0]
+                checksum_ranges[name] = tokens[1]
+                continue
+            src = list(component.index(request_id).unit_ids)
+            dst = msg.dst_unit_ids.get(name)
+            num_held = msg.num_held_units.get(name, 0)  # decode has them cached
+            if dst is None or len(dst) + num_held != len(src):
+                return (
+                    f"component `{name}`: prefill holds {len(src)} units, decode reserved "
+                    f"{None if dst is None else len(dst)} (+{num_held} cached)"
+                )
+            if name not in self.debug_skip_components:
+                first = out.num_sent_units.get(name, num_held)
+                components[name] = (src[first:], dst[first - num_held :], component.unit_bytes)
+        return {**plan_request(components), **translated}, checksum_ranges
 
     def _transfer(self, ops: list[TransferOp], rooms: list[int]) -> _Moved:
         """Submit one batch and wait for it, at most ``transfer_s`` seconds.
