@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed
 from baton.memory.state import PushPhase, StateComponent
 from baton.request import FinishReason, RequestStatus, SamplingParams
@@ -121,13 +121,15 @@ class Handoff:
         engine.free_units(request_id)
 
     # -- decode ----------------------------------------------------------------------------
-    def add_for_decode(self, prompt, params: SamplingParams, request_id: str) -> None:
+    def add_for_decode(self, prompt, params: SamplingParams, request_id: str) -> int:
+        """Returns the prompt's length in tokens."""
         engine = self.engine
         if params.seed is None:  # prefill samples token 1 with the seed decode continues with
             params = dataclasses.replace(params, seed=next(engine._seeds))
         track = engine._new_track(prompt, params, request_id)
         track.request.status = RequestStatus.WAITING_FOR_UNITS
         self.queued.append(request_id)
+        return track.request.num_prompt_tokens
 
     def token_ranges(self, num_prompt_tokens: int) -> dict[str, tuple[int, int]]:
         """Per component, the positions a handoff of a prompt this long covers."""
@@ -235,9 +237,10 @@ class Handoff:
             engine.finish(track, committed)
         return track.output(finish)
 
-    def prefill_locally(self, request_id: str) -> None:
+    def prefill_locally(self, request_id: str) -> RequestMetrics:
         """The caller vouches that nothing writes into the request's units (module
-        docstring). It then runs exactly as on a colocated engine, prefix cache included."""
+        docstring). It then runs exactly as on a colocated engine, prefix cache included.
+        Returns its metrics (where its handoff outcome goes)."""
         engine = self.engine
         track = engine.tracks[request_id]
         request = track.request
@@ -248,6 +251,7 @@ class Handoff:
             engine.free_units(request_id)  # a restored prefix comes back at admission
             track.metrics.num_cached_tokens = 0
         engine.scheduler.add(request)  # WAITING
+        return track.metrics
 
     def fail(
         self,

@@ -188,11 +188,13 @@ class DecodeEngine:
             )
         room = new_room() if room is None else room
         request_id = request_id_of(room)  # a room still in quarantine: the engine refuses it
-        self.engine.handoff.add_for_decode(prompt, params or SamplingParams(), request_id)
-        local = self._local_reason(request_id, prefill, local)
+        num_prompt = self.engine.handoff.add_for_decode(
+            prompt, params or SamplingParams(), request_id
+        )
+        local = self._local_reason(num_prompt, prefill, local)
         if local is not None:
-            self.engine.handoff.prefill_locally(request_id)
-            self._record(request_id, HandoffOutcome.local_prefill(local))
+            metrics = self.engine.handoff.prefill_locally(request_id)
+            self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(local))
             self.routes[request_id] = (room, "")
             return request_id
         endpoint = prefill or self._default_endpoint()
@@ -212,11 +214,10 @@ class DecodeEngine:
         return request_id
 
     def _local_reason(
-        self, request_id: str, prefill: str | None, local: HandoffReason | None
+        self, num_prompt: int, prefill: str | None, local: HandoffReason | None
     ) -> HandoffReason | None:
         """Why this request's prompt is computed here, or None (a prefill computes it)."""
-        request = self.engine.tracks[request_id].request
-        if request.num_prompt_tokens <= self.local_prefill.max_prompt_tokens:
+        if num_prompt <= self.local_prefill.max_prompt_tokens:
             return HandoffReason.POLICY
         if not self.local_prefill.fallback:
             return None
@@ -225,9 +226,6 @@ class DecodeEngine:
         if prefill is None and not self.default_endpoints:
             return HandoffReason.NO_HEALTHY_PREFILL
         return None
-
-    def _record(self, request_id: str, outcome: HandoffOutcome) -> None:
-        self.rooms.outcomes.record(request_id, self.engine.tracks[request_id].metrics, outcome)
 
     def step(self) -> list[RequestOutput]:
         """Admit what landed, fail what failed or timed out, one engine step, then reserve
@@ -335,8 +333,10 @@ class DecodeEngine:
         queued = self.engine.handoff.queued
         if fail_stuck and queued and not self._is_busy():
             reason = "decode has no room for it"
-            self._record(queued[0], HandoffOutcome.failed(HandoffReason.NO_ROOM, reason))
-            self._outputs.append(self.engine.handoff.fail(queued[0], reason, stopped_writing=True))
+            out = self.engine.handoff.fail(queued[0], reason, stopped_writing=True)
+            outcome = HandoffOutcome.failed(HandoffReason.NO_ROOM, reason)
+            self.rooms.outcomes.record(out.request_id, out.metrics, outcome)
+            self._outputs.append(out)
 
     def _idle_wait_ms(self) -> int:
         due = self.rooms.deadlines_due()

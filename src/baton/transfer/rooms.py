@@ -142,11 +142,8 @@ class DecodeRooms:
         """A waiting room whose prefill never wrote for it (it refused): computed here."""
         pending = self.waiting.pop(room)
         self.receiver.forget(pending.request_id)
-        self.engine.handoff.prefill_locally(pending.request_id)
-        track = self.engine.tracks[pending.request_id]
-        self.outcomes.record(
-            pending.request_id, track.metrics, HandoffOutcome.local_prefill(reason)
-        )
+        metrics = self.engine.handoff.prefill_locally(pending.request_id)
+        self.outcomes.record(pending.request_id, metrics, HandoffOutcome.local_prefill(reason))
 
     def release(self, room: int) -> None:
         """Prefill confirmed nothing writes for ``room`` any more: its units are free."""
