@@ -49,7 +49,7 @@ from baton.memory.allocator import SharedMemoryAllocator  # noqa: E402
 from baton.memory.state import PushPhase  # noqa: E402
 from baton.model import DraftSpec, MTPDraft, load_model  # noqa: E402
 from baton.model.loader import save_draft  # noqa: E402
-from baton.transfer.backends import backend_class  # noqa: E402
+from baton.transfer.backends import backend_class, new_worker_backend  # noqa: E402
 from baton.transfer.backends.base import RegionDescriptor, TransferOp  # noqa: E402
 from baton.transfer.backends.loopback import LoopbackBackend  # noqa: E402
 from baton.transfer.backends.shm import ShmBackend  # noqa: E402
@@ -308,7 +308,8 @@ def peer() -> None:
     seconds: dict[str, list[float]] = {name: [] for name in job["phases"]}
     phases = {name: [TransferOp(*op) for op in ops] for name, ops in job["phases"].items()}
     error = ""
-    with backend_class(job["backend"])() as backend:
+    # "host": the address the sender's engine advertises, where peers are other hosts
+    with new_worker_backend(job["backend"], host=job.get("host")) as backend:
         tensors = {name: source(name, n) for name, n in job["sources"].items()}
         for name, tensor in tensors.items():
             backend.register(name, tensor)

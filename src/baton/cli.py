@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "baton-stdlib-qwen3"
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+"""Bind addresses that name every interface: nothing a peer could be told to connect to."""
 SHUTDOWN_GRACE_S = 10.0
 """``baton serve``, on SIGINT/SIGTERM or a failed engine: how long requests in flight may
 finish before their connections are closed (a stuck one never keeps the process up)."""
@@ -82,6 +84,9 @@ def _serve(args: argparse.Namespace) -> int:
     from baton.server.async_engine import AsyncEngine
     from baton.server.http import server as http_server
 
+    if (problem := _unreachable_transfer_host(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     # the engine's start-up line (platform, dtype) and the PD layers' warnings
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s"
@@ -225,7 +230,25 @@ def _transfer_host(args: argparse.Namespace) -> str | None:
     if args.transfer_host:
         return args.transfer_host
     bound = args.pd_host if args.role == "prefill" else args.host
-    return None if bound in ("", "0.0.0.0", "::") else bound
+    return None if bound in WILDCARD_HOSTS else bound
+
+
+def _unreachable_transfer_host(args: argparse.Namespace) -> str | None:
+    """Why this PD worker must not start, or None: its backend advertises an address to its
+    peers (``takes_host``: Mooncake) and, bound to a wildcard without ``--transfer-host``, it
+    would advertise loopback, which no other host reaches."""
+    from baton.transfer.backends import backend_class
+
+    if args.role == "colocated" or _transfer_host(args) is not None:
+        return None
+    if not backend_class(args.backend).takes_host:
+        return None
+    flag, bound = ("--pd-host", args.pd_host) if args.role == "prefill" else ("--host", args.host)
+    return (
+        f"--backend {args.backend} tells its peers an address to reach this {args.role} at, "
+        f"and {flag} {bound!r} is a wildcard: give --transfer-host ADDRESS, one the other "
+        "hosts reach this host at"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -413,7 +436,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--transfer-host", default=None,
         help="PD: the address peers reach this worker's transfer engine at (mooncake "
-        "advertises it; default: --pd-host on a prefill, --host on a decode, unless a wildcard)",
+        "advertises it; default: --pd-host on a prefill, --host on a decode; mooncake bound "
+        "to a wildcard refuses to start without it)",
     )  # fmt: skip
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")

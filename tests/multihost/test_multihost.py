@@ -283,3 +283,28 @@ def test_transfer_host_defaults_to_the_bound_address():
     assert resolved("--role", "decode", "--host", "0.0.0.0") is None
     assert resolved("--role", "decode", "--host", "0.0.0.0", "--transfer-host", "h2") == "h2"
     assert resolved("--role", "prefill") == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--role", "decode", "--host", "0.0.0.0"),
+        ("--role", "prefill", "--pd-host", "::", "--host", "10.1.0.1"),
+    ],
+)
+def test_mooncake_on_a_wildcard_refuses_to_start_without_transfer_host(argv, capsys):
+    """Bound to every interface, a Mooncake worker would advertise loopback to other hosts:
+    ``baton serve`` stops before loading anything, naming ``--transfer-host``; with it given,
+    or over NIXL (whose agent advertises every interface), the check passes."""
+    from baton.cli import _unreachable_transfer_host, build_parser, main
+
+    assert main(["serve", "--backend", "mooncake", *argv]) == 2
+    error = capsys.readouterr().err
+    assert "--transfer-host" in error and "wildcard" in error, error
+
+    def problem(*more: str) -> str | None:
+        return _unreachable_transfer_host(build_parser().parse_args(["serve", *argv, *more]))
+
+    assert problem("--backend", "mooncake", "--transfer-host", "10.1.0.2") is None
+    assert problem("--backend", "nixl") is None
+    assert problem("--backend", "mooncake", "--role", "colocated") is None
