@@ -143,6 +143,11 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pd", action="store_true", help="also: PD bytes moved per request")
+    p.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="past the bundled model's 512 positions, for longer prompts (speed only: RoPE "
+        "runs on, the text is not what the model was trained for)",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefix.json")
     args = p.parse_args()
     dtype = resolve_dtype_arg(args.dtype)
@@ -153,8 +158,9 @@ def main() -> int:
     for _ in range(args.repeats):
         for side, on in (("uncached", False), ("cached", True)):
             config = EngineConfig.from_kwargs(
-                dtype=dtype, num_threads=args.threads, enable_prefix_caching=on
-            )
+                dtype=dtype, num_threads=args.threads, enable_prefix_caching=on,
+                max_model_len=args.max_model_len,
+            )  # fmt: skip
             engine = LLMEngine(BUNDLED, config)
             run(engine, requests[:4], params)  # warm-up (kernels, allocator); cache too
             engine = LLMEngine(BUNDLED, config)  # a fresh, empty cache for the timed run
