@@ -14,6 +14,7 @@ Each backend is skipped, with the install line, where its package does not impor
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import queue
@@ -180,3 +181,28 @@ def test_connect_rejects_a_malformed_or_unreachable_peer(kind, address, match, r
     request.addfinalizer(sender.close)
     with pytest.raises(ValueError, match=match):
         sender.connect([RegionDescriptor(kind, "r", 64, address, offset=4096)])
+
+
+def test_nixl_progress_thread_sleeps_between_rounds(monkeypatch):
+    """NIXL's Python API builds its agent with the progress thread's delay at 0 -- a thread
+    spinning a core flat out, which made a PD prefill's steps ~8x slower -- so the backend
+    raises it while the agent is built; the agent's config must carry the delay."""
+    require_backend("nixl")
+    from baton.transfer.backends import nixl as backend
+
+    module = backend.import_nixl()
+    bind = importlib.import_module(f"{module.__name__}._api").nixlBind
+    built = {}
+    real_agent = bind.nixlAgent
+
+    def recording_agent(name, config):
+        built["delay"] = config.pthrDelay
+        return real_agent(name, config)
+
+    monkeypatch.setattr(bind, "nixlAgent", recording_agent)
+    nixl_backend = backend.NixlBackend()
+    try:
+        assert built["delay"] == backend.PROGRESS_DELAY_US > 0
+        assert bind.nixlAgentConfig.__name__ == "nixlAgentConfig"  # restored after
+    finally:
+        nixl_backend.close()
