@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from baton import LLM, SamplingParams
 from baton.memory.allocator import SHM_DIR
 from baton.router.policy import Instance, LeastOutstanding, RoundRobin, make_policy
+from tests.multihost.client import metrics
 
 pytestmark = [
     pytest.mark.integration,
@@ -129,15 +129,8 @@ def offline(text_model_dir):
     return LLM(text_model_dir, **ENGINE)
 
 
-def _metrics(url: str) -> dict[str, float]:
-    """Sample name{labels} -> value."""
-    text = httpx.get(f"{url}/metrics", timeout=5).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            samples[f"{s.name}{{{labels}}}"] = s.value
-    return samples
+_metrics = metrics
+"""Sample ``name{label=value,...}`` -> value (the namespace tests' client parses alike)."""
 
 
 def _prefill_done(url: str) -> float:
@@ -355,8 +348,9 @@ def test_handoff_outcome_in_header_metrics_and_bench(deployment, offline, text_m
     12``) behind two routers: one with a live prefill, one whose only prefill is dead. Every
     answer equals the offline engine's and says how its prompt state came
     (``x-baton-handoff``); decode computes prompt tokens exactly for its ``local_prefill``
-    requests (less what its prefix cache holds); a transferred one's header bytes are what decode's /metrics counted; /metrics
-    counts each outcome and reason; ``baton bench`` reports them."""
+    requests (less what its prefix cache holds); a transferred one's header bytes are what
+    decode's /metrics counted; /metrics counts each outcome and reason; ``baton bench``
+    reports them."""
     from baton.bench import BenchConfig, run_bench
 
     d = deployment
