@@ -261,3 +261,21 @@ def test_engine_switches_reach_every_worker_as_given():
     default = _engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
     assert "sliding_mode" not in default
+
+
+def test_launch_passes_the_local_prefill_flags_to_its_decodes():
+    """``baton launch --local-prefill-tokens N --no-local-fallback`` reaches each decode's
+    ``baton serve`` as given; without them a decode gets the default crossover."""
+    from baton.cli import _local_prefill_argv, build_parser
+    from baton.config import DEFAULT_LOCAL_PREFILL_TOKENS
+
+    launch = build_parser().parse_args(["launch", "--local-prefill-tokens", "0",
+                                        "--no-local-fallback"])  # fmt: skip
+    decode = build_parser().parse_args(["serve", "--role", "decode", *_local_prefill_argv(launch)])
+    assert (decode.local_prefill_tokens, decode.local_fallback) == (0, False)
+    default = build_parser().parse_args(["launch"])
+    decode = build_parser().parse_args(["serve", "--role", "decode", *_local_prefill_argv(default)])
+    assert (decode.local_prefill_tokens, decode.local_fallback) == (
+        DEFAULT_LOCAL_PREFILL_TOKENS,
+        True,
+    )
