@@ -210,6 +210,7 @@ class DecodeEngine:
         if request_id in self.engine.handoff.queued and not self._is_busy():
             self.engine.handoff.fail(request_id, "no room", stopped_writing=True)
             del self.routes[request_id]
+            self.named.discard(request_id)
             raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
         return request_id
 
