@@ -388,6 +388,9 @@ def test_handoff_outcome_in_header_metrics_and_bench(deployment, offline, text_m
                 usage = resp.json()["usage"]  # the long prompt's pages are cached here by now
                 cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 assert computed == usage["prompt_tokens"] - cached
+        log = d.log("decode-local")  # one line per request, its outcome typed
+        for _, _, outcome in cases:
+            assert f"handoff {outcome}" in log, log[-2000:]
         counts = {k: v for k, v in _metrics(decode).items() if k.startswith("baton_handoff_total")}
         assert counts == {
             "baton_handoff_total{outcome=local_prefill,reason=no_healthy_prefill}": 1.0,
