@@ -266,6 +266,22 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert httpx.get(base + "/health").status_code == 200
 
 
+@pytest.mark.parametrize(("local", "status"), [("aborted", 400), ("nope", 400),
+                                               ("no_healthy_prefill", 400)])  # fmt: skip
+def test_the_local_prefill_header_names_a_local_reason(server, local, status):
+    """``x-baton-local-prefill`` must name a local-prefill reason (a failure's is refused by
+    name); a colocated server refuses PD routing of any kind (400 either way)."""
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    resp = httpx.post(server[1] + "/v1/completions", json=body,
+                      headers={"x-baton-local-prefill": local})  # fmt: skip
+    assert resp.status_code == status, resp.text
+    message = resp.json()["error"]["message"]
+    if local == "no_healthy_prefill":
+        assert "colocated" in message
+    else:
+        assert "x-baton-local-prefill must be one of" in message and repr(local) in message
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_body_over_the_limit_is_refused_before_parsing(server, chunked):
     """413 by Content-Length, or while a chunked body streams in; the server stays up."""

@@ -444,13 +444,13 @@ def test_request_refused_by_prefill_is_computed_on_decode(pd_dir, spawn_prefill)
 def test_a_prompt_too_long_for_decode_is_refused_and_forgotten(pd_dir, prefill_server):
     """Decode's pools hold fewer pages than the 83-token prompt (and its 20 new tokens) can
     ever need: ``add_request`` is a ``ValueError`` naming the pool, and nothing of the
-    request is kept (route, units, the set of router-named requests)."""
+    request is kept (route, units)."""
     with _client(pd_dir, prefill_server.endpoint, config=_config(num_pages=4)) as client:
         start_free = _free_units(client.engine)
         prompt, params = _requests()[3]  # 83 tokens
         with pytest.raises(ValueError, match="needs 14 units of target.full, which has 4"):
             client.add_request(prompt, params, prefill=prefill_server.endpoint)
-        assert not client.routes and not client.named
+        assert not client.routes
         assert _free_units(client.engine) == start_free
 
 

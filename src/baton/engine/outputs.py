@@ -43,6 +43,13 @@ class HandoffReason(StrEnum):
     """The client gave up before the state landed."""
 
 
+LOCAL_PREFILL_REASONS = frozenset(
+    {HandoffReason.POLICY, HandoffReason.NO_HEALTHY_PREFILL, HandoffReason.PREFILL_REFUSED}
+)
+"""The reasons a ``local_prefill`` outcome has (``prefill_refused`` can end a ``failed`` one
+too: with the fallback off, or a prefill a router named)."""
+
+
 @dataclass(frozen=True)
 class HandoffOutcome:
     """The typed end of a PD decode request's handoff (``RequestMetrics.handoff``)."""
@@ -58,6 +65,8 @@ class HandoffOutcome:
     def __post_init__(self) -> None:
         if (self.reason is None) != (self.kind is HandoffKind.TRANSFERRED):
             raise ValueError(f"handoff {self.kind} with reason {self.reason!r}")
+        if self.kind is HandoffKind.LOCAL_PREFILL and self.reason not in LOCAL_PREFILL_REASONS:
+            raise ValueError(f"a local prefill's reason is one of {sorted(LOCAL_PREFILL_REASONS)}")
 
     @classmethod
     def transferred(cls, component_bytes: Mapping[str, int]) -> HandoffOutcome:

@@ -23,7 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.engine.outputs import CompletionOutput, HandoffReason, RequestOutput
+from baton.engine.outputs import (
+    LOCAL_PREFILL_REASONS,
+    CompletionOutput,
+    HandoffReason,
+    RequestOutput,
+)
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
@@ -443,10 +448,10 @@ def _route(request: Request) -> dict:
     if prefill := request.headers.get(PREFILL_HEADER):
         route["prefill"] = prefill
     if local := request.headers.get(LOCAL_PREFILL_HEADER):
-        try:
-            route["local"] = HandoffReason(local)
-        except ValueError:
-            raise ApiError(f"header {LOCAL_PREFILL_HEADER} names no reason: {local!r}") from None
+        if local not in LOCAL_PREFILL_REASONS:
+            known = ", ".join(sorted(LOCAL_PREFILL_REASONS))
+            raise ApiError(f"header {LOCAL_PREFILL_HEADER} must be one of {known}, got {local!r}")
+        route["local"] = HandoffReason(local)
     if (room := request.headers.get(ROOM_HEADER)) is not None:
         if not room.isdigit() or not 0 < int(room) < 2**63:
             raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")

@@ -37,6 +37,7 @@ import secrets
 import socket
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import zmq
 
@@ -61,6 +62,17 @@ from baton.transfer.receiver import Receiver
 from baton.transfer.rooms import DecodeRooms
 
 logger = logging.getLogger("baton.transfer")
+
+
+class Route(NamedTuple):
+    """Where a decode request's state comes from."""
+
+    room: int
+    endpoint: str
+    """The prefill's control endpoint ("" when computed here: ``local_prefill``)."""
+    named: bool = False
+    """A router named the prefill: its refusal fails the request (503 ``prefill_failed``)
+    so that the router tries another prefill before decode alone."""
 
 
 class DecodeEngine:
@@ -116,11 +128,8 @@ class DecodeEngine:
             raise
         self.receiver = Receiver(self.engine)
         self.rooms = DecodeRooms(self.engine, self.receiver, self.links, self.deadlines)
-        self.routes: dict[str, tuple[int, str]] = {}
-        self.named: set[str] = set()
-        """Requests whose prefill a router named: one that refuses them fails them (503
-        ``prefill_failed``), so that the router tries another prefill before local."""
-        """Request id -> (room, prefill endpoint), from ``add_request`` until it ends."""
+        self.routes: dict[str, Route] = {}
+        """Request id -> its room and prefill, from ``add_request`` until it ends."""
         self._outputs: list[RequestOutput] = []
         self.transfer_bytes: dict[str, int] = {}
         self.transfer_seconds: dict[str, float] = {}
@@ -195,7 +204,7 @@ class DecodeEngine:
         if local is not None:
             metrics = self.engine.handoff.prefill_locally(request_id)
             self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(local))
-            self.routes[request_id] = (room, "")
+            self.routes[request_id] = Route(room, "")
             return request_id
         endpoint = prefill or self._default_endpoint()
         try:
@@ -203,14 +212,11 @@ class DecodeEngine:
         except ValueError:
             self.engine.handoff.fail(request_id, "bad endpoint", stopped_writing=True)
             raise
-        self.routes[request_id] = (room, endpoint)
-        if prefill is not None:
-            self.named.add(request_id)
+        self.routes[request_id] = Route(room, endpoint, named=prefill is not None)
         self._reserve_queued(fail_stuck=False)
         if request_id in self.engine.handoff.queued and not self._is_busy():
             self.engine.handoff.fail(request_id, "no room", stopped_writing=True)
             del self.routes[request_id]
-            self.named.discard(request_id)
             raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
         return request_id
 
@@ -245,15 +251,13 @@ class DecodeEngine:
         for out in outputs:
             if out.finished:
                 self.routes.pop(out.request_id, None)
-                self.named.discard(out.request_id)
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request now; a waiting one keeps its units until prefill confirms."""
         route = self.routes.pop(request_id, None)
-        self.named.discard(request_id)
-        if route is not None and route[0] in self.rooms.waiting:
-            return self.rooms.abort(route[0])
+        if route is not None and route.room in self.rooms.waiting:
+            return self.rooms.abort(route.room)
         return self.engine.abort_request(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -320,7 +324,7 @@ class DecodeEngine:
         """Send a ``ReserveState`` for every queued request that fits now, oldest first;
         with ``fail_stuck``, a request nothing will ever make room for fails."""
         for reservation in self.engine.handoff.reserve_queued():
-            room, endpoint = self.routes[reservation.request_id]
+            room, endpoint, _ = self.routes[reservation.request_id]
             link = self._link(endpoint)
             msg = self.receiver.reserve_state(room, reservation, link.epoch)
             self.rooms.wait(room, endpoint, link.epoch)
@@ -378,9 +382,9 @@ class DecodeEngine:
         except PairingError as e:
             # A refusing prefill refuses our requests too (not paired): nothing writes.
             refused = not msg.accepted
-            mine = [r for r, p in self.rooms.waiting.items() if p.endpoint == link.endpoint]
-            for room in mine if refused else ():
-                if self._falls_back(room):
+            if refused:
+                waiting = [r for r, p in self.rooms.waiting.items() if p.endpoint == link.endpoint]
+                for room in filter(self._falls_back, waiting):
                     self.rooms.prefill_locally(room, HandoffReason.PREFILL_REFUSED)
             code = HandoffReason.PREFILL_REFUSED if refused else HandoffReason.PREFILL_UNREACHABLE
             self.rooms.drop_link(link, str(e), refused, outputs, code)
@@ -388,7 +392,7 @@ class DecodeEngine:
     def _falls_back(self, room: int) -> bool:
         """Whether a room its prefill refused is computed here: with ``local_prefill.
         fallback``, unless a router named the prefill (the router retries elsewhere)."""
-        return self.local_prefill.fallback and request_id_of(room) not in self.named
+        return self.local_prefill.fallback and not self.routes[request_id_of(room)].named
 
     def _on_failed(self, msg: StateFailed, outputs: list[RequestOutput]) -> None:
         """Prefill failed a waiting room: computed here if it refused before writing
