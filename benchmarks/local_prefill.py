@@ -59,7 +59,7 @@ def start_prefill(dtype: str, cpu: int) -> tuple[subprocess.Popen, str]:
     return proc, ready["endpoint"]
 
 
-def probe(decode: DecodeEngine, prompt: list[int], local: bool, step_times: list[float]) -> dict:
+def probe(decode: DecodeEngine, prompt: list[int], local: bool) -> dict:
     """One probe request (max_tokens 1) while the background streams; its TTFT and the
     longest decode step while it was in flight."""
     decode.local_prefill = LocalPrefill(len(prompt) if local else 0)
@@ -71,7 +71,6 @@ def probe(decode: DecodeEngine, prompt: list[int], local: bool, step_times: list
         t0 = time.perf_counter()
         outputs = decode.step()
         longest = max(longest, time.perf_counter() - t0)
-        step_times.append(time.perf_counter() - t0)
         for out in outputs:
             if out.request_id == rid and out.outputs[0].token_ids:
                 ttft = time.perf_counter() - start
@@ -118,8 +117,7 @@ def main() -> int:
                 for n in lengths:
                     for mode in ("pd", "local") if r % 2 == 0 else ("local", "pd"):
                         prompt = texts[(r * 7 + n) % len(texts)][:n]
-                        steps: list[float] = []
-                        results[n][mode].append(probe(decode, prompt, mode == "local", steps))
+                        results[n][mode].append(probe(decode, prompt, mode == "local"))
                         live -= {o.request_id for o in decode.step() if o.finished}
                         keep_background(decode, texts, args.background, live)
             step_s = statistics.median(plain[5:])

@@ -57,16 +57,7 @@ def _colocated(directory, mode, params):
 
 
 def _pd(directory, mode, params, skip=()):
-    prefill_engine = LLMEngine(directory, _config(mode))
-    decode_engine = LLMEngine(directory, _config(mode))
-    receiver = LoopbackBackend()
-    regions = {
-        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
-    }
-    prefill = Sender(prefill_engine, LoopbackBackend())
-    prefill.keep_checksums = True
-    prefill.connect(regions)
-    decode = InProcessDecode(decode_engine)
+    prefill_engine, decode_engine, prefill, decode = _pair(directory, mode)
     rooms = {}
     for room, prompt in enumerate(_prompts(), start=100):
         msg = decode.reserve(room, prompt, params)
@@ -210,10 +201,11 @@ def _cold_each(pd_dir, prompts, params) -> list:
     return expected
 
 
-def _pair(pd_dir):
-    """A prefill sender and a decode over loopback (paged; both with prefix caching)."""
-    prefill_engine = LLMEngine(pd_dir, _config("paged"))
-    decode_engine = LLMEngine(pd_dir, _config("paged"))
+def _pair(pd_dir, mode="paged"):
+    """A prefill sender (keeping checksums) and a decode over loopback, both engines with
+    ``_config(mode)`` (prefix caching on)."""
+    prefill_engine = LLMEngine(pd_dir, _config(mode))
+    decode_engine = LLMEngine(pd_dir, _config(mode))
     receiver = LoopbackBackend()
     regions = {
         c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry

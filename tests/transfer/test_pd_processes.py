@@ -181,6 +181,15 @@ def _requests() -> list[tuple[list[int], SamplingParams]]:
     return list(zip(prompts, params, strict=True))
 
 
+def _assert_same_tokens_and_acceptance(outs: list, expected: list) -> None:
+    """PD outputs against colocated ones: token ids and per-step acceptance, request by
+    request."""
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.metrics.accepted_lengths for o in outs] == [
+        o.metrics.accepted_lengths for o in expected
+    ]
+
+
 def _free_units(engine: LLMEngine) -> dict[str, int]:
     free = {name: n for cache in engine.caches for name, n in cache.num_free_units().items()}
     return {**free, engine.aux.name: engine.aux.num_free_units}
@@ -280,10 +289,7 @@ def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, back
         rooms = [client.add_request(p, params) for p, params in _requests()]
         done = _run(client, timeout_s=60.0)
         outs = [done[room] for room in rooms]
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-        assert [o.metrics.accepted_lengths for o in outs] == [
-            o.metrics.accepted_lengths for o in expected
-        ]
+        _assert_same_tokens_and_acceptance(outs, expected)
         assert client.engine.runner.num_computed_prompt_tokens == 0
         assert all(n > 0 for n in client.transfer_bytes.values())
         assert _free_units(client.engine) == start_free
@@ -304,12 +310,7 @@ def test_pd_processes_push_only_what_decode_does_not_cache(pd_dir, spawn_prefill
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
             outs = [done[room] for room in rooms]
-            assert [o.outputs[0].token_ids for o in outs] == [
-                o.outputs[0].token_ids for o in expected
-            ]
-            assert [o.metrics.accepted_lengths for o in outs] == [
-                o.metrics.accepted_lengths for o in expected
-            ]
+            _assert_same_tokens_and_acceptance(outs, expected)
             moved.append({n: b - before.get(n, 0) for n, b in client.transfer_bytes.items()})
         assert client.engine.runner.num_computed_prompt_tokens == 0
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0
@@ -426,10 +427,7 @@ def test_request_refused_by_prefill_is_computed_on_decode(pd_dir, spawn_prefill)
         rooms = [client.add_request(p, params) for p, params in _requests()[2:4]]
         done = _run(client)
         outs = [done[r] for r in rooms]
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-        assert [o.metrics.accepted_lengths for o in outs] == [
-            o.metrics.accepted_lengths for o in expected
-        ]
+        _assert_same_tokens_and_acceptance(outs, expected)
         short, long = (o.metrics.handoff for o in outs)
         assert (short.kind, long.kind, long.reason) == (
             HandoffKind.TRANSFERRED, HandoffKind.LOCAL_PREFILL, HandoffReason.PREFILL_REFUSED
@@ -463,10 +461,7 @@ def test_short_prompts_are_computed_on_decode(pd_dir, prefill_server):
         rooms = [client.add_request(p, params) for p, params in _requests()[:4]]
         done = _run(client)
         outs = [done[r] for r in rooms]
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
-        assert [o.metrics.accepted_lengths for o in outs] == [
-            o.metrics.accepted_lengths for o in expected
-        ]
+        _assert_same_tokens_and_acceptance(outs, expected)
         kinds = [(o.metrics.handoff.kind, o.metrics.handoff.reason) for o in outs]
         local = (HandoffKind.LOCAL_PREFILL, HandoffReason.POLICY)
         lengths = [len(p) for p, _ in _requests()[:4]]
@@ -496,12 +491,7 @@ def test_pd_processes_bundled_model(tmp_path, backend, mode):
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
             outs = [done[room] for room in rooms]
-            assert [o.outputs[0].token_ids for o in outs] == [
-                o.outputs[0].token_ids for o in expected
-            ]
-            assert [o.metrics.accepted_lengths for o in outs] == [
-                o.metrics.accepted_lengths for o in expected
-            ]
+            _assert_same_tokens_and_acceptance(outs, expected)
             assert client.engine.runner.num_computed_prompt_tokens == 0
             steps = [a for o in outs for a in o.metrics.accepted_lengths]
             assert sum(steps) / len(steps) > 1.5
