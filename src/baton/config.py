@@ -35,6 +35,9 @@ class RuntimeEnv:
     ``avx512``, turn native bf16 off) to run the paths of another CPU; unset: detected."""
     native_kernels: bool = True
     """``BATON_NATIVE_KERNELS=0`` chooses the torch paths instead of the C kernels."""
+    native_layers: bool = True
+    """``BATON_NATIVE_LAYERS=0`` keeps the C kernels but runs small steps' decoder layers op
+    by op (``baton.kernels.layer``): the A/B switch of the fused layer."""
     kernel_cache: str | None = None
     """``BATON_KERNEL_CACHE``: where built kernels are kept (default
     ``~/.cache/baton/kernels``)."""
@@ -58,6 +61,7 @@ class RuntimeEnv:
         return cls(
             cpu_isa=environ.get("BATON_CPU_ISA") or None,
             native_kernels=environ.get("BATON_NATIVE_KERNELS", "1") != "0",
+            native_layers=environ.get("BATON_NATIVE_LAYERS", "1") != "0",
             kernel_cache=environ.get("BATON_KERNEL_CACHE") or None,
             compiler=environ.get("CC") or None,
             debug_engine_fault_after_steps=_int_or_none(

@@ -39,8 +39,8 @@ log = logging.getLogger(__name__)
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 """The activation dtypes the kernels read, and the ``is_bf16`` flag each passes them."""
 
-SOURCES = ("paged_attention.c", "norm.c", "logits.c")
-HEADERS = ("fastmath.h",)
+SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c")
+HEADERS = ("fastmath.h", "kernels.h")
 FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
 LEVEL_FLAGS = {
     "baseline": (),
@@ -138,4 +138,10 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_argmax_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, i32]
     lib.baton_logsumexp_rows.restype = None
     lib.baton_logsumexp_rows.argtypes = [ptr, ptr, i64, i64, i64, i32, ptr, i32]
+    lib.baton_linear_rows.restype = ctypes.c_int
+    lib.baton_linear_rows.argtypes = [
+        ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32, ptr, i64, i32, i32, i32
+    ]  # fmt: skip
+    lib.baton_decoder_layer.restype = ctypes.c_int
+    lib.baton_decoder_layer.argtypes = [ptr, ptr]
     return lib

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 
 /* Every product rounded before it is added, as torch does: no fused multiply-adds. */
 #pragma GCC optimize("fp-contract=off")

@@ -32,6 +32,7 @@
 #include <string.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 
@@ -67,29 +68,6 @@ static inline void load_row(float *restrict dst, const void *src, int64_t offset
     }
 }
 
-typedef struct {
-    const void *q;
-    int64_t q_token_stride, q_head_stride;
-    void *out;
-    int64_t out_token_stride, out_head_stride;
-    void *k, *v; /* the pool's rows of this layer */
-    int64_t unit_stride, row_stride, head_stride;
-    const void *fresh_k, *fresh_v; /* the step's own keys and values */
-    int64_t fk_token_stride, fk_head_stride, fv_token_stride, fv_head_stride;
-    const int32_t *units;     /* [batch, max_units] */
-    const int32_t *num_units; /* [batch] units of each segment (the rest is padding) */
-    const int32_t *key_base;  /* [batch] pages: position held by the first unit's row 0 */
-    const int32_t *q_offset;  /* [batch] step token of each segment's first query */
-    const int32_t *q_start;   /* [batch] position of the segment's first query */
-    const int32_t *q_count;   /* [batch] queries of the segment */
-    const int32_t *first;     /* [batch] lowest visible position */
-    const int32_t *store_token, *store_unit, *store_row; /* [num_stores] fresh rows kept */
-    int32_t num_stores;
-    int32_t max_units, rows, heads, kv_heads, head_dim, window;
-    int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
-    float scale, softcap;
-    int32_t is_bf16;
-} Args;
 
 #define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
 

@@ -122,6 +122,28 @@ class PagedAttentionCall:
         """Whether the kernel can read this pool (and attend the model's activations)."""
         return library() is not None and storage.dtype in DTYPES and storage.is_contiguous()
 
+    def for_layer(
+        self,
+        storage: torch.Tensor,
+        local: int,
+        heads: int,
+        head_dim: int,
+        scale: float,
+        softcap: float | None,
+    ) -> tuple[int, int, int, int]:
+        """For ``layer.c``, which sets the step's tensors itself: the pool-wide fields set
+        (storage as ``__call__``'s), then (args address, segments, the layer's keys and
+        values addresses in the pool)."""
+        assert storage.dtype in DTYPES and storage.is_contiguous()
+        a = self.args
+        # storage: [units, layers, 2 (k, v), rows, kv_heads, D]
+        a.unit_stride, a.row_stride, a.head_stride = (storage.stride(i) for i in (0, 3, 4))
+        a.heads, a.kv_heads, a.head_dim = heads, storage.shape[-2], head_dim
+        a.scale, a.softcap = scale, softcap or 0.0
+        keys = storage.data_ptr() + local * storage.stride(1) * storage.element_size()
+        values = keys + storage.stride(2) * storage.element_size()
+        return ctypes.addressof(a), self.batch, keys, values
+
     def __call__(
         self,
         q: torch.Tensor,

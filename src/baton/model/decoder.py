@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton.kernels.layer import MAX_TOKENS, NativeLayer
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
@@ -37,6 +38,30 @@ class DecoderLayer(nn.Module):
         if spec.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
+        self._native: NativeLayer | None = None
+
+    def prepare_native(self) -> None:
+        """After ``fuse_projections``: the whole layer as one native call for small steps
+        (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
+        q/k norms, unpacked weights (fp32, or bf16 where oneDNN has no bf16 path)."""
+        attn, mlp = self.self_attn.native_weights(), self.mlp.native_weights()
+        if self.sandwich_norm or attn is None or mlp is None:
+            return
+        norms = {
+            "input_norm": self.input_layernorm.weight,
+            "post_norm": self.post_attention_layernorm.weight,
+        }
+        a = self.self_attn
+        self._native = NativeLayer.build(
+            {**norms, **attn, **mlp},
+            heads=a.num_heads,
+            kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            act=self.mlp.act_name,
+            eps=self.input_layernorm.eps,
+            norm_offset=self.input_layernorm.offset,
+            qk_eps=a.q_norm.eps,
+        )
 
     def forward(
         self,
@@ -47,6 +72,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]; with ``rows`` (indices into T), only those
         tokens go on past attention: [B, len(rows), hidden] (all tokens' K/V are stored)."""
+        if self._native is not None and x.shape[0] * x.shape[1] <= MAX_TOKENS:
+            out = self._forward_native(x, rotary, attn)
+            if out is not None:
+                return out if rows is None else out[:, rows]
         if self.sandwich_norm:
             h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, rows=rows)
             x = (x if rows is None else x[:, rows]) + self.post_attention_layernorm(h)
@@ -57,6 +86,23 @@ class DecoderLayer(nn.Module):
             self.layer_id, self.input_layernorm(x), rotary, attn, residual=x, rows=rows
         )
         return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+    def _forward_native(
+        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
+    ) -> torch.Tensor | None:
+        """``forward`` in one native call, or None where the backend or inputs do not allow
+        it (the torch path then runs)."""
+        native_layer = getattr(attn, "native_layer", None)
+        cos, sin = rotary
+        if (
+            native_layer is None
+            or x.dtype != self._native.dtype
+            or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == x.dtype)
+        ):
+            return None
+        a = self.self_attn
+        args = native_layer(self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+        return None if args is None else self._native(x, cos, sin, args)
 
     def keys_values(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
@@ -123,6 +169,8 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
         self._head = FrozenLinear(self.lm_head.weight)
+        for layer in self.model.layers:
+            layer.prepare_native()
         return self
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

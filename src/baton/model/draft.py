@@ -94,6 +94,7 @@ class MTPDraft(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
         self._eh = FrozenLinear(self.eh_proj.weight)
+        self.layer.prepare_native()
         return self
 
     def forward(

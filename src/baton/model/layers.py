@@ -193,6 +193,17 @@ class GatedMLP(nn.Module):
         self._up = FrozenLinear(self.up_proj.weight, self.up_proj.bias)
         self._down = FrozenLinear(self.down_proj.weight, self.down_proj.bias)
 
+    def native_weights(self) -> dict[str, torch.Tensor | None] | None:
+        """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads, or None
+        where it cannot (packed weights)."""
+        linears = {"gate": self._gate, "up": self._up, "down": self._down}
+        if any(f is None or f.weight is None for f in linears.values()):
+            return None
+        return {
+            **{name: f.weight for name, f in linears.items()},
+            **{f"{name}_bias": f.bias for name, f in linears.items()},
+        }
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """``residual + down(act(gate(x)) * up(x))`` (no residual: the MLP alone)."""
         if self._down is not None:

@@ -205,6 +205,20 @@ class PagedAttention:
         plan.gathered = (*store, read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
         return plan.gathered
 
+    def native_layer(
+        self, layer_id: int, window: int | None, heads: int, head_dim: int, scale: float,
+        softcap: float | None,
+    ) -> tuple[int, int, int, int] | None:  # fmt: skip
+        """For a layer that attends natively (``baton.kernels.layer``): the kernel's
+        arguments for this layer's pool (``PagedAttentionCall.for_layer``), counting the
+        step's tokens as stored -- or None when the pool has no native plan."""
+        pool, local = self.cache.layer_map[layer_id]
+        plan, others = self._plan(pool, window)
+        if plan is None or plan.native is None or others:
+            return None
+        self._count(pool, plan)
+        return plan.native.for_layer(pool.storage, local, heads, head_dim, scale, softcap)
+
     def attend(self, layer_id, q, k, v, window, scale, softcap):
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
         pool, local = self.cache.layer_map[layer_id]

@@ -1,0 +1,54 @@
+/* What the kernel sources share: the paged attention call's arguments and the entry points
+ * one kernel calls from another (layer.c runs norm, matmuls and attention in one call). */
+#ifndef BATON_KERNELS_H
+#define BATON_KERNELS_H
+
+#include <stdint.h>
+
+/* The arguments of baton_paged_attention (field for field baton/kernels/paged_attention.py
+ * ``_Args``); the layout is described in paged_attention.c. */
+typedef struct {
+    const void *q;
+    int64_t q_token_stride, q_head_stride;
+    void *out;
+    int64_t out_token_stride, out_head_stride;
+    void *k, *v; /* the pool's rows of this layer */
+    int64_t unit_stride, row_stride, head_stride;
+    const void *fresh_k, *fresh_v; /* the step's own keys and values */
+    int64_t fk_token_stride, fk_head_stride, fv_token_stride, fv_head_stride;
+    const int32_t *units;     /* [batch, max_units] */
+    const int32_t *num_units; /* [batch] units of each segment (the rest is padding) */
+    const int32_t *key_base;  /* [batch] pages: position held by the first unit's row 0 */
+    const int32_t *q_offset;  /* [batch] step token of each segment's first query */
+    const int32_t *q_start;   /* [batch] position of the segment's first query */
+    const int32_t *q_count;   /* [batch] queries of the segment */
+    const int32_t *first;     /* [batch] lowest visible position */
+    const int32_t *store_token, *store_unit, *store_row; /* [num_stores] fresh rows kept */
+    int32_t num_stores;
+    int32_t max_units, rows, heads, kv_heads, head_dim, window;
+    int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
+    float scale, softcap;
+    int32_t is_bf16;
+} Args;
+
+int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads);
+
+void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                    int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                    void *out, int dim, float eps, float offset, int is_bf16, int lanes,
+                    int num_threads);
+
+void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                           int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                           const void *cos, const void *sin, int64_t table_stride, void *out,
+                           int dim, float eps, int is_bf16, int lanes, int num_threads);
+
+/* y = epilogue(x w^T + bias, other) for m rows (linear.c); 0, or 1 without scratch memory. */
+int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
+                      int32_t n, const void *bias, const void *other, int64_t other_stride,
+                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
+                      int32_t num_threads);
+
+enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_GELU = 4 };
+
+#endif

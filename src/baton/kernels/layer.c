@@ -1,0 +1,86 @@
+/* One decoder layer of a small step (decode, speculative verification, draft steps) in one
+ * call: the ~10 torch ops of baton/model/decoder.py's DecoderLayer.forward -- each a Python
+ * dispatch of 3-30 us on a step whose arithmetic is a few hundred -- become C calls of the
+ * kernels beside this file, with the same arithmetic in the same order:
+ *
+ *   h   = rms_norm(x, input_norm)                              norm.c
+ *   qkv = h qkv^T (+ bias)                                     linear.c
+ *   q,k = rms_norm_rotary(qkv's q and k heads, qk_norm)        norm.c (Qwen3's q/k norm)
+ *   a   = paged_attention(q, k, qkv's v) (stores k, v)         paged_attention.c
+ *   x   = x + a o^T                                            linear.c, ADD epilogue
+ *   h   = rms_norm(x, post_norm)
+ *   g   = act(h gate^T);  u = (h up^T) * g;  x = x + u down^T  linear.c
+ *
+ * Intermediates are rounded to the activation dtype where torch rounds them (every op's
+ * output), so the one difference from the torch path is linear.c's order of summation.
+ * Models this does not cover (sandwich norms, no q/k norm, packed bf16 weights) keep the
+ * torch path: baton/kernels/layer.py decides, and its torch path stays the reference.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kernels.h"
+
+typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
+    const void *input_norm, *post_norm; /* [hidden] */
+    const void *qkv, *qkv_bias;         /* [(heads + 2 kv_heads) * head_dim, hidden] */
+    const void *qk_norm;                /* [heads + kv_heads, head_dim]: q heads, then k */
+    const void *o, *o_bias;             /* [hidden, heads * head_dim] */
+    const void *gate, *gate_bias, *up, *up_bias, *down, *down_bias;
+    int32_t hidden, intermediate, heads, kv_heads, head_dim, act; /* act: EPI_SILU / GELU */
+    float eps, norm_offset, qk_eps;
+    int32_t w_bf16;
+} Layer;
+
+typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
+    void *x;               /* [tokens, hidden] in: the layer's input; out: its output */
+    const void *cos, *sin; /* [tokens, head_dim] rotary tables of the tokens' positions */
+    void *k_pool, *v_pool; /* this layer's keys and values in the pool (Args' k and v) */
+    const Args *attn;      /* the forward's index lists for the pool */
+    int32_t tokens, batch; /* the step's tokens; segments in attn */
+    int32_t act_bf16, lanes, num_threads;
+} Step;
+
+/* 0, or nonzero when a kernel found no scratch memory. */
+int baton_decoder_layer(const Layer *L, const Step *s) {
+    const int64_t t = s->tokens, hid = L->hidden, d = L->head_dim;
+    const int64_t heads = L->heads, kv = L->kv_heads, inter = L->intermediate;
+    const int64_t qkv_dim = (heads + 2 * kv) * d, qk_dim = (heads + kv) * d;
+    const int bf = s->act_bf16, nt = s->num_threads;
+    const size_t elem = bf ? 2 : 4;
+    char *scratch = malloc((size_t)t * (hid + qkv_dim + qk_dim + heads * d + 2 * inter) * elem);
+    if (scratch == NULL) return 1;
+    char *h = scratch, *qkv = h + t * hid * elem, *qk = qkv + t * qkv_dim * elem;
+    char *att = qk + t * qk_dim * elem, *g = att + t * heads * d * elem, *u = g + t * inter * elem;
+    int status = 0;
+
+    baton_rms_norm(s->x, t, hid, 1, 0, L->input_norm, 0, h, (int)hid, L->eps, L->norm_offset,
+                   bf, s->lanes, nt);
+    status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->qkv, (int)qkv_dim, L->qkv_bias,
+                                NULL, 0, EPI_NONE, qkv, qkv_dim, bf, L->w_bf16, nt);
+    baton_rms_norm_rotary(qkv, t, qkv_dim, heads + kv, d, L->qk_norm, d, s->cos, s->sin, d, qk,
+                          (int)d, L->qk_eps, bf, s->lanes, nt);
+
+    Args a = *s->attn;
+    a.q = qk, a.q_token_stride = qk_dim, a.q_head_stride = d;
+    a.fresh_k = qk + heads * d * elem, a.fk_token_stride = qk_dim, a.fk_head_stride = d;
+    a.fresh_v = qkv + qk_dim * elem, a.fv_token_stride = qkv_dim, a.fv_head_stride = d;
+    a.out = att, a.out_token_stride = heads * d, a.out_head_stride = d;
+    a.k = s->k_pool, a.v = s->v_pool;
+    a.is_bf16 = bf;
+    status |= baton_paged_attention(&a, s->batch, nt) != 0;
+
+    /* The residual adds write x in place: each element is read, then written, by one thread. */
+    status |= baton_linear_rows(att, heads * d, (int)t, (int)(heads * d), L->o, (int)hid,
+                                L->o_bias, s->x, hid, EPI_ADD, s->x, hid, bf, L->w_bf16, nt);
+    baton_rms_norm(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset, bf,
+                   s->lanes, nt);
+    status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->gate, (int)inter, L->gate_bias, NULL,
+                                0, L->act, g, inter, bf, L->w_bf16, nt);
+    status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->up, (int)inter, L->up_bias, g, inter,
+                                EPI_MUL, u, inter, bf, L->w_bf16, nt);
+    status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
+                                s->x, hid, EPI_ADD, s->x, hid, bf, L->w_bf16, nt);
+    free(scratch);
+    return status;
+}

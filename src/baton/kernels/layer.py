@@ -1,0 +1,123 @@
+"""Python side of ``layer.c``: a whole decoder layer of a small step in one native call.
+
+``NativeLayer.build`` takes one layer's weights (plain tensors: this module knows nothing of
+the model's classes) and returns None where ``layer.c`` does not apply: no kernels, a dtype
+it does not read, an activation it has no epilogue for. ``baton.model.decoder.DecoderLayer``
+builds one at ``fuse_projections`` and calls it for steps of at most ``MAX_TOKENS`` tokens
+whose attention backend offers the paged attention kernel's index lists; its torch path
+stays the reference (tests compare the two). ``BATON_NATIVE_LAYERS=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from baton.config import RuntimeEnv
+from baton.kernels import DTYPES, library
+from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, Epilogue
+from baton.kernels.norm import MAX_DIM, torch_lanes
+
+MAX_TOKENS = MAX_ROWS
+"""Steps up to this many tokens take the native layer (above it BLAS's matmuls win)."""
+
+_ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class _Layer(ctypes.Structure):
+    # Field for field the ``Layer`` struct of layer.c.
+    _fields_ = [
+        *((name, _ptr) for name in (
+            "input_norm", "post_norm", "qkv", "qkv_bias", "qk_norm", "o", "o_bias",
+            "gate", "gate_bias", "up", "up_bias", "down", "down_bias",
+        )),
+        *((name, _i32) for name in (
+            "hidden", "intermediate", "heads", "kv_heads", "head_dim", "act",
+        )),
+        ("eps", _f32), ("norm_offset", _f32), ("qk_eps", _f32),
+        ("w_bf16", _i32),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    # Field for field the ``Step`` struct of layer.c.
+    _fields_ = [
+        ("x", _ptr), ("cos", _ptr), ("sin", _ptr), ("k_pool", _ptr), ("v_pool", _ptr),
+        ("attn", _ptr),
+        *((name, _i32) for name in (
+            "tokens", "batch", "act_bf16", "lanes", "num_threads",
+        )),
+    ]  # fmt: skip
+
+
+def enabled() -> bool:
+    return RuntimeEnv.from_environ().native_layers
+
+
+class NativeLayer:
+    """One layer's weights, pointed to once; ``__call__`` runs the layer over a step."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor | None], layer: _Layer) -> None:
+        self._tensors = tensors  # keeps every pointer of ``layer`` valid
+        self._layer = layer
+        self._layer_ref = ctypes.byref(layer)
+        self.dtype = tensors["qkv"].dtype
+
+    @classmethod
+    def build(
+        cls,
+        weights: dict[str, torch.Tensor | None],
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        act: str,
+        eps: float,
+        norm_offset: float,
+        qk_eps: float,
+    ) -> NativeLayer | None:
+        """weights: ``_Layer``'s pointer fields by name (biases may be None; every other one
+        a tensor of one dtype). None when ``layer.c`` cannot run this layer."""
+        if not enabled() or library() is None or act not in ACTIVATIONS or act == "none":
+            return None
+        present = {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
+        dtypes = {w.dtype for w in present.values()}
+        hidden = present["input_norm"].shape[0]
+        if len(dtypes) != 1 or dtypes.pop() not in DTYPES or hidden > MAX_DIM:
+            return None
+        if head_dim % 2 or head_dim > MAX_DIM or any(not w.is_cpu for w in present.values()):
+            return None
+        layer = _Layer()
+        for name, tensor in present.items():
+            setattr(layer, name, tensor.data_ptr())
+        layer.hidden, layer.intermediate = hidden, present["gate"].shape[0]
+        layer.heads, layer.kv_heads, layer.head_dim = heads, kv_heads, head_dim
+        layer.act = int(ACTIVATIONS[act])
+        layer.eps, layer.norm_offset, layer.qk_eps = eps, norm_offset, qk_eps
+        layer.w_bf16 = DTYPES[present["qkv"].dtype]
+        assert ACTIVATIONS[act] in (Epilogue.SILU, Epilogue.GELU_TANH)
+        return cls(present, layer)
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: tuple[int, int, int, int],
+    ) -> torch.Tensor:
+        """x: [1, T, hidden] (T <= ``MAX_TOKENS``), cos/sin: [1, T, 1, head_dim] contiguous,
+        attention: (args address, segments, pool keys address, pool values address) from
+        the backend's ``native_layer`` -> the layer's output [1, T, hidden] (the step's keys
+        and values stored in the pool)."""
+        out = x.contiguous().clone()
+        step = _Step()
+        step.x, step.cos, step.sin = out.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.attn, step.batch, step.k_pool, step.v_pool = attention
+        step.tokens = out.shape[0] * out.shape[1]
+        step.act_bf16, step.lanes = DTYPES[out.dtype], torch_lanes()
+        step.num_threads = torch.get_num_threads()
+        status = library().baton_decoder_layer(self._layer_ref, ctypes.byref(step))
+        if status != 0:
+            raise MemoryError(f"decoder layer kernel: no scratch memory (status {status})")
+        return out

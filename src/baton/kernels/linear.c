@@ -1,0 +1,180 @@
+/* A matmul for a few rows -- decode, speculative verification, draft steps -- that reads
+ * the weight once for all of them:
+ *
+ *   y[m, n] = epilogue(sum_k x[m, k] * w[n, k] + bias[n], other[m, n])
+ *
+ * epilogue: none, add (a residual), mul (the gated MLP's up times act(gate)), silu, gelu
+ * (tanh approximation). Rows are processed in groups of up to GROUP: each weight row is
+ * loaded once per group and multiplied into every row of the group, so a 4-row
+ * verification step costs about what one row does (the BLAS sgemm it replaces takes 2-4x a
+ * row's time for 2-8 rows here, and ~20-30 us per call of fixed cost for any). Output rows
+ * are split over the threads in blocks of BLOCK; a call below ~64 K multiply-adds runs on
+ * one thread (waking the pool costs more than it saves).
+ *
+ * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
+ * (row stride y_stride) are bf16 (act_bf16) or fp32; w ([n, k] row-major, torch's Linear
+ * layout) and bias are bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch
+ * path this replaces (baton/model/layers.py FrozenLinear, unpacked): the matmul's result is
+ * rounded to the activation dtype, then each epilogue op rounds again. The sum over k runs
+ * in another order than BLAS's, so fp32 results differ in the last bits (tests compare
+ * within tolerance, and greedy tokens).
+ * Built and loaded by baton/kernels/__init__.py; Python side: baton/kernels/linear.py.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fastmath.h"
+#include "kernels.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#endif
+
+enum { GROUP = 8, BLOCK = 16, MIN_PARALLEL_MACS = 65536 };
+
+static inline float round_to(float f, int is_bf16) {
+    if (!is_bf16) return f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f; /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline void put(void *base, int64_t i, float f, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16); /* f is already rounded */
+    } else {
+        ((float *)base)[i] = f;
+    }
+}
+
+#ifdef HAVE_AVX2
+static inline __m256 load8(const void *w, int64_t i, int w_bf16) {
+    if (w_bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)w + i);
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* dots[r] = x[r] . w_row for the group's `rows` rows (fp32 x, rows k apart). The row count
+ * is a constant in each instance, so the accumulators stay in registers. */
+#define DEFINE_DOTS(R)                                                                      \
+    static void dots_##R(const float *x, int k, const void *w, int64_t at, int w_bf16,      \
+                         float *dots) {                                                     \
+        __m256 acc[R];                                                                      \
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                           \
+        int i = 0;                                                                          \
+        for (; i + 8 <= k; i += 8) {                                                        \
+            const __m256 wv = load8(w, at + i, w_bf16);                                     \
+            for (int r = 0; r < R; r++)                                                     \
+                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)r * k + i), acc[r]); \
+        }                                                                                   \
+        for (int r = 0; r < R; r++) dots[r] = hsum(acc[r]);                                 \
+        for (; i < k; i++) {                                                                \
+            const float wf = to_f32(w, at + i, w_bf16);                                     \
+            for (int r = 0; r < R; r++) dots[r] += wf * x[(int64_t)r * k + i];              \
+        }                                                                                   \
+    }
+#else
+#define DEFINE_DOTS(R)                                                                      \
+    static void dots_##R(const float *x, int k, const void *w, int64_t at, int w_bf16,      \
+                         float *dots) {                                                     \
+        for (int r = 0; r < R; r++) {                                                       \
+            float acc = 0.0f;                                                               \
+            const float *xr = x + (int64_t)r * k;                                           \
+            if (w_bf16) {                                                                   \
+                _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc +=   \
+                    to_f32(w, at + i, 1) * xr[i];                                           \
+            } else {                                                                        \
+                const float *wr = (const float *)w + at;                                    \
+                _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc +=   \
+                    wr[i] * xr[i];                                                          \
+            }                                                                               \
+            dots[r] = acc;                                                                  \
+        }                                                                                   \
+    }
+#endif
+
+DEFINE_DOTS(1)
+DEFINE_DOTS(2)
+DEFINE_DOTS(3)
+DEFINE_DOTS(4)
+DEFINE_DOTS(5)
+DEFINE_DOTS(6)
+DEFINE_DOTS(7)
+DEFINE_DOTS(8)
+
+typedef void (*dots_fn)(const float *, int, const void *, int64_t, int, float *);
+static const dots_fn DOTS[GROUP + 1] = {NULL,   dots_1, dots_2, dots_3, dots_4,
+                                        dots_5, dots_6, dots_7, dots_8};
+
+static inline float epilogue(float y, int op, const void *other, int64_t at, int act_bf16) {
+    switch (op) {
+    case EPI_ADD:
+        return round_to(y + to_f32(other, at, act_bf16), act_bf16);
+    case EPI_MUL:
+        return round_to(y * to_f32(other, at, act_bf16), act_bf16);
+    case EPI_SILU:
+        return round_to(y / (1.0f + expf(-y)), act_bf16);
+    case EPI_GELU: {
+        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+        return round_to(0.5f * y * (1.0f + tanhf(c * (y + 0.044715f * y * y * y))), act_bf16);
+    }
+    default:
+        return y;
+    }
+}
+
+/* Returns 0, or 1 when no scratch memory could be had. */
+int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
+                      int32_t n, const void *bias, const void *other, int64_t other_stride,
+                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
+                      int32_t num_threads) {
+    /* The rows in fp32, contiguous: every weight row is multiplied into all of them. */
+    float *xf = malloc((size_t)m * (size_t)k * sizeof(float));
+    if (xf == NULL) return 1;
+    for (int r = 0; r < m; r++)
+        for (int i = 0; i < k; i++)
+            xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
+    const int64_t macs = (int64_t)m * n * k;
+    const int threads = macs < MIN_PARALLEL_MACS ? 1 : num_threads;
+    const int num_blocks = (n + BLOCK - 1) / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int blk = 0; blk < num_blocks; blk++) {
+        float dots[GROUP];
+        const int stop = (blk + 1) * BLOCK < n ? (blk + 1) * BLOCK : n;
+        for (int g = 0; g < m; g += GROUP) {
+            const int rows = m - g < GROUP ? m - g : GROUP;
+            const float *xg = xf + (int64_t)g * k;
+            for (int j = blk * BLOCK; j < stop; j++) {
+                DOTS[rows](xg, k, w, (int64_t)j * k, w_bf16, dots);
+                const float b = bias != NULL ? to_f32(bias, j, w_bf16) : 0.0f;
+                for (int r = 0; r < rows; r++) {
+                    const int64_t row = g + r;
+                    float v = round_to(dots[r] + b, act_bf16);
+                    v = epilogue(v, op, other, row * other_stride + j, act_bf16);
+                    put(y, row * y_stride + j, v, act_bf16);
+                }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,85 @@
+"""Python side of ``linear.c``: ``y = epilogue(x W^T + b)`` for a few rows, weights read once.
+
+``linear_rows`` returns None when the kernel cannot take the call (no kernels, more rows
+than ``MAX_ROWS``, another dtype, a layout it does not read, autograd); the caller then runs
+its torch code, which stays the reference (tests compare the two). Who calls it:
+``baton.model.layers.FrozenLinear`` (unpacked weights: fp32, or bf16 where oneDNN has no
+bf16 path).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+from baton.kernels import DTYPES, library
+
+MAX_ROWS = 16
+"""Above this many rows the BLAS matmul is as fast (measured: ``benchmarks/step_cost.py``)."""
+
+
+class Epilogue(IntEnum):
+    """What follows the matmul, on its rounded result (``linear.c``'s ``EPI_*``)."""
+
+    NONE = 0
+    ADD = 1
+    MUL = 2
+    SILU = 3
+    GELU_TANH = 4
+
+
+ACTIVATIONS = {
+    "none": Epilogue.NONE,
+    "silu": Epilogue.SILU,
+    "gelu_pytorch_tanh": Epilogue.GELU_TANH,
+}
+"""``FrozenLinear``'s activation names -> the kernel's epilogue."""
+
+
+def linear_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    op: Epilogue = Epilogue.NONE,
+    other: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight [n, k] contiguous,
+    other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        return None  # NOTE: called for every matmul of every step: cheapest checks first
+    lib = library()
+    if lib is None or not (x.is_contiguous() and weight.is_contiguous() and weight.is_cpu):
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    n = weight.shape[0]
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return None
+    if other is not None:
+        if other.dtype != x.dtype or other.shape[:-1] != x.shape[:-1] or other.shape[-1] != n:
+            return None
+        other = other.contiguous()
+    y = torch.empty((*x.shape[:-1], n), dtype=x.dtype)
+    status = lib.baton_linear_rows(
+        x.data_ptr(),
+        k,
+        rows,
+        k,
+        weight.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        None if other is None else other.data_ptr(),
+        n,
+        int(op),
+        y.data_ptr(),
+        n,
+        DTYPES[x.dtype],
+        DTYPES[weight.dtype],
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"linear kernel: no scratch memory for {rows} x {k} (status {status})")
+    return y
