@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import platform
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -41,6 +43,20 @@ def save_random_qwen3(out_dir: Path, dtype: torch.dtype, window: int | None, **s
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def memcpy_bytes_per_s(num_mib: int, repeats: int = 5) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` of ``num_mib`` MiB (median of
+    ``repeats`` after one warm-up)."""
+    src = torch.ones(num_mib * 2**20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - start)
+    return 2 * src.numel() / statistics.median(seconds)
 
 
 def cpu_name() -> str:

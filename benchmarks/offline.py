@@ -53,7 +53,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from common import BUNDLED_SHAPE, PAD_ID, resolve_dtype_arg, save_random_qwen3
+from common import (
+    BUNDLED_SHAPE,
+    PAD_ID,
+    memcpy_bytes_per_s,
+    resolve_dtype_arg,
+    save_random_qwen3,
+)
 from common import machine_facts as common_machine_facts
 
 from baton import LLM, SamplingParams
@@ -289,14 +295,6 @@ def bench_mixed(llm: LLM, hf, prompts: list[list[int]], num_new: list[int], repe
 
 
 # -- c. ----------------------------------------------------------------------------------------
-def memcpy_bytes_per_s(num_mib: int, repeats: int = 5) -> float:
-    """Bytes read + written per second by ``dst.copy_(src)`` of ``num_mib`` MiB (median)."""
-    src = torch.ones(num_mib * 2**20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    seconds = medians({"copy": lambda: dst.copy_(src)}, repeats)["copy"]
-    return 2 * src.numel() / seconds
-
-
 def bench_bandwidth(args: argparse.Namespace, sizes: Sizes, tmp: Path) -> dict:
     shape = dict(sizes.big_shape)
     model_dir = save_random_qwen3(tmp / "big", getattr(torch, args.dtype), None, **shape)

@@ -16,16 +16,26 @@ both models step alike) it reports the median step time of each, and splits it:
 * the torch ops one twin step dispatches (``torch.profiler``), the usual source of the
   fixed cost.
 
-The real model with its MTP draft (k=3) at batch 1 is timed too (what a user runs). The CPU
-is printed and written into the JSON.
+A bandwidth-bound model closes the run: a random Qwen3 of ~0.5B parameters (``HALF_B``:
+sliding and full layers, GQA, tied embeddings), batch-1 decode: the parameter bytes a step
+reads / step time, as a fraction of memcpy measured in the same run (counted both ways:
+bytes read + written per second, and bytes copied per second).
 
-    python benchmarks/step_cost.py           # batch 1, 8, 32
+The real model with its MTP draft (k=3) at batch 1 is timed too (what a user runs), with its
+tokens per verify step. Every figure is taken twice in the same run, in-process A/B: with
+small steps' decoder layers as one native call each (``fused``, ``baton.kernels.layer``, the
+default) and op by op (``torch``, ``BATON_NATIVE_LAYERS=0``). The CPU is printed and written
+into the JSON.
+
+    python benchmarks/step_cost.py                   # batch 1, 8, 32; fused and torch
+    python benchmarks/step_cost.py --layers fused    # one variant
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -37,7 +47,12 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import BUNDLED_SHAPE, machine_facts, save_random_qwen3  # noqa: E402
+from common import (  # noqa: E402
+    BUNDLED_SHAPE,
+    machine_facts,
+    memcpy_bytes_per_s,
+    save_random_qwen3,
+)
 
 from baton import platform  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
@@ -47,6 +62,10 @@ from baton.request import SamplingParams  # noqa: E402
 BUNDLED = REPO / "models" / "baton-stdlib-qwen3"
 TWIN_SHAPE = {**BUNDLED_SHAPE, "hidden": 64, "intermediate": 192}
 WINDOW = 128  # the bundled model's sliding window
+HALF_B = dict(vocab=151936, hidden=1024, intermediate=3072, layers=28, heads=16, kv_heads=8)
+"""~0.5B parameters (0.35B in the layers, 0.16B in the tied embedding): Qwen3-0.6B's widths
+with head_dim 64."""
+BANDWIDTH_TARGET = 0.7
 
 
 class PartTimer:
@@ -71,13 +90,18 @@ class PartTimer:
         self.seconds = {}
 
 
-def decoding_engine(model_dir: Path, batch: int, speculative: bool, threads: int):
-    """An engine with ``batch`` requests past their prefill, and its part timer."""
+def decoding_engine(model_dir: Path, batch: int, speculative: bool, threads: int, layers: str):
+    """An engine with ``batch`` requests past their prefill, and its part timer; ``layers``:
+    ``fused`` (native decoder layers) or ``torch`` (op by op)."""
     config = EngineConfig.from_kwargs(
         dtype="float32", num_threads=threads, speculative=speculative,
         enable_prefix_caching=False, max_num_seqs=max(batch, 1),
     )  # fmt: skip
-    engine = LLMEngine(model_dir, config)
+    os.environ["BATON_NATIVE_LAYERS"] = "1" if layers == "fused" else "0"  # read at load
+    try:
+        engine = LLMEngine(model_dir, config)
+    finally:
+        del os.environ["BATON_NATIVE_LAYERS"]
     g = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=0.0, max_tokens=320, ignore_eos=True)
     for _ in range(batch):
@@ -124,38 +148,64 @@ def count_ops(engine: LLMEngine) -> int:
     return sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batches", default="1,8,32")
-    p.add_argument("--steps", type=int, default=41)
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_cost.json")
-    args = p.parse_args()
-    facts = machine_facts("float32", threads=args.threads)
-    print(f"{platform.current().summary()}; float32, {args.threads} threads")
+def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, dict]:
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        twin_dir = save_random_qwen3(Path(tmp) / "twin", torch.float32, WINDOW, **TWIN_SHAPE)
-        (twin_dir / "tokenizer.json").unlink(missing_ok=True)
-        for batch in (int(b) for b in args.batches.split(",")):
-            row = {}
-            for name, model_dir in (("real", BUNDLED), ("twin", twin_dir)):
-                engine, timer = decoding_engine(model_dir, batch, False, args.threads)
-                row[name] = time_steps(engine, timer, args.steps)
-                if name == "twin":
-                    row["twin_ops_per_step"] = count_ops(engine)
-                del engine
-            real, twin = row["real"], row["twin"]
-            row["overhead_s"] = twin["step_s"]
-            row["arithmetic_s"] = max(0.0, real["step_s"] - twin["step_s"])
-            row["bookkeeping_per_request_s"] = real["bookkeeping_s"] / batch
-            results[str(batch)] = row
-        engine, timer = decoding_engine(BUNDLED, 1, True, args.threads)
-        results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
+    for batch in (int(b) for b in args.batches.split(",")):
+        row = {}
+        for name, model_dir in (("real", BUNDLED), ("twin", twin_dir)):
+            engine, timer = decoding_engine(model_dir, batch, False, args.threads, layers)
+            row[name] = time_steps(engine, timer, args.steps)
+            if name == "twin":
+                row["twin_ops_per_step"] = count_ops(engine)
+            del engine
+        real, twin = row["real"], row["twin"]
+        row["overhead_s"] = twin["step_s"]
+        row["arithmetic_s"] = max(0.0, real["step_s"] - twin["step_s"])
+        row["bookkeeping_per_request_s"] = real["bookkeeping_s"] / batch
+        results[str(batch)] = row
+    engine, timer = decoding_engine(BUNDLED, 1, True, args.threads, layers)
+    results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
+    (output,) = engine.step()  # tokens per verify step so far
+    results["1_mtp"]["acceptance_length"] = output.metrics.acceptance_length
+    return results
+
+
+def measure_bandwidth(args: argparse.Namespace, model_dir: Path, layers: str) -> dict:
+    engine, timer = decoding_engine(model_dir, 1, False, args.threads, layers)
+    # Tied embeddings count once; the fused q|k|v copy is read instead of q, k, v: same bytes.
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    step = time_steps(engine, timer, args.bandwidth_steps)["step_s"]
+    del engine
+    copy = memcpy_bytes_per_s(256)
+    achieved = weight_bytes / step
+    return {
+        "shape": HALF_B,
+        "weight_bytes": weight_bytes,
+        "step_s": step,
+        "weight_bytes_per_s": achieved,
+        "memcpy_read_plus_written_bytes_per_s": copy,
+        "fraction_of_memcpy_read_plus_written": achieved / copy,
+        "fraction_of_memcpy_bytes_copied": achieved / (copy / 2),
+        "target_fraction": BANDWIDTH_TARGET,
+    }
+
+
+def print_bandwidth(layers: str, r: dict) -> None:
+    copy = r["memcpy_read_plus_written_bytes_per_s"]
+    print(f"{layers} layers, ~0.5B random Qwen3 ({r['weight_bytes'] / 1e9:.2f} GB of weights), "
+          f"batch-1 decode: {r['step_s'] * 1e3:.1f} ms per step = "
+          f"{r['weight_bytes_per_s'] / 1e9:.1f} GB/s; memcpy {copy / 1e9:.1f} GB/s read + "
+          f"written: {r['fraction_of_memcpy_read_plus_written']:.0%} of it, "
+          f"{r['fraction_of_memcpy_bytes_copied']:.0%} of bytes copied per second "
+          f"(target >= {BANDWIDTH_TARGET:.0%})")  # fmt: skip
+
+
+def print_table(layers: str, results: dict[str, dict]) -> None:
+    print(f"{layers} layers")
     print(f"{'batch':>6}{'real':>9}{'twin':>9}{'arith':>9}{'sched':>8}{'fwd':>8}{'sample':>8}"
           f"{'books':>8}{'books/req':>10}{'ops':>6}   (ms; twin = overhead)")  # fmt: skip
     for batch, row in results.items():
-        if batch == "1_mtp":
+        if batch in ("1_mtp", "bandwidth"):
             continue
         real, twin = row["real"], row["twin"]
         print(f"{batch:>6}{real['step_s'] * 1e3:9.2f}{twin['step_s'] * 1e3:9.2f}"
@@ -163,12 +213,49 @@ def main() -> int:
               f"{real['forward_s'] * 1e3:8.2f}{real['sample_s'] * 1e3:8.2f}"
               f"{real['bookkeeping_s'] * 1e3:8.2f}{row['bookkeeping_per_request_s'] * 1e3:10.3f}"
               f"{row['twin_ops_per_step']:6d}")  # fmt: skip
-    if "1_mtp" in results:
-        print(f"batch 1 with the MTP draft (k=3): {results['1_mtp']['real']['step_s'] * 1e3:.2f} "
-              "ms per verify step")  # fmt: skip
+    mtp = results["1_mtp"]
+    step, accepted = mtp["real"]["step_s"], mtp["acceptance_length"] or 1.0
+    print(f"batch 1 with the MTP draft (k=3): {step * 1e3:.2f} ms per verify step, "
+          f"{accepted:.2f} tokens per step = {accepted / step:.0f} tok/s")  # fmt: skip
     b1 = results.get("1")
     if b1:
-        print(f"batch-1 overhead {b1['overhead_s'] * 1e3:.2f} ms per step (target <= 1 ms)")
+        print(f"batch-1 overhead {b1['overhead_s'] * 1e3:.2f} ms per step (target <= 1 ms), "
+              f"{1 / b1['real']['step_s']:.0f} tok/s plain")  # fmt: skip
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,8,32")
+    p.add_argument("--steps", type=int, default=41)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--layers", default="fused,torch", help="variants: fused, torch or both")
+    p.add_argument("--skip-bandwidth", action="store_true", help="skip the ~0.5B model")
+    p.add_argument("--bandwidth-steps", type=int, default=9)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_cost.json")
+    args = p.parse_args()
+    facts = machine_facts("float32", threads=args.threads)
+    print(f"{platform.current().summary()}; float32, {args.threads} threads")
+    variants = args.layers.split(",")
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        twin_dir = save_random_qwen3(Path(tmp) / "twin", torch.float32, WINDOW, **TWIN_SHAPE)
+        (twin_dir / "tokenizer.json").unlink(missing_ok=True)
+        for layers in variants:
+            results[layers] = measure(args, twin_dir, layers)
+        if not args.skip_bandwidth:
+            big_dir = save_random_qwen3(Path(tmp) / "big", torch.float32, WINDOW, **HALF_B)
+            for layers in variants:
+                results[layers]["bandwidth"] = measure_bandwidth(args, big_dir, layers)
+    for layers in variants:
+        print_table(layers, results[layers])
+    for layers in variants:
+        if "bandwidth" in results[layers]:
+            print_bandwidth(layers, results[layers]["bandwidth"])
+    if len(variants) == 2 and "1" in results[variants[0]]:
+        a, b = (results[v]["1"] for v in variants)
+        print(f"batch-1 step {variants[1]} / {variants[0]}: "
+              f"{b['real']['step_s'] / a['real']['step_s']:.2f}x, overhead "
+              f"{b['overhead_s'] * 1e3:.2f} -> {a['overhead_s'] * 1e3:.2f} ms")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {**facts, "args": vars(args) | {"out": str(args.out)}, "results": results}
     args.out.write_text(json.dumps(report, indent=2))

@@ -36,8 +36,9 @@ class RuntimeEnv:
     native_kernels: bool = True
     """``BATON_NATIVE_KERNELS=0`` chooses the torch paths instead of the C kernels."""
     native_layers: bool = True
-    """``BATON_NATIVE_LAYERS=0`` keeps the C kernels but runs small steps' decoder layers op
-    by op (``baton.kernels.layer``): the A/B switch of the fused layer."""
+    """``BATON_NATIVE_LAYERS=0`` keeps the C kernels but runs small steps op by op through
+    torch: decoder layers (``baton.kernels.layer``) and the few-row matmuls of the head and
+    the draft's projection (``baton.kernels.linear``) -- the A/B switch of both."""
     kernel_cache: str | None = None
     """``BATON_KERNEL_CACHE``: where built kernels are kept (default
     ``~/.cache/baton/kernels``)."""

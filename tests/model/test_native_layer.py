@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import baton.kernels.layer as native_layer
+import baton.model.layers as model_layers
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.linear import MAX_ROWS, Epilogue, linear_rows
@@ -71,14 +72,19 @@ PROMPTS = [
 def _generate(dtype: str, mode: str, calls: list[int]):
     llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
-    original = native_layer.NativeLayer.__call__
+    layer_call, matmul = native_layer.NativeLayer.__call__, model_layers.linear_rows
 
-    def counted(self, *args):
-        calls.append(1)
-        return original(self, *args)
+    def counted_layer(self, *args):
+        calls.append("layer")
+        return layer_call(self, *args)
+
+    def counted_matmul(*args):
+        calls.append("matmul")
+        return matmul(*args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_layer.NativeLayer, "__call__", counted)
+        mp.setattr(native_layer.NativeLayer, "__call__", counted_layer)
+        mp.setattr(model_layers, "linear_rows", counted_matmul)
         outs = llm.generate(PROMPTS, params)
     return [
         (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.metrics.accepted_lengths)
@@ -90,12 +96,13 @@ def _generate(dtype: str, mode: str, calls: list[int]):
     ("dtype", "mode"), [("float32", "paged"), ("float32", "ring"), ("bfloat16", "paged")]
 )
 def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, monkeypatch):
-    fused_calls: list[int] = []
+    fused_calls: list[str] = []
     fused = _generate(dtype, mode, fused_calls)
     monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")
-    torch_calls: list[int] = []
+    torch_calls: list[str] = []
     reference = _generate(dtype, mode, torch_calls)
-    assert fused_calls and not torch_calls  # the switch works, and the fused layer ran
+    # The switch works, and both native parts ran (the head's and the draft's matmuls).
+    assert set(fused_calls) == {"layer", "matmul"} and not torch_calls
     assert [t for t, _, _ in fused] == [t for t, _, _ in reference]
     assert any(a for _, _, a in fused)  # the draft was verified, its layer fused too
     if dtype == "float32":

@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton import platform
+from baton.kernels.layer import enabled as native_layers_enabled
+from baton.kernels.linear import ACTIVATIONS, Epilogue, linear_rows
 from baton.kernels.norm import rms_norm
 from baton.model.spec import RopeSpec
 
@@ -27,6 +29,10 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and platform.current().native_bf16
     )
+
+
+FEW_ROWS_MIN_WEIGHT = 1 << 18
+"""Weights of at least this many elements (1 MiB in fp32) take ``linear_rows`` for few rows."""
 
 
 class FrozenLinear:
@@ -49,6 +55,13 @@ class FrozenLinear:
         )
         self.weight = None if self.packed is not None else weight
         self._post = PACKED_ACTIVATIONS[activation]
+        # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
+        # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
+        self._few_rows = (
+            self.weight is not None
+            and self.weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            and native_layers_enabled()
+        )
         # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
         # per call, and a decode step makes ~50 of these calls.
         self._unary = torch.ops.mkldnn._linear_pointwise.default
@@ -58,6 +71,10 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
+        if self._few_rows:
+            y = linear_rows(x, self.weight, self.bias, ACTIVATIONS[self.activation])
+            if y is not None:
+                return y
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -72,6 +89,11 @@ class FrozenLinear:
         assert self.activation == "none", "a binary op follows the bare matmul"
         if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
+        if self._few_rows:
+            epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
+            y = linear_rows(x, self.weight, self.bias, epilogue, other)
+            if y is not None:
+                return y
         y = self(x)
         return y * other if op == "mul" else y + other
 
