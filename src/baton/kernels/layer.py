@@ -22,6 +22,7 @@ from baton.kernels.norm import MAX_DIM, torch_lanes
 MAX_TOKENS = MAX_ROWS
 """Steps up to this many tokens take the native layer (above it BLAS's matmuls win)."""
 
+NORMS = ("input_norm", "post_norm", "qk_norm")
 _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
@@ -62,7 +63,8 @@ class NativeLayer:
         self._tensors = tensors  # keeps every pointer of ``layer`` valid
         self._layer = layer
         self._layer_ref = ctypes.byref(layer)
-        self.dtype = tensors["qkv"].dtype
+        self.dtype = tensors["input_norm"].dtype
+        """The activations' dtype."""
 
     @classmethod
     def build(
@@ -82,9 +84,16 @@ class NativeLayer:
         if not enabled() or library() is None or act not in ACTIVATIONS or act == "none":
             return None
         present = {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
-        dtypes = {w.dtype for w in present.values()}
+        # Norm weights are in the activations' dtype, matrices in theirs (bf16 under fp32
+        # activations: a bf16 checkpoint's weights, half the bytes to read).
+        norms = {present[k].dtype for k in NORMS}
+        matrices = {w.dtype for k, w in present.items() if k not in NORMS}
         hidden = present["input_norm"].shape[0]
-        if len(dtypes) != 1 or dtypes.pop() not in DTYPES or hidden > MAX_DIM:
+        if len(norms) != 1 or len(matrices) != 1 or not (norms | matrices) <= set(DTYPES):
+            return None
+        if matrices != norms and norms != {torch.float32}:
+            return None  # bf16 activations read bf16 matrices
+        if hidden > MAX_DIM:
             return None
         if head_dim % 2 or head_dim > MAX_DIM or any(not w.is_cpu for w in present.values()):
             return None

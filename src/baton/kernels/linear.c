@@ -73,57 +73,77 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* dots[r] = x[r] . w_row for the group's `rows` rows (fp32 x, rows k apart). The row count
- * is a constant in each instance, so the accumulators stay in registers. */
-#define DEFINE_DOTS(R)                                                                      \
-    static void dots_##R(const float *x, int k, const void *w, int64_t at, int w_bf16,      \
-                         float *dots) {                                                     \
-        __m256 acc[R];                                                                      \
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();                           \
+/* dots[j * R + r] = x[r] . w[row j] for NB consecutive weight rows (at: the first one's
+ * offset) and the group's R rows of fp32 x, k apart. R and NB are constants in each
+ * instance, so the R x NB accumulators stay in registers: independent chains, so that
+ * the multiply-adds are not waiting on each other's latency (one row alone takes 4 weight
+ * rows at a time). */
+#define DEFINE_DOTS(R, NB)                                                                  \
+    static void dots_##R##_##NB(const float *x, int k, const void *w, int64_t at,           \
+                                int w_bf16, float *dots) {                                  \
+        __m256 acc[NB][R];                                                                  \
+        for (int j = 0; j < NB; j++)                                                        \
+            for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();                    \
         int i = 0;                                                                          \
         for (; i + 8 <= k; i += 8) {                                                        \
-            const __m256 wv = load8(w, at + i, w_bf16);                                     \
-            for (int r = 0; r < R; r++)                                                     \
-                acc[r] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + (int64_t)r * k + i), acc[r]); \
+            __m256 xv[R];                                                                   \
+            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + (int64_t)r * k + i);    \
+            for (int j = 0; j < NB; j++) {                                                  \
+                const __m256 wv = load8(w, at + (int64_t)j * k + i, w_bf16);                \
+                for (int r = 0; r < R; r++) acc[j][r] = _mm256_fmadd_ps(wv, xv[r], acc[j][r]); \
+            }                                                                               \
         }                                                                                   \
-        for (int r = 0; r < R; r++) dots[r] = hsum(acc[r]);                                 \
-        for (; i < k; i++) {                                                                \
-            const float wf = to_f32(w, at + i, w_bf16);                                     \
-            for (int r = 0; r < R; r++) dots[r] += wf * x[(int64_t)r * k + i];              \
-        }                                                                                   \
+        for (int j = 0; j < NB; j++)                                                        \
+            for (int r = 0; r < R; r++) dots[j * R + r] = hsum(acc[j][r]);                  \
+        for (; i < k; i++)                                                                  \
+            for (int j = 0; j < NB; j++) {                                                  \
+                const float wf = to_f32(w, at + (int64_t)j * k + i, w_bf16);                \
+                for (int r = 0; r < R; r++) dots[j * R + r] += wf * x[(int64_t)r * k + i];  \
+            }                                                                               \
     }
 #else
-#define DEFINE_DOTS(R)                                                                      \
-    static void dots_##R(const float *x, int k, const void *w, int64_t at, int w_bf16,      \
-                         float *dots) {                                                     \
-        for (int r = 0; r < R; r++) {                                                       \
-            float acc = 0.0f;                                                               \
-            const float *xr = x + (int64_t)r * k;                                           \
-            if (w_bf16) {                                                                   \
-                _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc +=   \
-                    to_f32(w, at + i, 1) * xr[i];                                           \
-            } else {                                                                        \
-                const float *wr = (const float *)w + at;                                    \
-                _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc +=   \
-                    wr[i] * xr[i];                                                          \
+#define DEFINE_DOTS(R, NB)                                                                  \
+    static void dots_##R##_##NB(const float *x, int k, const void *w, int64_t at,           \
+                                int w_bf16, float *dots) {                                  \
+        for (int j = 0; j < NB; j++)                                                        \
+            for (int r = 0; r < R; r++) {                                                   \
+                float acc = 0.0f;                                                           \
+                const float *xr = x + (int64_t)r * k;                                       \
+                const int64_t row = at + (int64_t)j * k;                                    \
+                if (w_bf16) {                                                               \
+                    _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc += \
+                        to_f32(w, row + i, 1) * xr[i];                                      \
+                } else {                                                                    \
+                    const float *wr = (const float *)w + row;                               \
+                    _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc += \
+                        wr[i] * xr[i];                                                      \
+                }                                                                           \
+                dots[j * R + r] = acc;                                                      \
             }                                                                               \
-            dots[r] = acc;                                                                  \
-        }                                                                                   \
     }
 #endif
 
-DEFINE_DOTS(1)
-DEFINE_DOTS(2)
-DEFINE_DOTS(3)
-DEFINE_DOTS(4)
-DEFINE_DOTS(5)
-DEFINE_DOTS(6)
-DEFINE_DOTS(7)
-DEFINE_DOTS(8)
+/* Weight rows per call for a group of R rows: R x NB accumulators within 8-12 registers. */
+#define NB_OF(R) ((R) == 1 ? 4 : (R) <= 3 ? 3 : (R) <= 4 ? 2 : 1)
+DEFINE_DOTS(1, 4)
+DEFINE_DOTS(2, 3)
+DEFINE_DOTS(3, 3)
+DEFINE_DOTS(4, 2)
+DEFINE_DOTS(5, 1)
+DEFINE_DOTS(6, 1)
+DEFINE_DOTS(7, 1)
+DEFINE_DOTS(8, 1)
+DEFINE_DOTS(1, 1) /* the leftover weight rows of a block */
+DEFINE_DOTS(2, 1)
+DEFINE_DOTS(3, 1)
+DEFINE_DOTS(4, 1)
 
 typedef void (*dots_fn)(const float *, int, const void *, int64_t, int, float *);
-static const dots_fn DOTS[GROUP + 1] = {NULL,   dots_1, dots_2, dots_3, dots_4,
-                                        dots_5, dots_6, dots_7, dots_8};
+static const dots_fn DOTS[GROUP + 1] = {NULL,         dots_1_4,     dots_2_3,
+                                        dots_3_3,     dots_4_2,     dots_5_1,
+                                        dots_6_1,     dots_7_1,     dots_8_1};
+static const dots_fn DOTS_ONE[GROUP + 1] = {NULL,     dots_1_1, dots_2_1, dots_3_1, dots_4_1,
+                                            dots_5_1, dots_6_1, dots_7_1, dots_8_1};
 
 static inline float epilogue(float y, int op, const void *other, int64_t at, int act_bf16) {
     switch (op) {
@@ -158,20 +178,26 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
     const int num_blocks = (n + BLOCK - 1) / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int blk = 0; blk < num_blocks; blk++) {
-        float dots[GROUP];
+        float dots[4 * GROUP];
         const int stop = (blk + 1) * BLOCK < n ? (blk + 1) * BLOCK : n;
         for (int g = 0; g < m; g += GROUP) {
             const int rows = m - g < GROUP ? m - g : GROUP;
             const float *xg = xf + (int64_t)g * k;
-            for (int j = blk * BLOCK; j < stop; j++) {
-                DOTS[rows](xg, k, w, (int64_t)j * k, w_bf16, dots);
-                const float b = bias != NULL ? to_f32(bias, j, w_bf16) : 0.0f;
-                for (int r = 0; r < rows; r++) {
-                    const int64_t row = g + r;
-                    float v = round_to(dots[r] + b, act_bf16);
-                    v = epilogue(v, op, other, row * other_stride + j, act_bf16);
-                    put(y, row * y_stride + j, v, act_bf16);
+            const int nb = NB_OF(rows);
+            for (int j0 = blk * BLOCK; j0 < stop;) {
+                const int step = j0 + nb <= stop ? nb : 1;
+                (step == nb ? DOTS : DOTS_ONE)[rows](xg, k, w, (int64_t)j0 * k, w_bf16, dots);
+                for (int jj = 0; jj < step; jj++) {
+                    const int j = j0 + jj;
+                    const float b = bias != NULL ? to_f32(bias, j, w_bf16) : 0.0f;
+                    for (int r = 0; r < rows; r++) {
+                        const int64_t row = g + r;
+                        float v = round_to(dots[jj * rows + r] + b, act_bf16);
+                        v = epilogue(v, op, other, row * other_stride + j, act_bf16);
+                        put(y, row * y_stride + j, v, act_bf16);
+                    }
                 }
+                j0 += step;
             }
         }
     }

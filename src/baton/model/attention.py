@@ -242,11 +242,11 @@ class Attention(nn.Module):
     def native_weights(self) -> dict[str, torch.Tensor | None] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v, o,
         per-head q/k norms), or None where it cannot (no q/k norm, packed weights)."""
-        if self._qkv is None or self._qk_norm is None or self._qkv.weight is None:
+        if self._qkv is None or self._qk_norm is None or self._qkv.matrix is None:
             return None
         return {
-            "qkv": self._qkv.weight, "qkv_bias": self._qkv.bias, "qk_norm": self._qk_norm[0],
-            "o": self._o.weight, "o_bias": self._o.bias,
+            "qkv": self._qkv.matrix, "qkv_bias": self._qkv.matrix_bias,
+            "qk_norm": self._qk_norm[0], "o": self._o.matrix, "o_bias": self._o.matrix_bias,
         }  # fmt: skip
 
     def forward(

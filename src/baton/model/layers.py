@@ -31,8 +31,9 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
-FEW_ROWS_MIN_WEIGHT = 1 << 18
-"""Weights of at least this many elements (1 MiB in fp32) take ``linear_rows`` for few rows."""
+FEW_ROWS_MIN_WEIGHT = 1 << 17
+"""Weights of at least this many elements (512 KiB in fp32; the draft's projection of the bundled
+model is one) take ``linear_rows`` for few rows."""
 
 
 class FrozenLinear:
@@ -55,13 +56,33 @@ class FrozenLinear:
         )
         self.weight = None if self.packed is not None else weight
         self._post = PACKED_ACTIVATIONS[activation]
+        self.matrix, self.matrix_bias = self._narrowed()
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
         self._few_rows = (
-            self.weight is not None
-            and self.weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            self.matrix is not None
+            and self.matrix.numel() >= FEW_ROWS_MIN_WEIGHT
             and native_layers_enabled()
         )
+
+    def _narrowed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """What the native kernels read (``matrix``, and its bias): the weight, or -- an fp32
+        weight whose every value is a bf16 value, as a bf16 checkpoint loaded in fp32 is --
+        a bf16 copy: the same numbers in half the bytes, and a small step is a pass over its
+        weights. NOTE: the copy is memory beside the weight, which BLAS still reads for
+        large steps."""
+        weight, bias = self.weight, self.bias
+        if weight is None or weight.dtype != torch.float32 or not native_layers_enabled():
+            return weight, bias
+        narrow = weight.to(torch.bfloat16)
+        if not torch.equal(narrow.float(), weight):
+            return weight, bias
+        if bias is not None:
+            narrow_bias = bias.to(torch.bfloat16)
+            if not torch.equal(narrow_bias.float(), bias):
+                return weight, bias
+            return narrow, narrow_bias
+        return narrow, None
         # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
         # per call, and a decode step makes ~50 of these calls.
         self._unary = torch.ops.mkldnn._linear_pointwise.default
@@ -72,7 +93,7 @@ class FrozenLinear:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
         if self._few_rows:
-            y = linear_rows(x, self.weight, self.bias, ACTIVATIONS[self.activation])
+            y = linear_rows(x, self.matrix, self.matrix_bias, ACTIVATIONS[self.activation])
             if y is not None:
                 return y
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
@@ -91,7 +112,7 @@ class FrozenLinear:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
         if self._few_rows:
             epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
-            y = linear_rows(x, self.weight, self.bias, epilogue, other)
+            y = linear_rows(x, self.matrix, self.matrix_bias, epilogue, other)
             if y is not None:
                 return y
         y = self(x)
@@ -219,11 +240,11 @@ class GatedMLP(nn.Module):
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads, or None
         where it cannot (packed weights)."""
         linears = {"gate": self._gate, "up": self._up, "down": self._down}
-        if any(f is None or f.weight is None for f in linears.values()):
+        if any(f is None or f.matrix is None for f in linears.values()):
             return None
         return {
-            **{name: f.weight for name, f in linears.items()},
-            **{f"{name}_bias": f.bias for name, f in linears.items()},
+            **{name: f.matrix for name, f in linears.items()},
+            **{f"{name}_bias": f.matrix_bias for name, f in linears.items()},
         }
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
