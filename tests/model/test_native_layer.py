@@ -113,3 +113,16 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, mo
     tol = dict(rel=1e-4, abs=1e-3) if dtype == "float32" else dict(rel=5e-2, abs=0.5)
     for (_, got, _), (_, want, _) in zip(fused, reference, strict=True):
         assert got == pytest.approx(want, **tol)
+
+
+def test_an_fp32_weight_of_bf16_values_is_read_as_bf16_with_the_same_results():
+    from baton.model.layers import FrozenLinear
+
+    g = torch.Generator().manual_seed(1)
+    exact = torch.randn(512, 256, generator=g).bfloat16().float()  # a bf16 checkpoint in fp32
+    inexact = exact + 1e-7 * torch.randn(512, 256, generator=g)
+    narrowed, kept = FrozenLinear(exact), FrozenLinear(inexact)
+    assert narrowed.matrix.dtype == torch.bfloat16 and kept.matrix is kept.weight
+    x = torch.randn(1, 4, 256, generator=g)
+    torch.testing.assert_close(narrowed(x), F.linear(x, exact), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept(x), F.linear(x, inexact), rtol=1e-5, atol=1e-5)
