@@ -163,7 +163,8 @@ async def _one(
     last: float | None = None
     counts: list[int | None] = []
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp = await _send(client, body)
+        try:
             record.handoff = _handoff_kind(resp.headers.get("x-baton-handoff"))
             if resp.status_code != 200:
                 raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()}")
@@ -188,6 +189,8 @@ async def _one(
                     record.chunk_itl_s.append(now - last)
                     counts.append(n)
                 last = now
+        finally:
+            await resp.aclose()
         record.e2e_s = time.perf_counter() - sent
     except Exception as exc:  # one failed request is a result, not the end of the run
         record.error = f"{type(exc).__name__}: {exc}"
@@ -199,6 +202,26 @@ async def _one(
         record.output_tokens = record.output_tokens or 1 + sum(record.tokens_per_chunk)
     elif record.output_tokens == len(counts) + 1:  # one token per chunk
         record.tokens_per_chunk = [1] * len(counts)
+
+
+async def _send(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    """POST ``body`` and return the streaming response (the caller closes it).
+
+    NOTE: a server may close a kept-alive connection just as the client reuses it for the next
+    request (llama-server does, every few requests). Then, as browsers and urllib3 do, the
+    request is sent once more (httpx has dropped the dead connection). Only that case is retried
+    -- no response at all, ``RemoteProtocolError`` before the status line -- and only once; the
+    time of the failed attempt counts in the request's latency.
+    """
+    try:
+        return await _post(client, body)
+    except httpx.RemoteProtocolError:
+        return await _post(client, body)
+
+
+async def _post(client: httpx.AsyncClient, body: dict[str, Any]) -> httpx.Response:
+    request = client.build_request("POST", "/v1/completions", json=body)
+    return await client.send(request, stream=True)
 
 
 def _handoff_kind(header: str | None) -> str | None:

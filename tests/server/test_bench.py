@@ -74,3 +74,40 @@ def test_bench_shared_prefix_workload_reports_cached_tokens(server, text_model_d
     assert summary["total_cached_tokens"] == sum(cached)
     with pytest.raises(ValueError, match="shared_prefix_tokens"):
         BenchConfig(prompt_tokens=(8, 16), shared_prefix_tokens=8)
+
+
+@pytest.mark.parametrize("num_disconnects", [1, 2])
+def test_request_resent_once_when_a_kept_alive_connection_was_closed(num_disconnects):
+    """A server that closes a reused connection without answering (llama-server's keep-alive
+    race): the request is sent once more; a second disconnect is the request's error."""
+    import asyncio
+
+    import httpx
+
+    from baton.bench import _one
+
+    calls = []
+    sse = [{"choices": [{"text": t, "finish_reason": None}]} for t in ("a", "b")]
+    sse.append({"choices": [{"text": "", "finish_reason": "length"}],
+                "usage": {"completion_tokens": 2, "prompt_tokens": 2}})  # fmt: skip
+    stream = "".join(f"data: {json.dumps(c)}\n\n" for c in sse) + "data: [DONE]\n\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(request.content)["prompt"])
+        if len(calls) <= num_disconnects:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, text=stream, headers={"content-type": "text/event-stream"})
+
+    async def send() -> RequestRecord:
+        record = RequestRecord(0, prompt_tokens=2, max_tokens=2)
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://peer") as client:
+            await _one(client, BenchConfig(), record, [5, 6], 0.0)
+        return record
+
+    record = asyncio.run(send())
+    assert calls == [[5, 6], [5, 6]]
+    if num_disconnects == 1:
+        assert record.ok and record.output_tokens == 2 and record.tokens_per_chunk == [1]
+    else:
+        assert record.error.startswith("RemoteProtocolError")

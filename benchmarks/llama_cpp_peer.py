@@ -1,0 +1,493 @@
+"""Benchmark: baton against llama.cpp on the bundled model, on this CPU.
+
+Everything comes from a package registry (no model hub, no git): llama.cpp's sources are the
+copy that the PyPI sdist of ``llama-cpp-python`` vendors (``vendor/llama.cpp``), fetched with
+``pip download`` into ``~/.cache/baton/llama.cpp`` (``$BATON_LLAMA_CPP_CACHE``), built there
+once with cmake (``llama-bench``, ``llama-server``; Release, ``GGML_NATIVE=ON``, no curl, no
+OpenSSL, no web UI; ``nice -n 10``) and reused by later runs. The bundled model is converted
+to GGUF (f32 and bf16) by the vendored ``convert_hf_to_gguf.py``, its ``gguf-py`` on the path:
+nothing is installed.
+
+NOTE: two conversion workarounds, both applied by a shim around the converter (nothing is
+edited in llama.cpp): (1) Qwen's ``set_vocab`` tries SentencePiece first and falls back to
+BPE only on ``FileNotFoundError``; without the ``sentencepiece`` package the import fails
+first, so the shim raises the ``FileNotFoundError`` itself when there is no
+``tokenizer.model`` (what the converter does with the package installed). (2) The converter
+knows BPE pre-tokenizers by a hash of a test string's tokens; the bundled tokenizer (trained
+here) is unknown to it, so the shim answers ``gpt-2``, which is what it is: byte-level BPE
+with the GPT-2 split regex (``ByteLevel(use_regex=True)``) and no normalizer. The serving
+part checks this: llama-server's ``/tokenize`` against baton's tokenizer on held-out code.
+
+NOTE: the bundled model's even layers use a 128-token sliding window; llama.cpp's ``qwen3``
+architecture ignores it and attends to the whole context on every layer, so its outputs past
+128 tokens differ from the model's (a speed comparison, not a parity one), and its sliding
+layers do more attention work than baton's: at these lengths (<= 640 tokens) and this size
+attention is a small part of a step, so this favours baton by a few percent at most.
+
+Measured in one run, the CPU printed first (``benchmarks/common.py``):
+
+1. ``llama-bench``: pp512 and tg128 tok/s (threads = usable cores), f32 and bf16, plus tg128
+   after a 128-token context (``-d 128``), the context baton's decode figure has; llama.cpp's
+   defaults otherwise (f16 K/V cache, flash attention ``auto``, its weight repacking).
+2. baton offline, batch 1 (``benchmarks/offline.py``'s ``bench_batch1``: a 128-token prompt,
+   128 new tokens, greedy, ``ignore_eos``), plain and with its MTP draft, and a 512-token
+   prefill; ratios baton / llama.cpp.
+3. Serving: ``llama-server`` (continuous batching, ``--parallel 8``) and ``baton serve``
+   (colocated, defaults: MTP draft on), one after the other, each driven by ``baton bench``
+   at concurrency 1 and 8 (128-token prompts, 128 output tokens, ``ignore_eos``, greedy; the
+   request count sized from a warm-up for about ``--cell-seconds`` per cell): output tok/s,
+   TTFT p50, TPOT p50, chunk ITL p50/p99 (with MTP one chunk may carry several tokens), and
+   ratios baton / llama-server.
+
+Usage::
+
+    python benchmarks/llama_cpp_peer.py [--threads N] [--quick] [--skip-llama-bench]
+        [--skip-baton] [--skip-serving] [--skip-bf16] [--skip-build-check] [--build-only]
+        [--cell-seconds S] [--out benchmarks/results/llama_cpp_peer.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from common import machine_facts, resolve_dtype_arg
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = REPO / "models" / "baton-stdlib-qwen3"
+LLAMA_CPP_PYTHON = "0.3.36"
+"""The ``llama-cpp-python`` sdist whose ``vendor/llama.cpp`` is built."""
+CACHE = Path(os.environ.get("BATON_LLAMA_CPP_CACHE", Path.home() / ".cache/baton/llama.cpp"))
+BINARIES = ("llama-bench", "llama-server")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+)  # fmt: skip
+
+
+def run(cmd: list[str], shown: str | None = None, **kw) -> subprocess.CompletedProcess:
+    """Run ``cmd`` (printed first, or ``shown`` in its place); exit on failure."""
+    print("$ " + (shown or shlex.join(cmd)), flush=True)
+    try:
+        return subprocess.run(cmd, check=True, **kw)
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"failed ({exc.returncode}): {cmd[0]}\n{exc.stderr or ''}") from None
+
+
+# -- llama.cpp: sources, build, GGUF -------------------------------------------------------------
+def llama_cpp_sources() -> Path:
+    """``vendor/llama.cpp`` of the pinned sdist, downloaded and unpacked once."""
+    src = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    if (src / "CMakeLists.txt").is_file():
+        return src
+    CACHE.mkdir(parents=True, exist_ok=True)
+    sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+    if not sdist.is_file():
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(CACHE)])  # fmt: skip
+    with tarfile.open(sdist) as tar:
+        tar.extractall(CACHE, filter="data")
+    return src
+
+
+def build(src: Path, jobs: int, check: bool) -> dict:
+    """Build the binaries once; a stamp keeps the flags and how long the build took."""
+    build_dir = CACHE / f"build-{LLAMA_CPP_PYTHON}"
+    stamp_path = build_dir / "baton-build.json"
+    bins = [build_dir / "bin" / name for name in BINARIES]
+    if stamp_path.is_file() and all(b.is_file() for b in bins):
+        stamp = json.loads(stamp_path.read_text())
+        if not check or stamp.get("cmake_flags") == list(CMAKE_FLAGS):
+            return stamp | {"cached": True}
+    nice = ["nice", "-n", "10"]
+    start = time.perf_counter()
+    run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS])
+    run([*nice, "cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *BINARIES])
+    stamp = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "cmake_flags": list(CMAKE_FLAGS),
+        "jobs": jobs,
+        "build_seconds": time.perf_counter() - start,
+        "bin_dir": str(build_dir / "bin"),
+    }
+    stamp_path.write_text(json.dumps(stamp, indent=2))
+    return stamp | {"cached": False}
+
+
+CONVERT_SHIM = """
+import runpy, sys
+from pathlib import Path
+src = Path(sys.argv.pop(1))
+sys.path[:0] = [str(src), str(src / "gguf-py")]
+from conversion import base
+create_sp, vocab_pre = base.TextModel._create_vocab_sentencepiece, base.TextModel.get_vocab_base_pre
+def no_sentencepiece(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(self.dir_model / "tokenizer.model")
+    return create_sp(self)
+def gpt2_pre(self, tokenizer):
+    try:
+        return vocab_pre(self, tokenizer)
+    except NotImplementedError:
+        print("llama_cpp_peer shim: unknown BPE pre-tokenizer, using gpt-2", file=sys.stderr)
+        return "gpt-2"
+base.TextModel._create_vocab_sentencepiece = no_sentencepiece
+base.TextModel.get_vocab_base_pre = gpt2_pre
+sys.argv[0] = str(src / "convert_hf_to_gguf.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+"""Runs the vendored converter with the two workarounds of the module docstring."""
+
+
+def convert(src: Path, model_dir: Path, outtype: str) -> Path:
+    """The model as GGUF of ``outtype``, converted once per checkpoint version."""
+    weights = model_dir / "model.safetensors"
+    key = f"{weights.stat().st_size}-{int(weights.stat().st_mtime)}"
+    out = CACHE / "gguf" / f"{model_dir.name}-{key}-{outtype}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        args = [str(src), str(model_dir), "--outtype", outtype, "--outfile", str(out)]
+        shown = shlex.join([sys.executable, "-c", "<CONVERT_SHIM of this script>", *args])
+        run([sys.executable, "-c", CONVERT_SHIM, *args], shown, capture_output=True, text=True)
+    return out
+
+
+# -- 1. llama-bench ------------------------------------------------------------------------------
+def llama_bench(bin_dir: Path, gguf: Path, threads: int, sizes: dict) -> dict:
+    """pp/tg tok/s (mean and stddev over the repetitions) of one GGUF."""
+    common = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-o", "json"]
+    common += ["-r", str(sizes["bench_repeats"])]
+    pp, tg = sizes["pp_tokens"], sizes["tg_tokens"]
+    rows = []
+    for extra in (
+        ["-p", str(pp), "-n", str(tg)],
+        ["-p", "0", "-n", str(tg), "-d", str(sizes["tg_depth"])],
+    ):
+        out = run([*common, *extra], capture_output=True, text=True).stdout
+        rows += json.loads(out)
+    result = {"build_commit": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info")}
+    for row in rows:
+        kind = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
+        name = kind + (f"@d{row['n_depth']}" if row.get("n_depth") else "")
+        result[name] = {"tokens_per_s": row["avg_ts"], "stddev": row["stddev_ts"]}
+    return result
+
+
+# -- 2. baton offline, batch 1 -------------------------------------------------------------------
+def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
+    """``offline.py``'s batch-1 figure, plain and with the MTP draft, and a prefill."""
+    import gc
+
+    import offline
+    import torch
+
+    torch.set_num_threads(threads)
+    args = argparse.Namespace(dtype=dtype, threads=threads)
+    n_new, n_pp = sizes["new_tokens"], sizes["pp_tokens"]
+    stream, source = offline.token_stream(MODEL, 4096, sizes["prompt_tokens"] + n_pp)
+    prompt, long_prompt = stream[: sizes["prompt_tokens"]], stream[sizes["prompt_tokens"] :]
+    result: dict = {"prompts": source, "dtype": dtype}
+    with torch.inference_mode():
+        for name, speculative in (("plain", False), ("mtp", True)):
+            llm = offline.new_llm(MODEL, args, n_pp + n_new, speculative=speculative)
+            result[name] = offline.bench_batch1(llm, None, prompt, n_new, sizes["repeats"])
+            if name == "plain":
+                runs = {"pp": lambda llm=llm: offline.baton_generate(llm, [long_prompt], [1])}
+                result[f"prefill{n_pp}_tokens_per_s"] = (
+                    n_pp / offline.medians(runs, sizes["repeats"])["pp"]
+                )
+            del llm
+            gc.collect()
+    return result
+
+
+# -- 3. serving ----------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(cmd: list[str], log: Path, url: str, timeout_s: float = 300) -> subprocess.Popen:
+    """Start ``cmd`` in its own process group; return once ``/health`` answers 200."""
+    import httpx
+
+    print("$ " + shlex.join(cmd), flush=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"{cmd[0]} exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+                )
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return proc
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{cmd[0]} not healthy in {timeout_s:.0f} s:\n{log.read_text()[-3000:]}")
+    except BaseException:
+        stop_server(proc)
+        raise
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group, SIGKILL after 15 s and to whatever is left."""
+    with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(15)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def tokenizer_check(url: str) -> dict:
+    """llama-server's tokenisation of held-out code against baton's (the GGUF's vocabulary)."""
+    import httpx
+
+    from baton.corpus import held_out_texts
+    from baton.tokenizer import Tokenizer
+
+    text = next(iter(held_out_texts()))[:4000]
+    theirs = httpx.post(f"{url}/tokenize", json={"content": text}, timeout=30).json()["tokens"]
+    ours = Tokenizer.from_dir(MODEL).encode(text, add_special_tokens=False)
+    pairs = enumerate(zip(ours, theirs, strict=False))
+    same = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+    return {"num_tokens": len(ours), "llama_num_tokens": len(theirs), "leading_equal": same,
+            "equal": ours == theirs}  # fmt: skip
+
+
+def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
+    """``baton bench`` at each concurrency: a warm-up sizes the timed run to ~cell_seconds."""
+    from baton.bench import BenchConfig, run_bench
+
+    cells = {}
+    for concurrency in sizes["concurrency"]:
+
+        def config(num_requests: int, seed: int, concurrency: int = concurrency) -> BenchConfig:
+            return BenchConfig(
+                url=url, tokenizer_dir=str(MODEL), num_requests=num_requests,
+                concurrency=concurrency, prompt_tokens=(sizes["serve_prompt_tokens"],) * 2,
+                output_tokens=(sizes["serve_output_tokens"],) * 2, seed=seed,
+            )  # fmt: skip
+
+        # NOTE: a seed per run, so that no prompt repeats across runs: both servers keep
+        # earlier prompts cached (llama-server in its slots and its RAM prompt cache).
+        warm = run_bench(config(2 * concurrency, 2 * concurrency + 1), show_progress=False)
+        rate = warm["summary"]["request_throughput"]
+        n = max(2 * concurrency, round(cell_seconds * rate))
+        n = -(-n // concurrency) * concurrency  # whole waves
+        s = run_bench(config(n, 2 * concurrency), show_progress=False)["summary"]
+        if s["num_failed"]:
+            print(f"  WARNING: {s['num_failed']} of {n} requests failed: {s['first_error']}")
+        ms = lambda st, p: None if st is None else st[p] * 1e3  # noqa: E731
+        cells[str(concurrency)] = {
+            "num_requests": n, "num_failed": s["num_failed"], "duration_s": s["duration_s"],
+            "output_tokens_per_s": s["output_token_throughput"],
+            "ttft_p50_ms": ms(s["ttft_s"], "p50"), "tpot_p50_ms": ms(s["tpot_s"], "p50"),
+            "itl_chunk_p50_ms": ms(s["itl_chunk_s"], "p50"),
+            "itl_chunk_p99_ms": ms(s["itl_chunk_s"], "p99"),
+            "tokens_per_chunk_mean": s["tokens_per_chunk_mean"],
+            "acceptance_length_mean": s.get("acceptance_length_mean"),
+            "total_output_tokens": s["total_output_tokens"],
+            "total_cached_tokens": s["total_cached_tokens"],
+        }  # fmt: skip
+        tok_s = cells[str(concurrency)]["output_tokens_per_s"]
+        print(f"  concurrency {concurrency}: {n} requests, {tok_s:.1f} output tok/s", flush=True)
+    return cells
+
+
+def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: float,
+            log_dir: Path) -> dict:  # fmt: skip
+    """llama-server, then baton serve (never both at once), each through ``bench_cells``."""
+    slots = max(sizes["concurrency"])
+    ctx_per_slot = 2 * (sizes["serve_prompt_tokens"] + sizes["serve_output_tokens"])
+    servers = {
+        "llama_server": [
+            str(bin_dir / "llama-server"), "-m", str(gguf), "--alias", MODEL.name,
+            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
+            "--cont-batching", "-c", str(slots * ctx_per_slot), "--metrics",
+        ],
+        "baton": [
+            sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL),
+            "--threads", str(threads),
+        ],
+    }  # fmt: skip
+    result: dict = {"gguf": gguf.name, "commands": {}}
+    for name, cmd in servers.items():
+        port = free_port()
+        cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
+        result["commands"][name] = shlex.join(cmd)
+        url = f"http://127.0.0.1:{port}"
+        print(f"serving: {name}", flush=True)
+        proc = start_server(cmd, log_dir / f"llama_cpp_peer.{name}.log", url)
+        try:
+            if name == "llama_server":
+                result["tokenizer_check"] = tokenizer_check(url)
+            result[name] = bench_cells(url, sizes, cell_seconds)
+        finally:
+            stop_server(proc)
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------
+FULL = dict(
+    pp_tokens=512, tg_tokens=128, tg_depth=128, bench_repeats=5, prompt_tokens=128,
+    new_tokens=128, repeats=3, concurrency=(1, 8), serve_prompt_tokens=128,
+    serve_output_tokens=128, cell_seconds=25.0,
+)  # fmt: skip
+QUICK = FULL | dict(
+    pp_tokens=64, tg_tokens=16, tg_depth=32, bench_repeats=1, prompt_tokens=32, new_tokens=16,
+    repeats=1, serve_prompt_tokens=32, serve_output_tokens=16, cell_seconds=3.0,
+)  # fmt: skip
+"""Development sizes: the numbers mean nothing."""
+
+
+def ratios(r: dict, sizes: dict) -> dict:
+    """baton / llama.cpp: > 1 means baton is faster for tok/s, slower for latencies."""
+    out: dict = {}
+    gguf_dtype = "bf16" if r.get("baton_batch1", {}).get("dtype") == "bfloat16" else "f32"
+    bench, b1 = r.get("llama_bench", {}).get(gguf_dtype), r.get("baton_batch1")
+    if bench and b1:
+        tg = bench[f"tg{sizes['tg_tokens']}@d{sizes['tg_depth']}"]["tokens_per_s"]
+        out["llama_bench_dtype"] = gguf_dtype
+        for mode in ("plain", "mtp"):
+            out[f"batch1_{mode}_decode_vs_tg"] = b1[mode]["baton_decode_only_tokens_per_s"] / tg
+        pp = bench[f"pp{sizes['pp_tokens']}"]["tokens_per_s"]
+        out["prefill_vs_pp"] = b1[f"prefill{sizes['pp_tokens']}_tokens_per_s"] / pp
+    serve = r.get("serving")
+    if serve:
+        for c, ours in serve["baton"].items():
+            theirs = serve["llama_server"][c]
+            out[f"serving_c{c}"] = {
+                k: ours[k] / theirs[k]
+                for k in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms",
+                          "itl_chunk_p50_ms", "itl_chunk_p99_ms")
+                if ours[k] and theirs[k]
+            }  # fmt: skip
+    return out
+
+
+def print_report(r: dict, sizes: dict) -> None:
+    m = r["machine"]
+    load = f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
+    print(f"\nCPU: {m['cpu']}, {m['threads']} threads; 1-minute load average {load} "
+          "(other work on the machine makes every figure noisy)")  # fmt: skip
+    if b := r.get("build"):
+        how = "cached" if b["cached"] else "built now"
+        print(f"llama.cpp {b['llama_cpp_python']} (llama-cpp-python sdist), {how}; "
+              f"build took {b['build_seconds']:.0f} s")  # fmt: skip
+    pp, tg, d = f"pp{sizes['pp_tokens']}", f"tg{sizes['tg_tokens']}", sizes["tg_depth"]
+    for dtype, row in r.get("llama_bench", {}).items():
+        cells = ", ".join(f"{k} {row[k]['tokens_per_s']:.1f} +- {row[k]['stddev']:.1f}"
+                          for k in (pp, tg, f"{tg}@d{d}"))  # fmt: skip
+        print(f"llama-bench {dtype}: {cells} tok/s")
+    if b1 := r.get("baton_batch1"):
+        prefill = b1[f"prefill{sizes['pp_tokens']}_tokens_per_s"]
+        print(f"baton batch 1 ({b1['dtype']}; {sizes['prompt_tokens']}-token prompt, "
+              f"{sizes['new_tokens']} new): prefill {sizes['pp_tokens']} "
+              f"{prefill:.1f} tok/s")  # fmt: skip
+        for mode in ("plain", "mtp"):
+            m = b1[mode]
+            print(f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
+                  f"{m['baton_decode_only_tokens_per_s']:.1f} decode only")  # fmt: skip
+    if s := r.get("serving"):
+        print(f"serving ({sizes['serve_prompt_tokens']}-token prompts, "
+              f"{sizes['serve_output_tokens']} output tokens; ms; tokenizer check: "
+              f"{s['tokenizer_check']})")  # fmt: skip
+        keys = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_chunk_p50_ms",
+                "itl_chunk_p99_ms", "num_requests")  # fmt: skip
+        print(f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+              f"{'ITL p50':>9}{'ITL p99':>9}{'reqs':>6}")  # fmt: skip
+        for name in ("llama_server", "baton"):
+            for c, cell in s[name].items():
+                vals = "".join(
+                    f"{cell[k]:>{w}.1f}" if cell[k] is not None else f"{'-':>{w}}"
+                    for k, w in zip(keys[:-1], (11, 10, 10, 9, 9), strict=True)
+                )
+                print(f"{name:<14}{c:>5}{vals}{cell['num_requests']:>6}")
+    print("ratios baton / llama.cpp (tok/s: > 1 baton faster; latencies: < 1 baton faster):")
+    for k, v in r["ratios"].items():
+        shown = {a: round(b, 2) for a, b in v.items()} if isinstance(v, dict) else v
+        print(f"  {k}: {shown if not isinstance(shown, float) else f'{shown:.2f}'}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="threads for every side (default: usable cores)")  # fmt: skip
+    p.add_argument("--quick", action="store_true", help="tiny sizes, for development")
+    p.add_argument("--cell-seconds", type=float, help="target length of a serving cell")
+    p.add_argument("--skip-llama-bench", action="store_true")
+    p.add_argument("--skip-baton", action="store_true", help="skip baton's offline batch 1")
+    p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--skip-bf16", action="store_true", help="f32 GGUF only")
+    p.add_argument("--skip-build-check", action="store_true",
+                   help="use cached binaries even if built with other cmake flags")  # fmt: skip
+    p.add_argument("--build-only", action="store_true", help="fetch, build, convert; then stop")
+    p.add_argument("--out", type=Path,
+                   default=REPO / "benchmarks" / "results" / "llama_cpp_peer.json")  # fmt: skip
+    args = p.parse_args()
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    sizes = QUICK if args.quick else FULL
+    if args.cell_seconds is not None:
+        sizes = sizes | {"cell_seconds": args.cell_seconds}
+    dtype = resolve_dtype_arg("auto")  # prints the platform line; baton serve's auto too
+    src = llama_cpp_sources()
+    build_info = build(src, args.threads, check=not args.skip_build_check)
+    bin_dir = Path(build_info["bin_dir"])
+    ggufs = {t: convert(src, MODEL, t) for t in ("f32",) + (() if args.skip_bf16 else ("bf16",))}
+    if args.build_only:
+        print(f"binaries in {bin_dir}; GGUF: {', '.join(map(str, ggufs.values()))}")
+        return 0
+    r: dict = {
+        "machine": machine_facts(dtype, threads=args.threads, loadavg_start=os.getloadavg()),
+        "settings": {**sizes, "quick": args.quick},
+        "build": build_info,
+        "gguf": {t: str(g) for t, g in ggufs.items()},
+    }
+    if not args.skip_llama_bench:
+        r["llama_bench"] = {
+            t: llama_bench(bin_dir, g, args.threads, sizes) for t, g in ggufs.items()
+        }
+    if not args.skip_baton:
+        r["baton_batch1"] = baton_batch1(args.threads, dtype, sizes)
+    if not args.skip_serving:
+        gguf = ggufs["bf16" if dtype == "bfloat16" else "f32"]
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        r["serving"] = serving(
+            bin_dir, gguf, args.threads, sizes, sizes["cell_seconds"], args.out.parent
+        )
+    r["machine"]["loadavg_end"] = os.getloadavg()
+    r["ratios"] = ratios(r, sizes)
+    print_report(r, sizes)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(r, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
