@@ -200,7 +200,11 @@ def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
     result: dict = {"prompts": source, "dtype": dtype}
     with torch.inference_mode():
         for name, speculative in (("plain", False), ("mtp", True)):
-            llm = offline.new_llm(MODEL, args, n_pp + n_new, speculative=speculative)
+            # NOTE: no prefix caching: every timed run repeats its prompt, and llama-bench
+            # computes every prompt afresh.
+            llm = offline.new_llm(
+                MODEL, args, n_pp + n_new, speculative=speculative, enable_prefix_caching=False
+            )
             result[name] = offline.bench_batch1(llm, None, prompt, n_new, sizes["repeats"])
             if name == "plain":
                 runs = {"pp": lambda llm=llm: offline.baton_generate(llm, [long_prompt], [1])}
