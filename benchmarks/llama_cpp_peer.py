@@ -43,7 +43,7 @@ Usage::
 
     python benchmarks/llama_cpp_peer.py [--threads N] [--quick] [--skip-llama-bench]
         [--skip-baton] [--skip-serving] [--skip-bf16] [--skip-build-check] [--build-only]
-        [--cell-seconds S] [--out benchmarks/results/llama_cpp_peer.json]
+        [--serve-threads N] [--cell-seconds S] [--out benchmarks/results/llama_cpp_peer.json]
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
             "--threads", str(threads),
         ],
     }  # fmt: skip
-    result: dict = {"gguf": gguf.name, "commands": {}}
+    result: dict = {"gguf": gguf.name, "threads": threads, "commands": {}}
     for name, cmd in servers.items():
         port = free_port()
         cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
@@ -410,7 +410,7 @@ def print_report(r: dict, sizes: dict) -> None:
             print(f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
                   f"{m['baton_decode_only_tokens_per_s']:.1f} decode only")  # fmt: skip
     if s := r.get("serving"):
-        print(f"serving ({sizes['serve_prompt_tokens']}-token prompts, "
+        print(f"serving ({s['threads']} threads, {sizes['serve_prompt_tokens']}-token prompts, "
               f"{sizes['serve_output_tokens']} output tokens; ms; tokenizer check: "
               f"{s['tokenizer_check']})")  # fmt: skip
         keys = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_chunk_p50_ms",
@@ -441,6 +441,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--skip-llama-bench", action="store_true")
     p.add_argument("--skip-baton", action="store_true", help="skip baton's offline batch 1")
     p.add_argument("--skip-serving", action="store_true")
+    p.add_argument("--serve-threads", type=int,
+                   help="threads of both servers (default: --threads); the bench client and "
+                   "the servers' HTTP threads share the same cores")  # fmt: skip
     p.add_argument("--skip-bf16", action="store_true", help="f32 GGUF only")
     p.add_argument("--skip-build-check", action="store_true",
                    help="use cached binaries even if built with other cmake flags")  # fmt: skip
@@ -448,8 +451,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path,
                    default=REPO / "benchmarks" / "results" / "llama_cpp_peer.json")  # fmt: skip
     args = p.parse_args()
-    if args.threads < 1:
-        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.threads < 1 or (args.serve_threads is not None and args.serve_threads < 1):
+        p.error(f"--threads and --serve-threads must be >= 1, got {args.threads}, "
+                f"{args.serve_threads}")  # fmt: skip
     return args
 
 
@@ -482,7 +486,12 @@ def main() -> int:
         gguf = ggufs["bf16" if dtype == "bfloat16" else "f32"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         r["serving"] = serving(
-            bin_dir, gguf, args.threads, sizes, sizes["cell_seconds"], args.out.parent
+            bin_dir,
+            gguf,
+            args.serve_threads or args.threads,
+            sizes,
+            sizes["cell_seconds"],
+            args.out.parent,
         )
     r["machine"]["loadavg_end"] = os.getloadavg()
     r["ratios"] = ratios(r, sizes)
