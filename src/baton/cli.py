@@ -64,6 +64,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     options = {"dtype": args.dtype, "num_threads": args.threads}
+    if args.small_step_threads:
+        options["small_step_threads"] = args.small_step_threads
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
     if args.no_prefix_caching:

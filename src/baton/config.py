@@ -161,6 +161,12 @@ class EngineConfig:
     ``bfloat16`` as given; None keeps the checkpoint's dtype."""
     num_threads: int | None = None
     """torch intra-op threads; None leaves torch's default."""
+    small_step_threads: int | None = None
+    """Threads of a small step's native calls (decode, verification: ``baton.kernels.layer``
+    and ``linear``); None: ``num_threads``. A server's engine shares its cores with its HTTP
+    side and often its clients, whose wake-ups stall a parallel region that waits for every
+    thread: ``baton serve`` defaults to 1 (``benchmarks/llama_cpp_peer.py``; 2 cores:
+    concurrency 1 served 1.35-1.7x faster, concurrency 8 1.1x)."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None

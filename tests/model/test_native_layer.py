@@ -126,3 +126,19 @@ def test_an_fp32_weight_of_bf16_values_is_read_as_bf16_with_the_same_results():
     x = torch.randn(1, 4, 256, generator=g)
     torch.testing.assert_close(narrowed(x), F.linear(x, exact), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kept(x), F.linear(x, inexact), rtol=1e-5, atol=1e-5)
+
+
+def test_small_step_threads_come_from_the_engine_config():
+    import baton.kernels as kernels
+    from baton.config import EngineConfig
+    from baton.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="small_step_threads must be positive, got 0"):
+        kernels.set_small_step_threads(0)
+    try:
+        LLMEngine(BUNDLED, EngineConfig.from_kwargs(num_threads=2, small_step_threads=1))
+        assert kernels.small_step_threads() == 1
+        LLMEngine(BUNDLED, EngineConfig.from_kwargs(num_threads=2))
+        assert kernels.small_step_threads() == torch.get_num_threads() == 2
+    finally:
+        kernels.set_small_step_threads(None)

@@ -250,17 +250,22 @@ def test_engine_switches_reach_every_worker_as_given():
     from baton.launch import _serve_args
 
     argv = ["serve", "--dtype", "float32", "--no-speculative", "--num-speculative-tokens", "2",
-            "--no-prefix-caching", "--sliding-mode", "ring"]  # fmt: skip
+            "--no-prefix-caching", "--sliding-mode", "ring",
+            "--small-step-threads", "2"]  # fmt: skip
     options = _engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.speculative is False and config.num_speculative_tokens == 2
     assert config.cache.enable_prefix_caching is False
     assert config.cache.sliding_mode == "ring"
+    assert config.small_step_threads == 2
     child = build_parser().parse_args(["serve", *_serve_args("m", options, None)])
     assert _engine_options(child) == options
     default = _engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
     assert "sliding_mode" not in default
+    assert default["small_step_threads"] == 1  # a server's small steps run on one thread
+    as_torch = _engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
+    assert "small_step_threads" not in as_torch
 
 
 def test_launch_passes_the_local_prefill_flags_to_its_decodes():

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from baton import platform
+from baton import kernels, platform
 from baton.config import EngineConfig
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.handoff import Handoff
@@ -93,6 +93,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        kernels.set_small_step_threads(config.small_step_threads)
         self.model = load_model(model_dir, config.dtype).fuse_projections()
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).

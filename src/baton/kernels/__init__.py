@@ -93,6 +93,23 @@ def _build(compiler: str, level: str) -> Path:
     return target
 
 
+_small_step_threads: int | None = None
+
+
+def set_small_step_threads(num_threads: int | None) -> None:
+    """Threads of a small step's native calls (``layer.c``, ``linear.c``: decode and
+    verification steps, a pass over the weights); None: torch's intra-op threads. Set by the
+    engine from ``EngineConfig.small_step_threads`` (process-wide, as torch's threads are)."""
+    global _small_step_threads
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"small_step_threads must be positive, got {num_threads}")
+    _small_step_threads = num_threads
+
+
+def small_step_threads() -> int:
+    return _small_step_threads or torch.get_num_threads()
+
+
 def active_level() -> str:
     """The instruction-set level whose build ``library()`` returns (tests replace this to
     run every level the machine executes)."""

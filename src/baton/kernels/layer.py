@@ -15,7 +15,7 @@ import ctypes
 import torch
 
 from baton.config import RuntimeEnv
-from baton.kernels import DTYPES, library
+from baton.kernels import DTYPES, library, small_step_threads
 from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, Epilogue
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
@@ -125,7 +125,7 @@ class NativeLayer:
         step.attn, step.batch, step.k_pool, step.v_pool = attention
         step.tokens = out.shape[0] * out.shape[1]
         step.act_bf16, step.lanes = DTYPES[out.dtype], torch_lanes()
-        step.num_threads = torch.get_num_threads()
+        step.num_threads = small_step_threads()
         status = library().baton_decoder_layer(self._layer_ref, ctypes.byref(step))
         if status != 0:
             raise MemoryError(f"decoder layer kernel: no scratch memory (status {status})")

@@ -13,7 +13,7 @@ from enum import IntEnum
 
 import torch
 
-from baton.kernels import DTYPES, library
+from baton.kernels import DTYPES, library, small_step_threads
 
 MAX_ROWS = 16
 """Above this many rows the BLAS matmul is as fast (measured: ``benchmarks/step_cost.py``)."""
@@ -78,7 +78,7 @@ def linear_rows(
         n,
         DTYPES[x.dtype],
         DTYPES[weight.dtype],
-        torch.get_num_threads(),
+        small_step_threads(),
     )
     if status != 0:
         raise MemoryError(f"linear kernel: no scratch memory for {rows} x {k} (status {status})")
