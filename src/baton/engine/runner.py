@@ -80,10 +80,11 @@ class ModelRunner:
             )
         self.num_computed_tokens += len(input_ids)
         rows = self._rows_read(batch.chunks, segments, len(input_ids))
+        computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
         hidden = self.model(
             torch.tensor([input_ids]),
             torch.tensor([positions]),
-            PagedAttention(self.cache, segments),
+            PagedAttention(self.cache, segments, native_layers=not computes_prompt),
             rows,
         )[0]  # [N, H], or [len(rows), H]
         if rows is not None:  # back in place: the rows nothing reads stay zero

@@ -79,9 +79,15 @@ def _first_visible(seg: Segment, window: int | None) -> int:
 class PagedAttention:
     """``AttentionBackend`` over a ``ModelCache``; one instance per forward."""
 
-    def __init__(self, cache: ModelCache, segments: list[Segment]) -> None:
+    def __init__(
+        self, cache: ModelCache, segments: list[Segment], native_layers: bool = True
+    ) -> None:
+        """``native_layers``: layers may attend through ``native_layer`` (a step computing
+        no prompt token: a prompt's keys and values are then computed by one path whatever
+        the step's size, so a prefix-cache hit restores the bytes a cold run writes)."""
         self.cache = cache
         self.segments = segments
+        self.native_layers = native_layers
         self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
         self._one: dict[tuple[str, Segment], tuple] = {}
 
@@ -212,6 +218,8 @@ class PagedAttention:
         """For a layer that attends natively (``baton.kernels.layer``): the kernel's
         arguments for this layer's pool (``PagedAttentionCall.for_layer``), counting the
         step's tokens as stored -- or None when the pool has no native plan."""
+        if not self.native_layers:
+            return None
         pool, local = self.cache.layer_map[layer_id]
         plan, others = self._plan(pool, window)
         if plan is None or plan.native is None or others:
