@@ -17,6 +17,30 @@ static inline float to_f32(const void *base, int64_t i, int is_bf16) {
     return ((const float *)base)[i];
 }
 
+/* f rounded to the nearest bf16 value, ties to even (as torch rounds), when is_bf16; NaN
+ * stays NaN. */
+static inline float round_to(float f, int is_bf16) {
+    if (!is_bf16) return f;
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return f; /* NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Store element i of a bf16 or fp32 array; f is already rounded (round_to). */
+static inline void put(void *base, int64_t i, float f, int is_bf16) {
+    if (is_bf16) {
+        uint32_t bits;
+        memcpy(&bits, &f, sizeof bits);
+        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16);
+    } else {
+        ((float *)base)[i] = f;
+    }
+}
+
 /* exp(x) for x <= 0 (scores minus their maximum) in plain arithmetic so loops over it
  * vectorise: 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial, relative error ~2e-7.
  * Below -87 it returns 0. */

@@ -36,27 +36,6 @@
 
 enum { GROUP = 8, BLOCK = 16, MIN_PARALLEL_MACS = 65536 };
 
-static inline float round_to(float f, int is_bf16) {
-    if (!is_bf16) return f;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return f; /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    bits &= 0xffff0000u;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline void put(void *base, int64_t i, float f, int is_bf16) {
-    if (is_bf16) {
-        uint32_t bits;
-        memcpy(&bits, &f, sizeof bits);
-        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16); /* f is already rounded */
-    } else {
-        ((float *)base)[i] = f;
-    }
-}
-
 #ifdef HAVE_AVX2
 static inline __m256 load8(const void *w, int64_t i, int w_bf16) {
     if (w_bf16) {

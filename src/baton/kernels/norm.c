@@ -24,27 +24,6 @@
 /* Every product rounded before it is added, as torch does: no fused multiply-adds. */
 #pragma GCC optimize("fp-contract=off")
 
-static inline float round_to(float f, int is_bf16) {
-    if (!is_bf16) return f;
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return f; /* NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    bits &= 0xffff0000u;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline void put(void *base, int64_t i, float f, int is_bf16) {
-    if (is_bf16) {
-        uint32_t bits;
-        memcpy(&bits, &f, sizeof bits);
-        ((uint16_t *)base)[i] = (uint16_t)(bits >> 16); /* f is already rounded */
-    } else {
-        ((float *)base)[i] = f;
-    }
-}
-
 /* The sum of a row's squares, added in the order of torch's CPU sum kernel (ATen's
  * SumKernel.cpp: vectors of `lanes` floats -- its Vectorized<float>, 16 with AVX-512, else 8
  * -- into 4 accumulators, cascaded in levels of 16 steps; then the leftover vectors, the
