@@ -51,3 +51,20 @@ def test_forcing_avx2_turns_native_bf16_off():
     native = dataclasses.replace(pretend, isa="avx512_bf16")
     assert native.native_bf16 and native.auto_dtype("bfloat16") == "bfloat16"
     assert native.auto_dtype("float32") == "float32"
+
+
+def test_the_packed_path_runs_where_the_cpu_cannot_pack(monkeypatch):
+    """The packed path's calls, on a CPU without oneDNN bf16: packing forced with a reorder
+    that keeps the fp32 weight (oneDNN's pointwise linear takes it as is), so a packed
+    ``FrozenLinear`` built here runs the calls an AVX-512-BF16 machine runs."""
+    import baton.model.layers as layers
+
+    monkeypatch.setattr(layers, "can_pack", lambda weight: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
+    g = torch.Generator().manual_seed(3)
+    weight, x, other = (torch.randn(*s, generator=g) for s in ((96, 64), (1, 4, 64), (1, 4, 96)))
+    frozen = FrozenLinear(weight)
+    assert frozen.packed is not None and frozen.weight is None
+    torch.testing.assert_close(frozen(x), F.linear(x, weight))
+    torch.testing.assert_close(frozen.add(x, other), F.linear(x, weight) + other)
+    torch.testing.assert_close(frozen.mul(x, other), F.linear(x, weight) * other)

@@ -56,6 +56,10 @@ class FrozenLinear:
         )
         self.weight = None if self.packed is not None else weight
         self._post = PACKED_ACTIVATIONS[activation]
+        # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
+        # per call, and a decode step makes ~50 of these calls.
+        self._unary = torch.ops.mkldnn._linear_pointwise.default
+        self._binary_op = torch.ops.mkldnn._linear_pointwise.binary
         self.matrix, self.matrix_bias = self._narrowed()
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
@@ -83,10 +87,6 @@ class FrozenLinear:
                 return weight, bias
             return narrow, narrow_bias
         return narrow, None
-        # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
-        # per call, and a decode step makes ~50 of these calls.
-        self._unary = torch.ops.mkldnn._linear_pointwise.default
-        self._binary_op = torch.ops.mkldnn._linear_pointwise.binary
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
