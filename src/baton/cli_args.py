@@ -39,9 +39,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
-        "--small-step-threads", type=int, default=1,
-        help="threads of decode and verification steps' native calls (default 1: the "
-        "server's HTTP side and its clients share the cores; 0: as --threads)",
+        "--small-step-threads", type=int, default=0,
+        help="threads of decode and verification steps' native calls (default 0: as "
+        "--threads)",
     )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(

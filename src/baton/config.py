@@ -163,10 +163,10 @@ class EngineConfig:
     """torch intra-op threads; None leaves torch's default."""
     small_step_threads: int | None = None
     """Threads of a small step's native calls (decode, verification: ``baton.kernels.layer``
-    and ``linear``); None: ``num_threads``. A server's engine shares its cores with its HTTP
-    side and often its clients, whose wake-ups stall a parallel region that waits for every
-    thread: ``baton serve`` defaults to 1 (``benchmarks/llama_cpp_peer.py``; 2 cores:
-    concurrency 1 served 1.35-1.7x faster, concurrency 8 1.1x)."""
+    and ``linear``, run on ``kernels/pool.c``'s threads); None: ``num_threads``. With
+    OpenMP's pool a server was faster on 1 (its HTTP side and clients share the cores and
+    every region waited for a thread off its core); ``pool.c`` never waits for one, and 2
+    threads serve 1.2x faster than 1 on 2 cores."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None

@@ -9,7 +9,9 @@ builds), ``avx2`` (x86-64-v3, loops vectorised for AVX2 + FMA), ``avx512`` (x86-
 in use is ``baton.platform``'s (``BATON_CPU_ISA`` caps it); tests load every level the
 machine executes. Libraries are cached under ``$BATON_KERNEL_CACHE`` (default
 ``~/.cache/baton/kernels``), keyed by the sources, the compiler and the level's flags. They
-link ``libgomp.so.1``, the OpenMP runtime torch has already loaded: one thread pool.
+link ``libgomp.so.1``, the OpenMP runtime torch has already loaded (one OpenMP pool, for
+calls on large steps), and run a small step's calls (``layer.c``, ``linear.c``) on their own
+threads (``pool.c``: a caller that never waits for a thread that is off its core).
 
 Every kernel has a torch path that stays the reference (tests compare the two). No compiler
 or a failed build means the torch paths, after one warning; ``BATON_NATIVE_KERNELS=0``
@@ -39,9 +41,9 @@ log = logging.getLogger(__name__)
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 """The activation dtypes the kernels read, and the ``is_bf16`` flag each passes them."""
 
-SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c")
+SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c", "pool.c")
 HEADERS = ("fastmath.h", "kernels.h")
-FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno")
+FLAGS = ("-O3", "-fopenmp", "-pthread", "-fPIC", "-shared", "-fno-math-errno")
 LEVEL_FLAGS = {
     "baseline": (),
     "avx2": ("-march=x86-64-v3",),
@@ -161,4 +163,6 @@ def library_for(level: str) -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.baton_decoder_layer.restype = ctypes.c_int
     lib.baton_decoder_layer.argtypes = [ptr, ptr]
+    lib.baton_pool_helper_tasks.restype = i64
+    lib.baton_pool_helper_tasks.argtypes = []
     return lib

@@ -31,6 +31,8 @@ typedef struct {
     int32_t is_bf16;
 } Args;
 
+/* pooled: run on pool.c's threads (a small step's call) instead of OpenMP's. */
+int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, int pooled);
 int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads);
 
 void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
@@ -48,6 +50,11 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
                       int32_t num_threads);
+
+/* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
+ * worker in [0, threads) tells a task's thread (scratch memory). */
+typedef void (*baton_task)(void *ctx, int task, int worker);
+void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_GELU = 4 };
 

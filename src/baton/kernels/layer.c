@@ -69,7 +69,7 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     a.out = att, a.out_token_stride = heads * d, a.out_head_stride = d;
     a.k = s->k_pool, a.v = s->v_pool;
     a.is_bf16 = bf;
-    status |= baton_paged_attention(&a, s->batch, nt) != 0;
+    status |= baton_paged_attention_on(&a, s->batch, nt, 1) != 0;
 
     /* The residual adds write x in place: each element is read, then written, by one thread. */
     status |= baton_linear_rows(att, heads * d, (int)t, (int)(heads * d), L->o, (int)hid,

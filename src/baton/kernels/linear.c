@@ -8,8 +8,8 @@
  * loaded once per group and multiplied into every row of the group, so a 4-row
  * verification step costs about what one row does (the BLAS sgemm it replaces takes 2-4x a
  * row's time for 2-8 rows here, and ~20-30 us per call of fixed cost for any). Output rows
- * are split over the threads in blocks of BLOCK; a call below ~64 K multiply-adds runs on
- * one thread (waking the pool costs more than it saves).
+ * are split in blocks of BLOCK over pool.c's threads (a small step's calls: see there why
+ * not OpenMP's); a call below ~64 K multiply-adds runs on one thread.
  *
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
  * (row stride y_stride) are bf16 (act_bf16) or fp32; w ([n, k] row-major, torch's Linear
@@ -21,7 +21,6 @@
  * Built and loaded by baton/kernels/__init__.py; Python side: baton/kernels/linear.py.
  */
 #include <math.h>
-#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,6 +169,40 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
         memcpy((float *)y + y_at, v, (size_t)count * sizeof(float));
 }
 
+typedef struct {
+    const float *xf; /* the rows in fp32, contiguous */
+    int32_t m, k, n, op, act_bf16, w_bf16;
+    const void *w, *bias, *other;
+    int64_t other_stride, y_stride;
+    void *y;
+} Job;
+
+/* One task: output columns [blk * BLOCK, +BLOCK) of every row. */
+static void one_block(void *ctx, int blk, int worker) {
+    (void)worker;
+    const Job *J = ctx;
+    const int m = J->m, k = J->k, n = J->n;
+    float dots[8 * GROUP], block[GROUP][BLOCK]; /* block: the group's rows' outputs */
+    const int begin = blk * BLOCK, stop = begin + BLOCK < n ? begin + BLOCK : n;
+    for (int g = 0; g < m; g += GROUP) {
+        const int rows = m - g < GROUP ? m - g : GROUP;
+        const float *xg = J->xf + (int64_t)g * k;
+        const int nb = NB_OF(rows);
+        for (int j0 = begin; j0 < stop;) {
+            const int step = j0 + nb <= stop ? nb : 1;
+            (step == nb ? DOTS : DOTS_ONE)[rows](xg, k, J->w, (int64_t)j0 * k, J->w_bf16, dots);
+            for (int jj = 0; jj < step; jj++)
+                for (int r = 0; r < rows; r++) block[r][j0 - begin + jj] = dots[jj * rows + r];
+            j0 += step;
+        }
+        for (int r = 0; r < rows; r++) {
+            const int64_t row = g + r;
+            finish(block[r], begin, stop - begin, J->bias, J->w_bf16, J->op, J->other,
+                   row * J->other_stride + begin, J->y, row * J->y_stride + begin, J->act_bf16);
+        }
+    }
+}
+
 /* Returns 0, or 1 when no scratch memory could be had. */
 int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
@@ -182,30 +215,9 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
         for (int i = 0; i < k; i++)
             xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
     const int64_t macs = (int64_t)m * n * k;
-    const int threads = macs < MIN_PARALLEL_MACS ? 1 : num_threads;
-    const int num_blocks = (n + BLOCK - 1) / BLOCK;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int blk = 0; blk < num_blocks; blk++) {
-        float dots[8 * GROUP], block[GROUP][BLOCK]; /* block: the group's rows' outputs */
-        const int begin = blk * BLOCK, stop = begin + BLOCK < n ? begin + BLOCK : n;
-        for (int g = 0; g < m; g += GROUP) {
-            const int rows = m - g < GROUP ? m - g : GROUP;
-            const float *xg = xf + (int64_t)g * k;
-            const int nb = NB_OF(rows);
-            for (int j0 = begin; j0 < stop;) {
-                const int step = j0 + nb <= stop ? nb : 1;
-                (step == nb ? DOTS : DOTS_ONE)[rows](xg, k, w, (int64_t)j0 * k, w_bf16, dots);
-                for (int jj = 0; jj < step; jj++)
-                    for (int r = 0; r < rows; r++) block[r][j0 - begin + jj] = dots[jj * rows + r];
-                j0 += step;
-            }
-            for (int r = 0; r < rows; r++) {
-                const int64_t row = g + r;
-                finish(block[r], begin, stop - begin, bias, w_bf16, op, other,
-                       row * other_stride + begin, y, row * y_stride + begin, act_bf16);
-            }
-        }
-    }
+    const Job job = {xf, m, k, n, op, act_bf16, w_bf16, w, bias, other, other_stride, y_stride, y};
+    baton_parallel(one_block, (void *)&job, (n + BLOCK - 1) / BLOCK,
+                   macs < MIN_PARALLEL_MACS ? 1 : num_threads);
     free(xf);
     return 0;
 }

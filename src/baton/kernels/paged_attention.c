@@ -347,9 +347,34 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
 }
 
+typedef struct {
+    const Args *a;
+    const int32_t *tiles; /* (segment, first token) of each tile */
+    float *buffers;       /* per_thread floats for each worker */
+    size_t per_thread;
+    int tile, stride;
+} Job;
+
+/* One task: one tile of a segment's queries, one kv head. */
+static void one_tile(void *ctx, int t, int worker) {
+    const Job *J = ctx;
+    const Args *a = J->a;
+    float *scratch = J->buffers + J->per_thread * worker;
+    const int b = J->tiles[2 * (t / a->kv_heads)], t0 = J->tiles[2 * (t / a->kv_heads) + 1];
+    const int t1 = t0 + J->tile < a->q_count[b] ? t0 + J->tile : a->q_count[b];
+    const int g = t % a->kv_heads;
+    if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
+        one_task(a, b, g, t0, t1, scratch, J->stride, 64);
+    else if (a->head_dim == 128)
+        one_task(a, b, g, t0, t1, scratch, J->stride, 128);
+    else
+        one_task(a, b, g, t0, t1, scratch, J->stride, a->head_dim);
+}
+
 /* Returns 0, or -1 when a size is beyond this kernel or memory is short (the caller then
- * takes the torch path). */
-int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
+ * takes the torch path). pooled: the tasks run on pool.c's threads (a small step's call from
+ * layer.c), else on OpenMP's (torch's). */
+int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, int pooled) {
     const int rep = a->heads / a->kv_heads;
     if (rep > MAX_QUERIES || num_threads < 1) return -1;
     const int tile = MAX_QUERIES / rep; /* tokens per task */
@@ -378,18 +403,12 @@ int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
             tiles[2 * n + 1] = t0;
         }
     const int tasks = num_tiles * a->kv_heads;
+    const Job job = {a, tiles, buffers, per_thread, tile, stride};
+    if (pooled) {
+        baton_parallel(one_tile, (void *)&job, tasks, num_threads);
+    } else {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
-    for (int t = 0; t < tasks; t++) {
-        float *scratch = buffers + per_thread * omp_get_thread_num();
-        const int b = tiles[2 * (t / a->kv_heads)], t0 = tiles[2 * (t / a->kv_heads) + 1];
-        const int t1 = t0 + tile < a->q_count[b] ? t0 + tile : a->q_count[b];
-        const int g = t % a->kv_heads;
-        if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
-            one_task(a, b, g, t0, t1, scratch, stride, 64);
-        else if (a->head_dim == 128)
-            one_task(a, b, g, t0, t1, scratch, stride, 128);
-        else
-            one_task(a, b, g, t0, t1, scratch, stride, a->head_dim);
+        for (int t = 0; t < tasks; t++) one_tile((void *)&job, t, omp_get_thread_num());
     }
     free(tiles);
     free(buffers);
@@ -410,4 +429,8 @@ int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
                    row_bytes);
         }
     return 0;
+}
+
+int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
+    return baton_paged_attention_on(a, batch, num_threads, 0);
 }

@@ -1,0 +1,130 @@
+"""The small-step thread pool (baton/kernels/pool.c) under linear.c's matmul.
+
+Which thread computes a block never changes its bits, so every result here must equal the
+one-thread result exactly: with helpers, with more threads than cores, from two Python
+threads at once, with every thread squeezed onto one core, and in a forked child (which has
+none of its parent's helpers). And the helpers really take tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import baton.kernels as kernels
+from baton.kernels import library
+from baton.kernels.linear import MAX_ROWS, linear_rows
+
+OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
+pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
+
+
+@pytest.fixture
+def threads():
+    """Set the small-step threads for the test; restored after."""
+    yield kernels.set_small_step_threads
+    kernels.set_small_step_threads(None)
+
+
+def _case(seed: int, rows: int = MAX_ROWS, k: int = 768, n: int = 768):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+
+
+def _alone(x, w):
+    kernels.set_small_step_threads(1)
+    try:
+        return linear_rows(x, w, None)
+    finally:
+        kernels.set_small_step_threads(None)
+
+
+def test_helpers_take_tasks_and_change_no_bit(threads):
+    cases = [_case(seed) for seed in range(8)]
+    want = [_alone(x, w) for x, w in cases]
+    before = library().baton_pool_helper_tasks()
+    threads(2)
+    for _ in range(5):
+        for (x, w), expected in zip(cases, want, strict=True):
+            assert torch.equal(linear_rows(x, w, None), expected)
+    assert library().baton_pool_helper_tasks() > before, "no helper ever took a task"
+
+
+def test_more_threads_than_cores(threads):
+    x, w = _case(1)
+    want = _alone(x, w)
+    threads(4 * (os.cpu_count() or 1))
+    for _ in range(20):
+        assert torch.equal(linear_rows(x, w, None), want)
+
+
+def test_two_python_threads_calling_at_once(threads):
+    cases = [_case(seed, rows=rows) for seed, rows in ((2, 16), (3, 4))]
+    want = [_alone(x, w) for x, w in cases]
+    threads(2)
+    wrong: list[int] = []
+
+    def loop(i: int) -> None:
+        x, w = cases[i]
+        for _ in range(100):
+            if not torch.equal(linear_rows(x, w, None), want[i]):
+                wrong.append(i)
+
+    workers = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(60)
+    assert not any(t.is_alive() for t in workers), "a call hung"
+    assert not wrong
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_every_thread_on_one_core(threads):
+    """Helpers that share the caller's core (off it most of the time): nothing hangs and the
+    results stay exact."""
+    x, w = _case(4)
+    want = _alone(x, w)
+    threads(2)
+    linear_rows(x, w, None)  # the helper exists
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+    kept = {tid: os.sched_getaffinity(tid) for tid in tids}
+    one = {min(os.sched_getaffinity(0))}
+    try:
+        for tid in tids:
+            os.sched_setaffinity(tid, one)
+        start = time.monotonic()
+        for _ in range(200):
+            assert torch.equal(linear_rows(x, w, None), want)
+        assert time.monotonic() - start < 30
+    finally:
+        for tid, cpus in kept.items():
+            with contextlib.suppress(OSError):  # that thread has ended
+                os.sched_setaffinity(tid, cpus)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_computes_without_its_parents_helpers(threads):
+    x, w = _case(5)
+    want = _alone(x, w)
+    threads(2)
+    assert torch.equal(linear_rows(x, w, None), want)  # the parent's helpers run
+    pid = os.fork()
+    if pid == 0:  # the child: its own helpers, or inline; never a wait for the parent's
+        ok = all(torch.equal(linear_rows(x, w, None), want) for _ in range(20))
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0, "the child computed wrong results"
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung in the pool")
