@@ -18,7 +18,7 @@ import torch
 
 import baton.kernels as kernels
 from baton.kernels import library
-from baton.kernels.linear import MAX_ROWS, linear_rows
+from baton.kernels.linear import MAX_ROWS, PackedRows, linear_rows
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
 pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
@@ -33,7 +33,7 @@ def threads():
 
 def _case(seed: int, rows: int = MAX_ROWS, k: int = 768, n: int = 768):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(1, rows, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    return torch.randn(1, rows, k, generator=g), PackedRows(torch.randn(n, k, generator=g) / k**0.5)
 
 
 def _alone(x, w):

@@ -16,7 +16,7 @@ import baton.kernels.layer as native_layer
 import baton.model.layers as model_layers
 from baton.engine.llm import LLM
 from baton.kernels import library
-from baton.kernels.linear import MAX_ROWS, Epilogue, linear_rows
+from baton.kernels.linear import MAX_ROWS, Epilogue, PackedRows, linear_rows
 from baton.request import SamplingParams
 from tests.conftest import BUNDLED
 
@@ -44,7 +44,7 @@ def test_linear_rows_is_the_torch_matmul(dtype, op, shape):
     bias = torch.randn(n, generator=g).to(dtype) if rows % 2 else None
     other = torch.randn(1, rows, n, generator=g).to(dtype)
     takes_other = op in (Epilogue.ADD, Epilogue.MUL)
-    got = linear_rows(x, weight, bias, op, other if takes_other else None)
+    got = linear_rows(x, PackedRows(weight), bias, op, other if takes_other else None)
     want = TORCH_EPILOGUES[op](
         F.linear(x.float(), weight.float(), None if bias is None else bias.float()), other.float()
     )
@@ -54,12 +54,30 @@ def test_linear_rows_is_the_torch_matmul(dtype, op, shape):
 
 
 def test_linear_rows_declines_what_it_cannot_take():
-    w = torch.randn(8, 16)
+    w = PackedRows(torch.randn(8, 16))
     assert linear_rows(torch.randn(MAX_ROWS + 1, 16), w, None) is None
     assert linear_rows(torch.randn(4, 32)[:, ::2], w, None) is None  # rows not contiguous
     assert linear_rows(torch.randn(4, 16, dtype=torch.float64), w, None) is None
     needs_grad = torch.randn(4, 16, requires_grad=True)
     assert linear_rows(needs_grad, w, None) is None
+    assert linear_rows(torch.randn(4, 24), w, None) is None  # another k
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_rows_hold_every_weight_where_the_kernel_reads_it(dtype):
+    """The layout linear.c reads (an independent spelling of it): panel b, input i,
+    position p holds w[16 b + column(p), i]; columns past n are zeros."""
+    n, k = 37, 5
+    w = torch.arange(1, n * k + 1, dtype=torch.float32).reshape(n, k).to(dtype)
+    packed = PackedRows(w)
+    assert packed.data.shape == (3, k, 16) and (packed.n, packed.k) == (n, k)
+    for b in range(3):
+        for i in range(k):
+            for p in range(16):
+                column = (p % 2) * 8 + p // 2 if dtype == torch.bfloat16 else p
+                j = 16 * b + column
+                want = w[j, i] if j < n else 0
+                assert packed.data[b, i, p] == want, (b, i, p)
 
 
 PROMPTS = [
@@ -125,7 +143,7 @@ def test_an_fp32_weight_of_bf16_values_is_read_as_bf16_with_the_same_results():
     exact = torch.randn(512, 256, generator=g).bfloat16().float()  # a bf16 checkpoint in fp32
     inexact = exact + 1e-7 * torch.randn(512, 256, generator=g)
     narrowed, kept = FrozenLinear(exact), FrozenLinear(inexact)
-    assert narrowed.matrix.dtype == torch.bfloat16 and kept.matrix is kept.weight
+    assert narrowed.rows()[0].dtype == torch.bfloat16 and kept.rows()[0].dtype == torch.float32
     x = torch.randn(1, 4, 256, generator=g)
     torch.testing.assert_close(narrowed(x), F.linear(x, exact), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kept(x), F.linear(x, inexact), rtol=1e-5, atol=1e-5)

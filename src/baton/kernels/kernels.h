@@ -45,7 +45,8 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
                            const void *cos, const void *sin, int64_t table_stride, void *out,
                            int dim, float eps, int is_bf16, int lanes, int num_threads);
 
-/* y = epilogue(x w^T + bias, other) for m rows (linear.c); 0, or 1 without scratch memory. */
+/* y = epilogue(x w^T + bias, other) for m rows, w packed in linear.c's panels; 0, or 1 without
+ * scratch memory. */
 int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,

@@ -21,7 +21,8 @@
 
 #include "kernels.h"
 
-/* Matrices and their biases are bf16 (w_bf16) or fp32, norm weights in the activations' dtype. */
+/* Matrices are packed in linear.c's panels; they and their biases are bf16 (w_bf16) or fp32,
+ * norm weights in the activations' dtype. */
 typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
     const void *input_norm, *post_norm; /* [hidden] */
     const void *qkv, *qkv_bias;         /* [(heads + 2 kv_heads) * head_dim, hidden] */

@@ -16,13 +16,14 @@ import torch
 
 from baton.config import RuntimeEnv
 from baton.kernels import DTYPES, library, small_step_threads
-from baton.kernels.linear import ACTIVATIONS, MAX_ROWS
+from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, PackedRows
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
 MAX_TOKENS = MAX_ROWS
 """Steps up to this many tokens take the native layer (above it BLAS's matmuls win)."""
 
 NORMS = ("input_norm", "post_norm", "qk_norm")
+MATRICES = ("qkv", "o", "gate", "up", "down")
 _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 
 
@@ -59,7 +60,7 @@ def enabled() -> bool:
 class NativeLayer:
     """One layer's weights, pointed to once; ``__call__`` runs the layer over a step."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor | None], layer: _Layer) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor | PackedRows], layer: _Layer) -> None:
         self._tensors = tensors  # keeps every pointer of ``layer`` valid
         self._layer = layer
         self._layer_ref = ctypes.byref(layer)
@@ -69,7 +70,7 @@ class NativeLayer:
     @classmethod
     def build(
         cls,
-        weights: dict[str, torch.Tensor | None],
+        weights: dict[str, torch.Tensor | PackedRows | None],
         *,
         heads: int,
         kv_heads: int,
@@ -79,11 +80,18 @@ class NativeLayer:
         norm_offset: float,
         qk_eps: float,
     ) -> NativeLayer | None:
-        """weights: ``_Layer``'s pointer fields by name (biases may be None; every other one
-        a tensor of one dtype). None when ``layer.c`` cannot run this layer."""
+        """weights: ``_Layer``'s pointer fields by name: the matrices as ``PackedRows``, norms
+        and biases (which may be None) as tensors. None when ``layer.c`` cannot run this
+        layer."""
         if not enabled() or library() is None or act not in ACTIVATIONS or act == "none":
             return None
-        present = {k: w.detach().contiguous() for k, w in weights.items() if w is not None}
+        present = {
+            k: w if isinstance(w, PackedRows) else w.detach().contiguous()
+            for k, w in weights.items()
+            if w is not None
+        }
+        if any(not isinstance(present.get(k), PackedRows) for k in MATRICES):
+            raise TypeError(f"the matrices {MATRICES} are PackedRows (linear.c's layout)")
         # Norm weights are in the activations' dtype, matrices in theirs (bf16 under fp32
         # activations: a bf16 checkpoint's weights, half the bytes to read).
         norms = {present[k].dtype for k in NORMS}
@@ -100,7 +108,7 @@ class NativeLayer:
         layer = _Layer()
         for name, tensor in present.items():
             setattr(layer, name, tensor.data_ptr())
-        layer.hidden, layer.intermediate = hidden, present["gate"].shape[0]
+        layer.hidden, layer.intermediate = hidden, present["gate"].n
         layer.heads, layer.kv_heads, layer.head_dim = heads, kv_heads, head_dim
         layer.act = int(ACTIVATIONS[act])
         layer.eps, layer.norm_offset, layer.qk_eps = eps, norm_offset, qk_eps

@@ -4,20 +4,26 @@
  *   y[m, n] = epilogue(sum_k x[m, k] * w[n, k] + bias[n], other[m, n])
  *
  * epilogue: none, add (a residual), mul (the gated MLP's up times act(gate)), silu, gelu
- * (tanh approximation). Rows are processed in groups of up to GROUP: each weight row is
- * loaded once per group and multiplied into every row of the group, so a 4-row
- * verification step costs about what one row does (the BLAS sgemm it replaces takes 2-4x a
- * row's time for 2-8 rows here, and ~20-30 us per call of fixed cost for any). Output rows
- * are split in blocks of BLOCK over pool.c's threads (a small step's calls: see there why
- * not OpenMP's); a call below ~64 K multiply-adds runs on one thread.
+ * (tanh approximation). The weight is packed once (baton/kernels/linear.py ``PackedRows``)
+ * in panels of PANEL = 16 output columns: panel b holds w[16 b + c, i] at [b][i][c], so a
+ * panel is one contiguous stream and 16 outputs of a row are two 8-lane accumulators fed by
+ * a broadcast of x[r, i] -- no horizontal sums, and every weight load serves all the rows
+ * of a group (up to GROUP): a 4-row verification step costs little more than one row (the
+ * BLAS sgemm it replaces takes 2-4x a row's time for 2-8 rows here, and ~20-30 us per call
+ * of fixed cost for any). In bf16 a panel's 16 values of one i are interleaved (columns
+ * 0..7 at even positions, 8..15 at odd ones) so that a shift and a mask widen them to two
+ * fp32 vectors. Panels are split over pool.c's threads (a small step's calls: see there why
+ * not OpenMP's); a call below ~64 K multiply-adds runs on one thread. Columns past n in the
+ * last panel are zeros and never stored.
  *
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
- * (row stride y_stride) are bf16 (act_bf16) or fp32; w ([n, k] row-major, torch's Linear
- * layout) and bias are bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch
- * path this replaces (baton/model/layers.py FrozenLinear, unpacked): the matmul's result is
- * rounded to the activation dtype, then each epilogue op rounds again. The sum over k runs
- * in another order than BLAS's, so fp32 results differ in the last bits (tests compare
- * within tolerance, and greedy tokens).
+ * (row stride y_stride) are bf16 (act_bf16) or fp32; the packed weight and the bias are
+ * bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch path this replaces
+ * (baton/model/layers.py FrozenLinear, unpacked): the matmul's result is rounded to the
+ * activation dtype, then each epilogue op rounds again. The sum over k runs in order, in up
+ * to 4 interleaved partial sums for 1-3 rows (one chain of multiply-adds would wait on
+ * their latency), so fp32 results differ from BLAS's in the last bits (tests compare
+ * within tolerance, and greedy tokens); which thread computes a panel changes nothing.
  * Built and loaded by baton/kernels/__init__.py; Python side: baton/kernels/linear.py.
  */
 #include <math.h>
@@ -33,113 +39,113 @@
 #define HAVE_AVX2 1
 #endif
 
-enum { GROUP = 8, BLOCK = 16, MIN_PARALLEL_MACS = 65536 };
+enum { GROUP = 6, PANEL = 16, MIN_PARALLEL_MACS = 65536 };
+
+/* The column a bf16 panel holds at position p of one i (see the layout above). */
+static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
 
 #ifdef HAVE_AVX2
-static inline __m256 load8(const void *w, int64_t i, int w_bf16) {
+/* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b). */
+static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo, __m256 *hi) {
     if (w_bf16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
+        *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+        *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    } else {
+        *lo = _mm256_loadu_ps((const float *)p + 16 * i);
+        *hi = _mm256_loadu_ps((const float *)p + 16 * i + 8);
     }
-    return _mm256_loadu_ps((const float *)w + i);
 }
 
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* out[i] = the sum of v[i]'s lanes for `count` vectors; four at a time share one tree of
- * horizontal adds (a fifth of the instructions of four hsum). */
-static inline void hsums(const __m256 *v, int count, float *out) {
-    int i = 0;
-    for (; i + 4 <= count; i += 4) {
-        const __m256 ab = _mm256_hadd_ps(v[i], v[i + 1]), cd = _mm256_hadd_ps(v[i + 2], v[i + 3]);
-        const __m256 abcd = _mm256_hadd_ps(ab, cd); /* a0123 b0123 c0123 d0123 | a4567 ... */
-        _mm_storeu_ps(out + i, _mm_add_ps(_mm256_castps256_ps128(abcd),
-                                          _mm256_extractf128_ps(abcd, 1)));
-    }
-    for (; i < count; i++) out[i] = hsum(v[i]);
-}
-
-/* dots[j * R + r] = x[r] . w[row j] for NB consecutive weight rows (at: the first one's
- * offset) and the group's R rows of fp32 x, k apart. R and NB are constants in each
- * instance, so the R x NB accumulators stay in registers: independent chains, so that
- * the multiply-adds are not waiting on each other's latency (one row alone takes 8 weight
- * rows at a time). */
-#define DEFINE_DOTS(R, NB)                                                                  \
-    static void dots_##R##_##NB(const float *x, int k, const void *w, int64_t at,           \
-                                int w_bf16, float *dots) {                                  \
-        __m256 acc[NB][R];                                                                  \
-        for (int j = 0; j < NB; j++)                                                        \
-            for (int r = 0; r < R; r++) acc[j][r] = _mm256_setzero_ps();                    \
-        int i = 0;                                                                          \
-        for (; i + 8 <= k; i += 8) {                                                        \
-            __m256 xv[R];                                                                   \
-            for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + (int64_t)r * k + i);    \
-            for (int j = 0; j < NB; j++) {                                                  \
-                const __m256 wv = load8(w, at + (int64_t)j * k + i, w_bf16);                \
-                for (int r = 0; r < R; r++) acc[j][r] = _mm256_fmadd_ps(wv, xv[r], acc[j][r]); \
-            }                                                                               \
-        }                                                                                   \
-        hsums(&acc[0][0], NB * R, dots);                                                    \
-        for (; i < k; i++)                                                                  \
-            for (int j = 0; j < NB; j++) {                                                  \
-                const float wf = to_f32(w, at + (int64_t)j * k + i, w_bf16);                \
-                for (int r = 0; r < R; r++) dots[j * R + r] += wf * x[(int64_t)r * k + i];  \
-            }                                                                               \
+/* out[r * 16 + c] = sum_i x[r, i] w[16 b + c, i] for R rows of fp32 x (k apart) and the
+ * panel at p; U interleaved partial sums (R x 2 x U accumulators within 12 registers),
+ * added in order at the end. R, U and the weight dtype are constants in each copy. */
+#define DEFINE_TILE(R, U)                                                                     \
+    static inline __attribute__((always_inline)) void tile_##R##_of(                          \
+        const float *x, int k, const void *p, const int w_bf16, float *out) {                 \
+        __m256 acc[U][R][2];                                                                  \
+        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                                           \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();   \
+        int i = 0;                                                                            \
+        for (; i + U <= k; i += U)                                                            \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                                                     \
+                __m256 lo, hi;                                                                \
+                load16(p, i + u, w_bf16, &lo, &hi);                                           \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
+                    const __m256 b = _mm256_broadcast_ss(x + (int64_t)r * k + i + u);         \
+                    acc[u][r][0] = _mm256_fmadd_ps(lo, b, acc[u][r][0]);                      \
+                    acc[u][r][1] = _mm256_fmadd_ps(hi, b, acc[u][r][1]);                      \
+                }                                                                             \
+            }                                                                                 \
+        for (; i < k; i++) {                                                                  \
+            __m256 lo, hi;                                                                    \
+            load16(p, i, w_bf16, &lo, &hi);                                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                     \
+                const __m256 b = _mm256_broadcast_ss(x + (int64_t)r * k + i);                 \
+                acc[0][r][0] = _mm256_fmadd_ps(lo, b, acc[0][r][0]);                          \
+                acc[0][r][1] = _mm256_fmadd_ps(hi, b, acc[0][r][1]);                          \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                         \
+            __m256 s0 = acc[0][r][0], s1 = acc[0][r][1];                                      \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                                                       \
+                s0 = _mm256_add_ps(s0, acc[u][r][0]), s1 = _mm256_add_ps(s1, acc[u][r][1]);   \
+            _mm256_storeu_ps(out + r * 16, s0);                                               \
+            _mm256_storeu_ps(out + r * 16 + 8, s1);                                           \
+        }                                                                                     \
+    }                                                                                         \
+    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
+        if (w_bf16)                                                                           \
+            tile_##R##_of(x, k, p, 1, out);                                                   \
+        else                                                                                  \
+            tile_##R##_of(x, k, p, 0, out);                                                   \
     }
 #else
-#define DEFINE_DOTS(R, NB)                                                                  \
-    static void dots_##R##_##NB(const float *x, int k, const void *w, int64_t at,           \
-                                int w_bf16, float *dots) {                                  \
-        for (int j = 0; j < NB; j++)                                                        \
-            for (int r = 0; r < R; r++) {                                                   \
-                float acc = 0.0f;                                                           \
-                const float *xr = x + (int64_t)r * k;                                       \
-                const int64_t row = at + (int64_t)j * k;                                    \
-                if (w_bf16) {                                                               \
-                    _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc += \
-                        to_f32(w, row + i, 1) * xr[i];                                      \
-                } else {                                                                    \
-                    const float *wr = (const float *)w + row;                               \
-                    _Pragma("omp simd reduction(+ : acc)") for (int i = 0; i < k; i++) acc += \
-                        wr[i] * xr[i];                                                      \
-                }                                                                           \
-                dots[j * R + r] = acc;                                                      \
-            }                                                                               \
+/* Portable C, the same sums in the same order. */
+#define DEFINE_TILE(R, U)                                                                     \
+    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
+        float acc[U][R][16];                                                                  \
+        memset(acc, 0, sizeof acc);                                                           \
+        int i = 0;                                                                            \
+        for (; i + U <= k; i += U)                                                            \
+            for (int u = 0; u < U; u++)                                                       \
+                for (int q = 0; q < 16; q++) {                                                \
+                    const int c = w_bf16 ? bf16_column(q) : q;                                \
+                    const float w = to_f32(p, 16 * (int64_t)(i + u) + q, w_bf16);             \
+                    for (int r = 0; r < R; r++)                                               \
+                        acc[u][r][c] = fmaf(w, x[(int64_t)r * k + i + u], acc[u][r][c]);      \
+                }                                                                             \
+        for (; i < k; i++)                                                                    \
+            for (int q = 0; q < 16; q++) {                                                    \
+                const int c = w_bf16 ? bf16_column(q) : q;                                    \
+                const float w = to_f32(p, 16 * (int64_t)i + q, w_bf16);                       \
+                for (int r = 0; r < R; r++)                                                   \
+                    acc[0][r][c] = fmaf(w, x[(int64_t)r * k + i], acc[0][r][c]);              \
+            }                                                                                 \
+        for (int r = 0; r < R; r++)                                                           \
+            for (int c = 0; c < 16; c++) {                                                    \
+                float s = acc[0][r][c];                                                       \
+                for (int u = 1; u < U; u++) s += acc[u][r][c];                                \
+                out[r * 16 + c] = s;                                                          \
+            }                                                                                 \
     }
 #endif
 
-/* Weight rows per call for a group of R rows: R x NB accumulators within 8-12 registers. */
-#define NB_OF(R) ((R) == 1 ? 8 : (R) <= 3 ? 3 : (R) <= 4 ? 2 : 1)
-DEFINE_DOTS(1, 8)
-DEFINE_DOTS(2, 3)
-DEFINE_DOTS(3, 3)
-DEFINE_DOTS(4, 2)
-DEFINE_DOTS(5, 1)
-DEFINE_DOTS(6, 1)
-DEFINE_DOTS(7, 1)
-DEFINE_DOTS(8, 1)
-DEFINE_DOTS(1, 1) /* the leftover weight rows of a block */
-DEFINE_DOTS(2, 1)
-DEFINE_DOTS(3, 1)
-DEFINE_DOTS(4, 1)
+DEFINE_TILE(1, 4)
+DEFINE_TILE(2, 2)
+DEFINE_TILE(3, 2)
+DEFINE_TILE(4, 1)
+DEFINE_TILE(5, 1)
+DEFINE_TILE(6, 1)
 
-typedef void (*dots_fn)(const float *, int, const void *, int64_t, int, float *);
-static const dots_fn DOTS[GROUP + 1] = {NULL,         dots_1_8,     dots_2_3,
-                                        dots_3_3,     dots_4_2,     dots_5_1,
-                                        dots_6_1,     dots_7_1,     dots_8_1};
-static const dots_fn DOTS_ONE[GROUP + 1] = {NULL,     dots_1_1, dots_2_1, dots_3_1, dots_4_1,
-                                            dots_5_1, dots_6_1, dots_7_1, dots_8_1};
+typedef void (*tile_fn)(const float *, int, const void *, int, float *);
+static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
 /* y[row, j0 + i] = epilogue(round(d[i] + bias[j0 + i]), other[row, j0 + i]) for i < count:
  * one output row's stretch of a block, the epilogue chosen once for the stretch. */
 static void finish(const float *d, int j0, int count, const void *bias, int w_bf16, int op,
                    const void *other, int64_t other_at, void *y, int64_t y_at, int bf) {
-    float v[BLOCK];
+    float v[PANEL];
     for (int i = 0; i < count; i++)
         v[i] = round_to(d[i] + (bias != NULL ? to_f32(bias, j0 + i, w_bf16) : 0.0f), bf);
     switch (op) {
@@ -177,27 +183,20 @@ typedef struct {
     void *y;
 } Job;
 
-/* One task: output columns [blk * BLOCK, +BLOCK) of every row. */
+/* One task: output columns [blk * PANEL, +PANEL) of every row, from panel blk. */
 static void one_block(void *ctx, int blk, int worker) {
     (void)worker;
     const Job *J = ctx;
     const int m = J->m, k = J->k, n = J->n;
-    float dots[8 * GROUP], block[GROUP][BLOCK]; /* block: the group's rows' outputs */
-    const int begin = blk * BLOCK, stop = begin + BLOCK < n ? begin + BLOCK : n;
+    float block[GROUP * PANEL]; /* the group's rows' outputs */
+    const int begin = blk * PANEL, stop = begin + PANEL < n ? begin + PANEL : n;
+    const void *panel = (const char *)J->w + (size_t)blk * PANEL * k * (J->w_bf16 ? 2 : 4);
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
-        const float *xg = J->xf + (int64_t)g * k;
-        const int nb = NB_OF(rows);
-        for (int j0 = begin; j0 < stop;) {
-            const int step = j0 + nb <= stop ? nb : 1;
-            (step == nb ? DOTS : DOTS_ONE)[rows](xg, k, J->w, (int64_t)j0 * k, J->w_bf16, dots);
-            for (int jj = 0; jj < step; jj++)
-                for (int r = 0; r < rows; r++) block[r][j0 - begin + jj] = dots[jj * rows + r];
-            j0 += step;
-        }
+        TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block);
         for (int r = 0; r < rows; r++) {
             const int64_t row = g + r;
-            finish(block[r], begin, stop - begin, J->bias, J->w_bf16, J->op, J->other,
+            finish(block + r * PANEL, begin, stop - begin, J->bias, J->w_bf16, J->op, J->other,
                    row * J->other_stride + begin, J->y, row * J->y_stride + begin, J->act_bf16);
         }
     }
@@ -216,7 +215,7 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
             xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
     const int64_t macs = (int64_t)m * n * k;
     const Job job = {xf, m, k, n, op, act_bf16, w_bf16, w, bias, other, other_stride, y_stride, y};
-    baton_parallel(one_block, (void *)&job, (n + BLOCK - 1) / BLOCK,
+    baton_parallel(one_block, (void *)&job, (n + PANEL - 1) / PANEL,
                    macs < MIN_PARALLEL_MACS ? 1 : num_threads);
     free(xf);
     return 0;

@@ -1,10 +1,12 @@
 """Python side of ``linear.c``: ``y = epilogue(x W^T + b)`` for a few rows, weights read once.
 
-``linear_rows`` returns None when the kernel cannot take the call (no kernels, more rows
-than ``MAX_ROWS``, another dtype, a layout it does not read, autograd); the caller then runs
-its torch code, which stays the reference (tests compare the two). Who calls it:
-``baton.model.layers.FrozenLinear`` (unpacked weights: fp32, or bf16 where oneDNN has no
-bf16 path).
+The kernel reads a weight packed once into its panels (``PackedRows``: 16 output columns
+per contiguous panel; see linear.c). ``linear_rows`` returns None when the kernel cannot
+take the call (no kernels, more rows than ``MAX_ROWS``, another dtype, a layout it does not
+read, autograd); the caller then runs its torch code, which stays the reference (tests
+compare the two). Who calls it: ``baton.model.layers.FrozenLinear`` (unpacked weights: fp32,
+or bf16 where oneDNN has no bf16 path), and ``baton.kernels.layer`` takes its packed
+weights.
 """
 
 from __future__ import annotations
@@ -17,6 +19,36 @@ from baton.kernels import DTYPES, library, small_step_threads
 
 MAX_ROWS = 16
 """Above this many rows the BLAS matmul is as fast (measured: ``benchmarks/step_cost.py``)."""
+
+
+PANEL = 16
+"""Output columns per panel (linear.c's ``PANEL``)."""
+
+
+class PackedRows:
+    """A ``[n, k]`` weight (torch's Linear layout, fp32 or bf16) in linear.c's panels:
+    ``data[b, i, c] = w[16 b + c, i]`` (rows past n are zeros); in bf16 each ``data[b, i]``
+    holds columns 0..7 at even positions and 8..15 at odd ones. NOTE: a copy, memory beside
+    the weight (which BLAS reads for large steps)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        weight = weight.detach()
+        n, k = weight.shape
+        pad = -n % PANEL
+        if pad:
+            weight = torch.cat((weight, weight.new_zeros(pad, k)))
+        panels = weight.reshape(-1, PANEL, k).transpose(1, 2)  # [panels, k, column]
+        if weight.dtype == torch.bfloat16:  # column h * 8 + c at position 2 c + h
+            panels = panels.reshape(-1, k, 2, PANEL // 2).transpose(2, 3)
+        self.data = panels.contiguous().reshape(-1, k, PANEL)
+        self.n, self.k, self.dtype = n, k, weight.dtype
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.data.is_cpu
+
+    def data_ptr(self) -> int:
+        return self.data.data_ptr()
 
 
 class Epilogue(IntEnum):
@@ -39,23 +71,23 @@ ACTIVATIONS = {
 
 def linear_rows(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: PackedRows,
     bias: torch.Tensor | None,
     op: Epilogue = Epilogue.NONE,
     other: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight [n, k] contiguous,
+    """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight: [n, k] packed,
     other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
         return None  # NOTE: called for every matmul of every step: cheapest checks first
     lib = library()
-    if lib is None or not (x.is_contiguous() and weight.is_contiguous() and weight.is_cpu):
+    if lib is None or not (x.is_contiguous() and weight.is_cpu) or weight.k != k:
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if torch.is_grad_enabled() and x.requires_grad:
         return None
-    n = weight.shape[0]
+    n = weight.n
     if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
         return None
     if other is not None:

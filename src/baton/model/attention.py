@@ -239,14 +239,18 @@ class Attention(nn.Module):
             ))  # fmt: skip
             self._qk_norm = (per_head, self.q_norm.eps)
 
-    def native_weights(self) -> dict[str, torch.Tensor | None] | None:
-        """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v, o,
-        per-head q/k norms), or None where it cannot (no q/k norm, packed weights)."""
-        if self._qkv is None or self._qk_norm is None or self._qkv.matrix is None:
+    def native_weights(self) -> dict[str, object] | None:
+        """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v and o
+        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, packed
+        oneDNN weights)."""
+        if self._qkv is None or self._qk_norm is None:
+            return None
+        qkv, o = self._qkv.rows(), self._o.rows()
+        if qkv is None or o is None:
             return None
         return {
-            "qkv": self._qkv.matrix, "qkv_bias": self._qkv.matrix_bias,
-            "qk_norm": self._qk_norm[0], "o": self._o.matrix, "o_bias": self._o.matrix_bias,
+            "qkv": qkv[0], "qkv_bias": qkv[1], "qk_norm": self._qk_norm[0],
+            "o": o[0], "o_bias": o[1],
         }  # fmt: skip
 
     def forward(

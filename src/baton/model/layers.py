@@ -15,7 +15,7 @@ from torch import nn
 
 from baton import platform
 from baton.kernels.layer import enabled as native_layers_enabled
-from baton.kernels.linear import ACTIVATIONS, Epilogue, linear_rows
+from baton.kernels.linear import ACTIVATIONS, Epilogue, PackedRows, linear_rows
 from baton.kernels.norm import rms_norm
 from baton.model.spec import RopeSpec
 
@@ -60,23 +60,29 @@ class FrozenLinear:
         # per call, and a decode step makes ~50 of these calls.
         self._unary = torch.ops.mkldnn._linear_pointwise.default
         self._binary_op = torch.ops.mkldnn._linear_pointwise.binary
-        self.matrix, self.matrix_bias = self._narrowed()
+        self._rows: tuple[PackedRows, torch.Tensor | None] | None = None
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
         self._few_rows = (
-            self.matrix is not None
-            and self.matrix.numel() >= FEW_ROWS_MIN_WEIGHT
+            self.weight is not None
+            and self.weight.numel() >= FEW_ROWS_MIN_WEIGHT
             and native_layers_enabled()
         )
 
-    def _narrowed(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """What the native kernels read (``matrix``, and its bias): the weight, or -- an fp32
-        weight whose every value is a bf16 value, as a bf16 checkpoint loaded in fp32 is --
-        a bf16 copy: the same numbers in half the bytes, and a small step is a pass over its
-        weights. NOTE: the copy is memory beside the weight, which BLAS still reads for
-        large steps."""
+    def rows(self) -> tuple[PackedRows, torch.Tensor | None] | None:
+        """What the native kernels read (``linear.c``'s packed weight, and its bias), packed
+        on first use; None for a packed oneDNN weight or with native layers off."""
+        if self._rows is None and self.weight is not None and native_layers_enabled():
+            weight, bias = self._narrowed()
+            self._rows = (PackedRows(weight), bias)
+        return self._rows
+
+    def _narrowed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
+        value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same
+        numbers in half the bytes, and a small step is a pass over its weights."""
         weight, bias = self.weight, self.bias
-        if weight is None or weight.dtype != torch.float32 or not native_layers_enabled():
+        if weight.dtype != torch.float32:
             return weight, bias
         narrow = weight.to(torch.bfloat16)
         if not torch.equal(narrow.float(), weight):
@@ -93,7 +99,8 @@ class FrozenLinear:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
         if self._few_rows:
-            y = linear_rows(x, self.matrix, self.matrix_bias, ACTIVATIONS[self.activation])
+            weight, bias = self.rows()
+            y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation])
             if y is not None:
                 return y
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
@@ -112,7 +119,8 @@ class FrozenLinear:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
         if self._few_rows:
             epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
-            y = linear_rows(x, self.matrix, self.matrix_bias, epilogue, other)
+            weight, bias = self.rows()
+            y = linear_rows(x, weight, bias, epilogue, other)
             if y is not None:
                 return y
         y = self(x)
@@ -236,15 +244,16 @@ class GatedMLP(nn.Module):
         self._up = FrozenLinear(self.up_proj.weight, self.up_proj.bias)
         self._down = FrozenLinear(self.down_proj.weight, self.down_proj.bias)
 
-    def native_weights(self) -> dict[str, torch.Tensor | None] | None:
+    def native_weights(self) -> dict[str, PackedRows | torch.Tensor | None] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads, or None
-        where it cannot (packed weights)."""
+        where it cannot (packed oneDNN weights)."""
         linears = {"gate": self._gate, "up": self._up, "down": self._down}
-        if any(f is None or f.matrix is None for f in linears.values()):
+        rows = {name: None if f is None else f.rows() for name, f in linears.items()}
+        if any(r is None for r in rows.values()):
             return None
         return {
-            **{name: f.matrix for name, f in linears.items()},
-            **{f"{name}_bias": f.matrix_bias for name, f in linears.items()},
+            **{name: r[0] for name, r in rows.items()},
+            **{f"{name}_bias": r[1] for name, r in rows.items()},
         }
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
