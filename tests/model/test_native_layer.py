@@ -3,7 +3,8 @@
 ``linear_rows`` against ``F.linear`` and its epilogues, every instruction-set level this CPU
 runs, fp32 and bf16; whole generations with the fused layer on and off (the bundled model
 with its MTP draft, paged and ring): the same tokens, the same acceptance per request, the
-same log-probabilities within float tolerance -- and the fused layer really ran.
+same log-probabilities within float tolerance (bf16: the same tokens up to a near-tie within
+bf16's rounding, which may break either way) -- and the fused layer really ran.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ PROMPTS = [
 
 def _generate(dtype: str, mode: str, calls: list[int]):
     llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
-    params = SamplingParams(temperature=0, max_tokens=40, logprobs=0)
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
     layer_call, matmul = native_layer.NativeLayer.__call__, model_layers.linear_rows
 
     def counted_layer(self, *args):
@@ -105,7 +106,7 @@ def _generate(dtype: str, mode: str, calls: list[int]):
         mp.setattr(model_layers, "linear_rows", counted_matmul)
         outs = llm.generate(PROMPTS, params)
     return [
-        (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.metrics.accepted_lengths)
+        (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
         for o in outs
     ]
 
@@ -124,16 +125,24 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, mo
     reference = _generate(dtype, mode, torch_calls)
     # The switch works, and both native parts ran (the head's and the draft's matmuls).
     assert set(fused_calls) == {"layer", "matmul"} and not torch_calls
-    assert [t for t, _, _ in fused] == [t for t, _, _ in reference]
     assert any(a for _, _, a in fused)  # the draft was verified, its layer fused too
     if dtype == "float32":
+        assert [t for t, _, _ in fused] == [t for t, _, _ in reference]
         assert [a for _, _, a in fused] == [a for _, _, a in reference]
-    else:  # bf16 rounds every op: a draft's near-tie may break the other way
-        for (_, _, got), (_, _, want) in zip(fused, reference, strict=True):
+    else:  # bf16 rounds every op: a near-tie may break the other way (then stop comparing)
+        for (tokens, logprobs, got), (want_tokens, _, want) in zip(fused, reference, strict=True):
+            same = next((i for i, (x, y) in enumerate(zip(tokens, want_tokens)) if x != y), None)
+            if same is not None:  # a tie within bf16's rounding in the fused run's own logits
+                top = logprobs[same]
+                assert want_tokens[same] in top, (same, top)
+                assert top[tokens[same]] - top[want_tokens[same]] <= 0.05, (same, top)
+                assert same >= 10, f"diverged at token {same}"
             assert sum(got) / len(got) == pytest.approx(sum(want) / len(want), abs=0.3)
-    tol = dict(rel=1e-4, abs=1e-3) if dtype == "float32" else dict(rel=5e-2, abs=0.5)
-    for (_, got, _), (_, want, _) in zip(fused, reference, strict=True):
-        assert got == pytest.approx(want, **tol)
+    tol = dict(rel=1e-4, abs=1e-3) if dtype == "float32" else dict(rel=2e-2, abs=0.1)
+    for (tokens, got, _), (want_tokens, want, _) in zip(fused, reference, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(tokens, want_tokens)) if x != y), len(tokens))
+        for i in range(n):  # every token's logprob, up to a bf16 divergence
+            assert got[i][tokens[i]] == pytest.approx(want[i][tokens[i]], **tol), i
 
 
 def test_an_fp32_weight_of_bf16_values_is_read_as_bf16_with_the_same_results():

@@ -208,6 +208,73 @@ static inline void accumulate_block_bf16(const uint32_t *probs, const uint32_t *
 #define HAS_BF16_PATH 0
 #endif
 
+#if !HAS_BF16_PATH && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAS_AVX2_PATH 1
+
+/* Eight fp32 values of a bf16 or fp32 row from element e. */
+static inline __m256 load8_row(const void *row, int e, const int is_bf16) {
+    if (is_bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + e));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)row + e);
+}
+
+/* r[k] = sum of the lanes of v[k], k < 8. */
+static inline __m256 reduce8(const __m256 v[8]) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* score_block with AVX2 (d % 16 == 0): each key row read from the pool as it is, no copy;
+ * the same scores as the portable loop up to the order of each dot product's sum. */
+static inline __attribute__((always_inline)) void score_block_avx2(
+    const Args *a, int b, const Block *blk, const float *q, int p, float *scores, const int d,
+    const int is_bf16) {
+    int lo = a->first[b] > 0 ? a->first[b] : 0;
+    if (a->window > 0 && p - a->window + 1 > lo) lo = p - a->window + 1;
+    for (int h = 0; h < BLOCK; h += 8) {
+        __m256 part[8];
+        _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {
+            const void *k = blk->k[h + kk];
+            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+            for (int e = 0; e < d; e += 16) {
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8_row(k, e, is_bf16), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8_row(k, e + 8, is_bf16), s1);
+            }
+            part[kk] = _mm256_add_ps(s0, s1);
+        }
+        const __m256 sc = _mm256_mul_ps(reduce8(part), _mm256_set1_ps(a->scale));
+        const __m256i pos = _mm256_loadu_si256((const __m256i *)(blk->pos + h));
+        const __m256i keep = _mm256_andnot_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), pos), /* pos >= lo (padding is -1) */
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(p + 1), pos)); /* pos <= p */
+        _mm256_storeu_ps(scores + h, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc,
+                                                      _mm256_castsi256_ps(keep)));
+    }
+}
+
+/* accumulate_block with AVX2 (d % 8 == 0, d <= 128): the accumulator in registers, the
+ * value rows read from the pool as they are; the same sums in the same order. */
+static inline __attribute__((always_inline)) void accumulate_block_avx2(
+    const float *probs, const Block *blk, float *acc, const int d, const int is_bf16) {
+    __m256 r[16];
+    _Pragma("GCC unroll 16") for (int c = 0; c < d / 8; c++) r[c] = _mm256_loadu_ps(acc + 8 * c);
+    for (int kk = 0; kk < BLOCK; kk++) {
+        if (probs[kk] == 0.0f) continue;
+        const __m256 pk = _mm256_set1_ps(probs[kk]);
+        _Pragma("GCC unroll 16") for (int c = 0; c < d / 8; c++)
+            r[c] = _mm256_fmadd_ps(pk, load8_row(blk->v[kk], 8 * c, is_bf16), r[c]);
+    }
+    _Pragma("GCC unroll 16") for (int c = 0; c < d / 8; c++) _mm256_storeu_ps(acc + 8 * c, r[c]);
+}
+#else
+#define HAS_AVX2_PATH 0
+#endif
+
 /* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
  * a position lives); those past `p_end` are padding (they repeat p0's rows). Walks the pool
  * row by row: one division per block, not two per position. */
@@ -267,6 +334,8 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
     }
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
+    const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
+    (void)avx2;
     Block blk, next;
     fill_block(a, b, g, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
@@ -281,6 +350,15 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #if HAS_BF16_PATH
             if (fast) {
                 score_block_bf16(a, b, &blk, (const uint16_t *)a->q + q_at[i], p, s, d);
+                continue;
+            }
+#endif
+#if HAS_AVX2_PATH
+            if (avx2) {
+                if (a->is_bf16)
+                    score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 1);
+                else
+                    score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 0);
                 continue;
             }
 #endif
@@ -323,6 +401,18 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
             for (int i = 0; i < nq; i++)
                 accumulate_block_bf16((const uint32_t *)(scores + (int64_t)i * stride) + j0 / 2,
                                       (const uint32_t *)rows, acc + (int64_t)i * d, d);
+            continue;
+        }
+#endif
+#if HAS_AVX2_PATH
+        if (avx2) { /* padding rows weigh 0: never read */
+            for (int i = 0; i < nq; i++) {
+                const float *probs = scores + (int64_t)i * stride + j0;
+                if (a->is_bf16)
+                    accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 1);
+                else
+                    accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 0);
+            }
             continue;
         }
 #endif
