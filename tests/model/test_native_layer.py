@@ -111,6 +111,11 @@ def _generate(dtype: str, mode: str, calls: list[int]):
     ]
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    """The first index where a and b differ (a's length if nowhere)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
 @pytest.mark.parametrize(
     ("dtype", "mode"), [("float32", "paged"), ("float32", "ring"), ("bfloat16", "paged")]
 )
@@ -131,8 +136,8 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, mo
         assert [a for _, _, a in fused] == [a for _, _, a in reference]
     else:  # bf16 rounds every op: a near-tie may break the other way (then stop comparing)
         for (tokens, logprobs, got), (want_tokens, _, want) in zip(fused, reference, strict=True):
-            same = next((i for i, (x, y) in enumerate(zip(tokens, want_tokens)) if x != y), None)
-            if same is not None:  # a tie within bf16's rounding in the fused run's own logits
+            same = _first_difference(tokens, want_tokens)
+            if same < len(tokens):  # a tie within bf16's rounding in the fused run's own logits
                 top = logprobs[same]
                 assert want_tokens[same] in top, (same, top)
                 assert top[tokens[same]] - top[want_tokens[same]] <= 0.05, (same, top)
@@ -140,8 +145,7 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, mo
             assert sum(got) / len(got) == pytest.approx(sum(want) / len(want), abs=0.3)
     tol = dict(rel=1e-4, abs=1e-3) if dtype == "float32" else dict(rel=2e-2, abs=0.1)
     for (tokens, got, _), (want_tokens, want, _) in zip(fused, reference, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(tokens, want_tokens)) if x != y), len(tokens))
-        for i in range(n):  # every token's logprob, up to a bf16 divergence
+        for i in range(_first_difference(tokens, want_tokens)):  # up to a bf16 divergence
             assert got[i][tokens[i]] == pytest.approx(want[i][tokens[i]], **tol), i
 
 
