@@ -106,8 +106,7 @@ def _generate(dtype: str, mode: str, calls: list[int]):
         mp.setattr(model_layers, "linear_rows", counted_matmul)
         outs = llm.generate(PROMPTS, params)
     return [
-        (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
-        for o in outs
+        (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths) for o in outs
     ]
 
 
