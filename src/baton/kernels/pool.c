@@ -112,7 +112,10 @@ static void *helper(void *arg) {
 }
 
 static void after_fork_in_child(void) {
-    /* The child has only the forking thread: no helpers, nothing running. */
+    /* The child has only the forking thread: no helpers, nothing running -- and no task of
+     * a job another parent thread had running may be taken (its caller does not exist). */
+    atomic_store(&ticket, (uint64_t)GEN(atomic_load(&ticket)) << GEN_SHIFT);
+    atomic_store(&done, 0);
     num_helpers = 0;
     atomic_store(&busy, 0);
     atomic_store(&sleepers, 0);
