@@ -15,7 +15,9 @@ import argparse
 import dataclasses
 import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from baton import cli_args
@@ -108,11 +110,6 @@ def _serve(args: argparse.Namespace) -> int:
     fault = RuntimeEnv.from_environ().debug_engine_fault_after_steps
     engine = AsyncEngine(core, fail_after_steps=fault)
     name = args.served_model_name or Path(args.model).name
-    # NOTE: uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal at the
-    # handler that was installed before it; a no-op there lets the cleanup below run (a
-    # default SIGTERM would kill the process and leave decode's shared memory behind).
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: None)
     try:
         app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))
         server = http_server(app, args.host, args.port, log_level="info",
@@ -120,16 +117,36 @@ def _serve(args: argparse.Namespace) -> int:
         # A failed engine stops the server: the process exits non-zero (below) for a
         # supervisor to restart, instead of staying up answering 503.
         engine.on_failure = lambda: setattr(server, "should_exit", True)
-        engine.start()
-        server.run()
+        http = _serve_http_beside(server, engine.stop_soon)
+        engine.run_here()  # the main thread: see AsyncEngine.run_here
+        http.join(SHUTDOWN_GRACE_S + 5)
     finally:
         engine.shutdown()
         if args.role == "decode":
-            core.close()  # type: ignore[union-attr]  # after the engine thread stopped
+            core.close()  # type: ignore[union-attr]  # after the engine loop stopped
     if engine.error is not None:
         print(f"error: {engine.error}; the server stopped", file=sys.stderr)
         return 1
     return 0 if server.started else 3  # 3: uvicorn.run's code for a server that never started
+
+
+def _serve_http_beside(server, then: Callable[[], None]) -> threading.Thread:
+    """Run the uvicorn ``server`` on a thread of its own (the caller's thread runs the
+    engine), calling ``then`` once it has stopped. SIGINT/SIGTERM start its graceful
+    shutdown (in-flight requests finish, up to ``SHUTDOWN_GRACE_S``; the engine keeps
+    stepping meanwhile); uvicorn installs no handler off the main thread."""
+
+    def serve() -> None:
+        try:
+            server.run()
+        finally:
+            then()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: setattr(server, "should_exit", True))
+    thread = threading.Thread(target=serve, name="baton-http", daemon=True)
+    thread.start()
+    return thread
 
 
 def _decode_engine(args: argparse.Namespace, config):
@@ -182,13 +199,12 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
     # A failed loop stops the server and the process exits 1 (see _serve), never a prefill
     # that stays up answering 503.
     loop.on_failure = lambda: setattr(http, "should_exit", True)
-    loop.start()
     print(json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}),
           flush=True)  # fmt: skip
-    for sig in (signal.SIGINT, signal.SIGTERM):  # see _serve: let the cleanup below run
-        signal.signal(sig, lambda *_: None)
+    thread = _serve_http_beside(http, loop.stop_event.set)
     try:
-        http.run()
+        loop.run_here()  # the main thread, as _serve's engine
+        thread.join(SHUTDOWN_GRACE_S + 5)
     finally:
         loop.stop()
     if loop.error is not None:

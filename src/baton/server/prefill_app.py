@@ -36,7 +36,8 @@ STALL_LIMIT_S = 60.0
 
 
 class PrefillLoop:
-    """Runs ``server.serve_once`` on its own thread until ``stop``; closes the server then."""
+    """Runs ``server.serve_once`` on its own thread (``start``) or the caller's (``run_here``)
+    until ``stop``; closes the server then."""
 
     def __init__(self, server: PrefillServer) -> None:
         self.server = server
@@ -52,9 +53,17 @@ class PrefillLoop:
         self._thread.start()
         return self
 
+    def run_here(self) -> None:
+        """Run the loop on the calling thread until ``stop`` (instead of ``start``): ``baton
+        serve`` runs it on the main thread, where MKL's matmuls are faster (see
+        ``baton.server.async_engine.AsyncEngine.run_here``)."""
+        self._thread = threading.current_thread()
+        self._run()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stop_event.set()
-        self._thread.join(timeout_s)
+        if self._thread is not threading.current_thread() and self._thread.ident is not None:
+            self._thread.join(timeout_s)
 
     @property
     def is_alive(self) -> bool:
