@@ -1,5 +1,7 @@
 """``AsyncEngine``: one engine core (``baton.engine.core.EngineCore``: a colocated
-``LLMEngine`` or a PD ``DecodeEngine``) driven by a background thread, fed from asyncio.
+``LLMEngine`` or a PD ``DecodeEngine``) driven by one thread -- the engine thread: a
+background one (``start``), or the caller's (``run_here``: ``baton serve`` runs it on the
+main thread and HTTP on another) -- fed from asyncio.
 
 The engine is not thread-safe, so only the engine thread touches it. Coroutines send
 commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
