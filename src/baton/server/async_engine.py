@@ -125,7 +125,7 @@ class AsyncEngine:
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the thread; requests still running end with an error on their iterators."""
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._commands.put(_Stop())
+            self.stop_soon()
             self._thread.join(timeout_s)
 
     @property
