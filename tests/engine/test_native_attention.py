@@ -117,3 +117,34 @@ def test_kernel_matches_torch_path_and_reference(
         k_all, v_all = history[seg.request_id]
         want = _reference(pool, seg, q[0, rows], k_all, v_all, window, scale, softcap)
         torch.testing.assert_close(native[0, rows].double(), want, **tol)
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "ring"])
+@pytest.mark.parametrize("dtype,heads,head_dim", [(torch.bfloat16, 4, 64), (torch.float32, 4, 32)])
+def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype, heads, head_dim):
+    """A prompt computed in one chunk, or its first S tokens read from the pool and the rest
+    as a chunk (a prefix-cache hit): the queries both compute give equal bits -- their
+    scores sit in the same lanes whatever the tiling (blocks start at multiples of 16)."""
+    kv_heads, num_tokens = 2, 45
+    torch.manual_seed(1)
+    q = torch.randn(1, num_tokens, heads, head_dim).to(dtype)
+    k = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
+    v = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
+    scale = head_dim**-0.5
+
+    def attend(start: int) -> torch.Tensor:
+        pool, window = _pool(kind, dtype, kv_heads, head_dim)
+        if start:
+            pool.grow("r", 0, start)
+            pool.write(0, "r", 0, k[0, :start], v[0, :start])
+        pool.grow("r", start, num_tokens)
+        cache = SimpleNamespace(layer_map={7: (pool, 0)})
+        segment = Segment("r", 0, start, num_tokens - start)
+        rest = slice(start, num_tokens)
+        return PagedAttention(cache, [segment]).attend(
+            7, q[:, rest], k[:, rest], v[:, rest], window, scale, None
+        )[0]
+
+    whole = attend(0)
+    for start in (1, 5, 8, 13, 16, 24):
+        assert torch.equal(attend(start), whole[start:]), start

@@ -1,6 +1,7 @@
-"""``FrozenLinear``: the packed bf16 matmul gives exactly ``F.linear``'s result, and where
-the CPU has no native bf16 (forced here by replacing the detection) it does not pack and
-still gives ``F.linear``'s result."""
+"""``FrozenLinear``: the packed bf16 matmul gives exactly ``F.linear``'s result (its residual
+add rounds once, on the fp32 result), and where the CPU has no native bf16 (forced here by
+replacing the detection) it does not pack and still gives ``F.linear``'s result; inside
+``step_invariant_rows`` a row's result does not depend on the call's number of rows."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from baton import platform
-from baton.model.layers import FrozenLinear
+from baton.model.layers import FEW_ROWS_MIN_WEIGHT, FrozenLinear, step_invariant_rows
 
 
 def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
@@ -22,7 +23,12 @@ def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
     frozen = FrozenLinear(weight, bias)
     assert torch.equal(frozen(x), F.linear(x, weight, bias))
     other = torch.randn(1, rows, 96, generator=g).to(dtype)
-    assert torch.equal(frozen.add(x, other), F.linear(x, weight, bias) + other)
+    if frozen.packed is None:
+        assert torch.equal(frozen.add(x, other), F.linear(x, weight, bias) + other)
+    else:  # the residual is added to the fp32 result inside the matmul: one rounding
+        b = None if bias is None else bias.float()
+        once = (F.linear(x.float(), weight.float(), b) + other.float()).to(dtype)
+        torch.testing.assert_close(frozen.add(x, other), once, rtol=2**-7, atol=2**-6)
     return frozen
 
 
@@ -68,3 +74,23 @@ def test_the_packed_path_runs_where_the_cpu_cannot_pack(monkeypatch):
     torch.testing.assert_close(frozen(x), F.linear(x, weight))
     torch.testing.assert_close(frozen.add(x, other), F.linear(x, weight) + other)
     torch.testing.assert_close(frozen.mul(x, other), F.linear(x, weight) * other)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", [96, FEW_ROWS_MIN_WEIGHT // 64])  # the second takes linear.c
+def test_invariant_rows_do_not_depend_on_the_number_of_rows(dtype, n):
+    """The rows of any slice of a 40-row call, called alone inside ``step_invariant_rows``,
+    give the bits they get in the whole call -- plain, with an activation and with a
+    residual (BLAS picks its kernels by row count: on a Zen 5 a 1-3, 5-7 or 9-11-row fp32
+    call gave other bits than the same rows in a larger call)."""
+    g = torch.Generator().manual_seed(n)
+    weight = torch.randn(n, 64, generator=g).to(dtype)
+    x = torch.randn(40, 64, generator=g).to(dtype)
+    other = torch.randn(40, n, generator=g).to(dtype)
+    plain, act = FrozenLinear(weight), FrozenLinear(weight, activation="silu")
+    with step_invariant_rows():
+        whole = (plain(x), act(x), plain.add(x, other))
+        for a, b in [(0, 1), (3, 5), (0, 7), (9, 20), (17, 40), (1, 12), (31, 40)]:
+            part = (plain(x[a:b]), act(x[a:b]), plain.add(x[a:b], other[a:b]))
+            for got, want in zip(part, whole, strict=True):
+                assert torch.equal(got, want[a:b]), (a, b)

@@ -22,6 +22,7 @@ from baton.engine.scheduler import SchedulerOutput
 from baton.kernels.logits import argmax_rows, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
+from baton.model.layers import step_invariant_rows
 from baton.model.paged_attention import PagedAttention, Segment
 from baton.sampling.sampler import Sampler, SamplerOutput, SamplingState
 from baton.speculative.proposer import DraftProposer, PendingPairs
@@ -80,13 +81,17 @@ class ModelRunner:
             )
         self.num_computed_tokens += len(input_ids)
         rows = self._rows_read(batch.chunks, segments, len(input_ids))
+        # A prompt's keys and values (and the draft's) come out the same whatever the step's
+        # size, so that a prefix-cache hit restores the bytes a cold run writes: no fused
+        # layer, and matmuls in blocks of rows (layers.step_invariant_rows).
         computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
-        hidden = self.model(
-            torch.tensor([input_ids]),
-            torch.tensor([positions]),
-            PagedAttention(self.cache, segments, native_layers=not computes_prompt),
-            rows,
-        )[0]  # [N, H], or [len(rows), H]
+        with step_invariant_rows(computes_prompt):
+            hidden = self.model(
+                torch.tensor([input_ids]),
+                torch.tensor([positions]),
+                PagedAttention(self.cache, segments, native_layers=not computes_prompt),
+                rows,
+            )[0]  # [N, H], or [len(rows), H]
         if rows is not None:  # back in place: the rows nothing reads stay zero
             full = hidden.new_zeros((len(input_ids), hidden.shape[-1]))
             full[rows] = hidden
@@ -97,7 +102,8 @@ class ModelRunner:
         if verified:
             self._verify(verified, hidden, chains, states, result)
         if self.proposer is not None:
-            self._feed_draft(batch.chunks, segments, hidden, result)
+            with step_invariant_rows(computes_prompt):
+                self._feed_draft(batch.chunks, segments, hidden, result)
         return result
 
     def _rows_read(self, chunks, segments, num_tokens: int) -> torch.Tensor | None:

@@ -276,20 +276,23 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
 #endif
 
 /* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
- * a position lives); those past `p_end` are padding (they repeat p0's rows). Walks the pool
- * row by row: one division per block, not two per position. */
-static inline void fill_block(const Args *a, int b, int g, int p0, int p_end, Block *blk) {
+ * a position lives); those before `p_lo` or past `p_end` are padding (they repeat the row of
+ * the block's first other position). Walks the pool row by row: one division per block,
+ * not two per position. */
+static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int p_end,
+                              Block *blk) {
     const int size = a->is_bf16 ? 2 : 4, start = a->q_start[b];
     const int32_t *units = a->units + (int64_t)b * a->max_units;
-    const int j = a->is_ring ? p0 % a->rows : p0 - a->key_base[b];
+    const int k0 = p_lo > p0 ? p_lo - p0 : 0; /* the first row that is not padding */
+    const int j = a->is_ring ? (p0 + k0) % a->rows : p0 + k0 - a->key_base[b];
     int unit = a->is_ring ? 0 : j / a->rows, row = j % a->rows;
-    for (int kk = 0; kk < BLOCK; kk++) {
+    for (int kk = k0; kk < BLOCK; kk++) {
         const int kp = p0 + kk;
         const int is_pad = kp > p_end;
         blk->pos[kk] = is_pad ? -1 : kp;
         if (is_pad) {
-            blk->k[kk] = blk->k[0];
-            blk->v[kk] = blk->v[0];
+            blk->k[kk] = blk->k[k0];
+            blk->v[kk] = blk->v[k0];
         } else if (kp >= start) { /* the step's own token */
             const int64_t t = a->q_offset[b] + kp - start;
             blk->k[kk] = (const char *)a->fresh_k + (t * a->fk_token_stride +
@@ -307,6 +310,11 @@ static inline void fill_block(const Args *a, int b, int g, int p0, int p_end, Bl
             unit += !a->is_ring;
         }
     }
+    for (int kk = 0; kk < k0; kk++) {
+        blk->pos[kk] = -1;
+        blk->k[kk] = blk->k[k0];
+        blk->v[kk] = blk->v[k0];
+    }
 }
 
 static inline void prefetch_rows(const void *const rows[BLOCK], int row_bytes) {
@@ -322,9 +330,13 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int nq = (t1 - t0) * rep; /* query i: token t0 + i / rep, head g * rep + i % rep */
     /* Positions the tile can see: from its first query's lowest to its last query. */
     const int p_first = a->q_start[b] + t0, p_last = a->q_start[b] + t1 - 1;
-    int lo = a->first[b];
+    int lo = a->first[b] > 0 ? a->first[b] : 0;
     if (a->window > 0 && p_first - a->window + 1 > lo) lo = p_first - a->window + 1;
-    const int padded = (p_last - lo + 1 + BLOCK - 1) / BLOCK * BLOCK;
+    /* Blocks start at multiples of BLOCK, whatever the tile: a query's scores then sit in
+     * the same lanes and its sums run in the same order however the step's tokens are
+     * tiled -- a prefix-cache hit's suffix gives the bytes a cold run's longer chunk does. */
+    const int base = lo / BLOCK * BLOCK;
+    const int padded = (p_last - base + 1 + BLOCK - 1) / BLOCK * BLOCK;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
     int64_t q_at[MAX_QUERIES];
@@ -337,11 +349,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
     (void)avx2;
     Block blk, next;
-    fill_block(a, b, g, lo, p_last, &next);
+    fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next; /* and the rows of the block after it on their way into the cache */
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, lo + j0 + BLOCK, p_last, &next);
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
             prefetch_rows(next.k, d * (a->is_bf16 ? 2 : 4));
         }
         for (int i = 0; i < nq; i++) {
@@ -388,11 +400,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #endif
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
-    fill_block(a, b, g, lo, p_last, &next);
+    fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next;
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, lo + j0 + BLOCK, p_last, &next);
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
             prefetch_rows(next.v, d * (a->is_bf16 ? 2 : 4));
         }
 #if HAS_BF16_PATH
@@ -474,7 +486,8 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
         if (a->window > 0 && n > a->window + tile - 1) n = a->window + tile - 1;
         span = n > span ? n : span;
     }
-    const int stride = (span + BLOCK - 1) / BLOCK * BLOCK; /* scores per query */
+    /* Scores per query: the span and a block's start before it (one_task's base). */
+    const int stride = (span + 2 * (BLOCK - 1)) / BLOCK * BLOCK;
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
                               (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride;
     /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
