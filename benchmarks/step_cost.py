@@ -90,11 +90,13 @@ class PartTimer:
         self.seconds = {}
 
 
-def decoding_engine(model_dir: Path, batch: int, speculative: bool, threads: int, layers: str):
+def decoding_engine(
+    model_dir: Path, batch: int, speculative: bool, threads: int, layers: str, dtype: str
+):
     """An engine with ``batch`` requests past their prefill, and its part timer; ``layers``:
     ``fused`` (native decoder layers) or ``torch`` (op by op)."""
     config = EngineConfig.from_kwargs(
-        dtype="float32", num_threads=threads, speculative=speculative,
+        dtype=dtype, num_threads=threads, speculative=speculative,
         enable_prefix_caching=False, max_num_seqs=max(batch, 1),
     )  # fmt: skip
     os.environ["BATON_NATIVE_LAYERS"] = "1" if layers == "fused" else "0"  # read at load
@@ -153,7 +155,9 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
     for batch in (int(b) for b in args.batches.split(",")):
         row = {}
         for name, model_dir in (("real", BUNDLED), ("twin", twin_dir)):
-            engine, timer = decoding_engine(model_dir, batch, False, args.threads, layers)
+            engine, timer = decoding_engine(
+                model_dir, batch, False, args.threads, layers, args.dtype
+            )
             row[name] = time_steps(engine, timer, args.steps)
             if name == "twin":
                 row["twin_ops_per_step"] = count_ops(engine)
@@ -163,7 +167,7 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
         row["arithmetic_s"] = max(0.0, real["step_s"] - twin["step_s"])
         row["bookkeeping_per_request_s"] = real["bookkeeping_s"] / batch
         results[str(batch)] = row
-    engine, timer = decoding_engine(BUNDLED, 1, True, args.threads, layers)
+    engine, timer = decoding_engine(BUNDLED, 1, True, args.threads, layers, args.dtype)
     results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
     (output,) = engine.step()  # tokens per verify step so far
     results["1_mtp"]["acceptance_length"] = output.metrics.acceptance_length
@@ -171,7 +175,7 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
 
 
 def measure_bandwidth(args: argparse.Namespace, model_dir: Path, layers: str) -> dict:
-    engine, timer = decoding_engine(model_dir, 1, False, args.threads, layers)
+    engine, timer = decoding_engine(model_dir, 1, False, args.threads, layers, args.dtype)
     # Tied embeddings count once; the fused q|k|v copy is read instead of q, k, v: same bytes.
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     step = time_steps(engine, timer, args.bandwidth_steps)["step_s"]
@@ -229,12 +233,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=41)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--layers", default="fused,torch", help="variants: fused, torch or both")
+    p.add_argument(
+        "--dtype", default="float32", help="float32, bfloat16 or auto (what baton serve runs)"
+    )
     p.add_argument("--skip-bandwidth", action="store_true", help="skip the ~0.5B model")
     p.add_argument("--bandwidth-steps", type=int, default=9)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_cost.json")
     args = p.parse_args()
-    facts = machine_facts("float32", threads=args.threads)
-    print(f"{platform.current().summary()}; float32, {args.threads} threads")
+    args.dtype = platform.current().auto_dtype("bfloat16") if args.dtype == "auto" else args.dtype
+    facts = machine_facts(args.dtype, threads=args.threads)
+    print(f"{platform.current().summary()}; {args.dtype}, {args.threads} threads")
     variants = args.layers.split(",")
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import baton.kernels.layer as native_layer
 import baton.model.layers as model_layers
+from baton import platform
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.linear import MAX_ROWS, Epilogue, PackedRows, linear_rows
@@ -52,6 +53,28 @@ def test_linear_rows_is_the_torch_matmul(dtype, op, shape):
     assert got.shape == (1, rows, n) and got.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("op", [Epilogue.NONE, Epilogue.ADD, Epilogue.MUL, Epilogue.SILU])
+def test_rounding_once_is_the_epilogue_on_the_fp32_result(op):
+    """bf16: by default the matmul's result rounds, then the epilogue's (F.linear, then a
+    torch op); ``round_once`` rounds once, on the fp32 result (oneDNN's packed post-ops).
+    Each matches its own reference at nearly every element (the sums' order differs)."""
+    g = torch.Generator().manual_seed(int(op))
+    x = torch.randn(1, 8, 256, generator=g).bfloat16()
+    weight = (torch.randn(384, 256, generator=g) / 16).bfloat16()
+    other = torch.randn(1, 8, 384, generator=g).bfloat16()
+    arg = other if op in (Epilogue.ADD, Epilogue.MUL) else None
+    y = F.linear(x.float(), weight.float())
+    want_twice = TORCH_EPILOGUES[op](y.bfloat16(), other).bfloat16()
+    want_once = TORCH_EPILOGUES[op](y, other.float()).bfloat16()
+    twice = linear_rows(x, PackedRows(weight), None, op, arg)
+    once = linear_rows(x, PackedRows(weight), None, op, arg, round_once=True)
+    assert (twice == want_twice).float().mean() > 0.97
+    assert (once == want_once).float().mean() > 0.97
+    if op is not Epilogue.NONE:  # the two roundings differ somewhere
+        assert not torch.equal(want_once, want_twice) and not torch.equal(once, twice)
 
 
 def test_linear_rows_declines_what_it_cannot_take():
@@ -116,12 +139,22 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "mode"), [("float32", "paged"), ("float32", "ring"), ("bfloat16", "paged")]
+    ("dtype", "mode", "onednn"),
+    [
+        ("float32", "paged", False),
+        ("float32", "ring", False),
+        ("bfloat16", "paged", False),
+        ("bfloat16", "paged", True),
+    ],
 )
-def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, monkeypatch):
-    # Unpacked bf16 weights on every CPU (an AVX-512-BF16 one packs them for oneDNN, and
-    # the fused layer leaves packed weights to it): the path a CPU without oneDNN bf16 runs.
-    monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, onednn, monkeypatch):
+    # onednn: bf16 weights packed for oneDNN too, as an AVX-512-BF16 CPU does (the torch
+    # layers then run oneDNN's packed matmuls, small steps still the fused layer); without
+    # it, unpacked bf16 weights on every CPU: the path a CPU without oneDNN bf16 runs.
+    if onednn and not platform.current().native_bf16:
+        pytest.skip(f"oneDNN has no bf16 path on this CPU ({platform.current().summary()})")
+    if not onednn:
+        monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
     fused_calls: list[str] = []
     fused = _generate(dtype, mode, fused_calls)
     monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")

@@ -58,5 +58,8 @@ typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_GELU = 4 };
+/* Or'ed into linear.c's op: the epilogue runs on the fp32 result and rounds once, as
+ * oneDNN's packed matmul with a post-op does (the path it replaces on AVX-512-BF16 CPUs). */
+enum { EPI_ROUND_ONCE = 16 };
 
 #endif

@@ -31,7 +31,7 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
     const void *gate, *gate_bias, *up, *up_bias, *down, *down_bias;
     int32_t hidden, intermediate, heads, kv_heads, head_dim, act; /* act: EPI_SILU / GELU */
     float eps, norm_offset, qk_eps;
-    int32_t w_bf16;
+    int32_t w_bf16, round_once; /* round_once: EPI_ROUND_ONCE, as oneDNN's packed matmuls */
 } Layer;
 
 typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
@@ -48,7 +48,7 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     const int64_t t = s->tokens, hid = L->hidden, d = L->head_dim;
     const int64_t heads = L->heads, kv = L->kv_heads, inter = L->intermediate;
     const int64_t qkv_dim = (heads + 2 * kv) * d, qk_dim = (heads + kv) * d;
-    const int bf = s->act_bf16, nt = s->num_threads;
+    const int bf = s->act_bf16, nt = s->num_threads, once = L->round_once ? EPI_ROUND_ONCE : 0;
     const size_t elem = bf ? 2 : 4;
     char *scratch = malloc((size_t)t * (hid + qkv_dim + qk_dim + heads * d + 2 * inter) * elem);
     if (scratch == NULL) return 1;
@@ -59,7 +59,7 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     baton_rms_norm(s->x, t, hid, 1, 0, L->input_norm, 0, h, (int)hid, L->eps, L->norm_offset,
                    bf, s->lanes, nt);
     status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->qkv, (int)qkv_dim, L->qkv_bias,
-                                NULL, 0, EPI_NONE, qkv, qkv_dim, bf, L->w_bf16, nt);
+                                NULL, 0, EPI_NONE | once, qkv, qkv_dim, bf, L->w_bf16, nt);
     baton_rms_norm_rotary(qkv, t, qkv_dim, heads + kv, d, L->qk_norm, d, s->cos, s->sin, d, qk,
                           (int)d, L->qk_eps, bf, s->lanes, nt);
 
@@ -74,15 +74,15 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
 
     /* The residual adds write x in place: each element is read, then written, by one thread. */
     status |= baton_linear_rows(att, heads * d, (int)t, (int)(heads * d), L->o, (int)hid,
-                                L->o_bias, s->x, hid, EPI_ADD, s->x, hid, bf, L->w_bf16, nt);
+                                L->o_bias, s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
     baton_rms_norm(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset, bf,
                    s->lanes, nt);
     status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->gate, (int)inter, L->gate_bias, NULL,
-                                0, L->act, g, inter, bf, L->w_bf16, nt);
+                                0, L->act | once, g, inter, bf, L->w_bf16, nt);
     status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->up, (int)inter, L->up_bias, g, inter,
-                                EPI_MUL, u, inter, bf, L->w_bf16, nt);
+                                EPI_MUL | once, u, inter, bf, L->w_bf16, nt);
     status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
-                                s->x, hid, EPI_ADD, s->x, hid, bf, L->w_bf16, nt);
+                                s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
     free(scratch);
     return status;
 }

@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
             "hidden", "intermediate", "heads", "kv_heads", "head_dim", "act",
         )),
         ("eps", _f32), ("norm_offset", _f32), ("qk_eps", _f32),
-        ("w_bf16", _i32),
+        ("w_bf16", _i32), ("round_once", _i32),
     ]  # fmt: skip
 
 
@@ -79,10 +79,12 @@ class NativeLayer:
         eps: float,
         norm_offset: float,
         qk_eps: float,
+        round_once: bool = False,
     ) -> NativeLayer | None:
         """weights: ``_Layer``'s pointer fields by name: the matrices as ``PackedRows``, norms
-        and biases (which may be None) as tensors. None when ``layer.c`` cannot run this
-        layer."""
+        and biases (which may be None) as tensors; round_once: the matmuls' epilogues round
+        once, as the oneDNN-packed matmuls they stand in for (``linear.ROUND_ONCE``). None
+        when ``layer.c`` cannot run this layer."""
         if not enabled() or library() is None or act not in ACTIVATIONS or act == "none":
             return None
         present = {
@@ -113,6 +115,7 @@ class NativeLayer:
         layer.act = int(ACTIVATIONS[act])
         layer.eps, layer.norm_offset, layer.qk_eps = eps, norm_offset, qk_eps
         layer.w_bf16 = DTYPES[present["qkv"].dtype]
+        layer.round_once = int(round_once)
         return cls(present, layer)
 
     def __call__(

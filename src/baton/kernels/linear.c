@@ -19,8 +19,9 @@
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
  * (row stride y_stride) are bf16 (act_bf16) or fp32; the packed weight and the bias are
  * bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch path this replaces
- * (baton/model/layers.py FrozenLinear, unpacked): the matmul's result is rounded to the
- * activation dtype, then each epilogue op rounds again. The sum over k runs in order, in up
+ * (baton/model/layers.py FrozenLinear): unpacked, the matmul's result is rounded to the
+ * activation dtype, then each epilogue op rounds again; with EPI_ROUND_ONCE in op (oneDNN's
+ * packed bf16 matmul, whose post-op works on the fp32 result) the epilogue rounds once. The sum over k runs in order, in up
  * to 4 interleaved partial sums for 1-3 rows (one chain of multiply-adds would wait on
  * their latency), so fp32 results differ from BLAS's in the last bits (tests compare
  * within tolerance, and greedy tokens); which thread computes a panel changes nothing.
@@ -146,8 +147,10 @@ static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, t
 static void finish(const float *d, int j0, int count, const void *bias, int w_bf16, int op,
                    const void *other, int64_t other_at, void *y, int64_t y_at, int bf) {
     float v[PANEL];
+    const int first = op & EPI_ROUND_ONCE ? 0 : bf; /* the matmul's own rounding */
+    op &= ~EPI_ROUND_ONCE;
     for (int i = 0; i < count; i++)
-        v[i] = round_to(d[i] + (bias != NULL ? to_f32(bias, j0 + i, w_bf16) : 0.0f), bf);
+        v[i] = round_to(d[i] + (bias != NULL ? to_f32(bias, j0 + i, w_bf16) : 0.0f), first);
     switch (op) {
     case EPI_ADD:
         for (int i = 0; i < count; i++) v[i] = round_to(v[i] + to_f32(other, other_at + i, bf), bf);
@@ -167,6 +170,8 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
         break;
     }
     default:
+        if (first != bf) /* none, rounding once: here */
+            for (int i = 0; i < count; i++) v[i] = round_to(v[i], bf);
         break;
     }
     if (bf)

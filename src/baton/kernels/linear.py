@@ -4,9 +4,9 @@ The kernel reads a weight packed once into its panels (``PackedRows``: 16 output
 per contiguous panel; see linear.c). ``linear_rows`` returns None when the kernel cannot
 take the call (no kernels, more rows than ``MAX_ROWS``, another dtype, a layout it does not
 read, autograd); the caller then runs its torch code, which stays the reference (tests
-compare the two). Who calls it: ``baton.model.layers.FrozenLinear`` (unpacked weights: fp32,
-or bf16 where oneDNN has no bf16 path), and ``baton.kernels.layer`` takes its packed
-weights.
+compare the two). Who calls it: ``baton.model.layers.FrozenLinear`` (few rows through a
+large weight, fp32 or bf16, also where oneDNN packs bf16 for large steps), and
+``baton.kernels.layer`` takes its packed weights.
 """
 
 from __future__ import annotations
@@ -63,6 +63,11 @@ class Epilogue(IntEnum):
     GELU_TANH = 4
 
 
+ROUND_ONCE = 16
+"""Or'ed into the epilogue (``linear.c``'s ``EPI_ROUND_ONCE``): it works on the fp32 result
+and rounds once, as oneDNN's packed matmul with a post-op does."""
+
+
 ACTIVATIONS = {
     "none": Epilogue.NONE,
     "silu": Epilogue.SILU,
@@ -77,9 +82,11 @@ def linear_rows(
     bias: torch.Tensor | None,
     op: Epilogue = Epilogue.NONE,
     other: torch.Tensor | None = None,
+    round_once: bool = False,
 ) -> torch.Tensor | None:
     """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight: [n, k] packed,
-    other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None."""
+    other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None.
+    round_once: the epilogue on the fp32 result, one rounding (see ``ROUND_ONCE``)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
@@ -107,7 +114,7 @@ def linear_rows(
         None if bias is None else bias.data_ptr(),
         None if other is None else other.data_ptr(),
         n,
-        int(op),
+        int(op) | (ROUND_ONCE if round_once else 0),
         y.data_ptr(),
         n,
         DTYPES[x.dtype],

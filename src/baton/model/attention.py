@@ -241,8 +241,8 @@ class Attention(nn.Module):
 
     def native_weights(self) -> dict[str, object] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v and o
-        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, packed
-        oneDNN weights)."""
+        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, native
+        layers off)."""
         if self._qkv is None or self._qk_norm is None:
             return None
         qkv, o = self._qkv.rows(), self._o.rows()

@@ -43,7 +43,8 @@ class DecoderLayer(nn.Module):
     def prepare_native(self) -> None:
         """After ``fuse_projections``: the whole layer as one native call for small steps
         (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
-        q/k norms, unpacked weights (fp32, or bf16 where oneDNN has no bf16 path)."""
+        q/k norms; bf16 or fp32 (bf16 weights oneDNN packs for large steps are read from
+        linear.c's panels here too)."""
         attn, mlp = self.self_attn.native_weights(), self.mlp.native_weights()
         if self.sandwich_norm or attn is None or mlp is None:
             return
@@ -61,6 +62,7 @@ class DecoderLayer(nn.Module):
             eps=self.input_layernorm.eps,
             norm_offset=self.input_layernorm.offset,
             qk_eps=a.q_norm.eps,
+            round_once=self.mlp.rounds_once,
         )
 
     def forward(

@@ -101,6 +101,8 @@ class FrozenLinear:
             torch.ops.mkldnn._reorder_linear_weight(weight, 1) if can_pack(weight) else None
         )
         self.weight = None if self.packed is not None else weight
+        """What ``F.linear`` reads: None when oneDNN's packed copy serves BLAS's calls."""
+        self._source = weight  # the parameter's own storage, no copy: what ``rows`` packs
         self._post = PACKED_ACTIVATIONS[activation]
         # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
         # per call, and a decode step makes ~50 of these calls.
@@ -109,16 +111,20 @@ class FrozenLinear:
         self._rows: tuple[PackedRows, torch.Tensor | None] | None = None
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
-        self._few_rows = (
-            self.weight is not None
-            and self.weight.numel() >= FEW_ROWS_MIN_WEIGHT
-            and native_layers_enabled()
-        )
+        self._few_rows = weight.numel() >= FEW_ROWS_MIN_WEIGHT and native_layers_enabled()
+
+    @property
+    def rounds_once(self) -> bool:
+        """The epilogue works on the fp32 result and rounds once (oneDNN's packed path);
+        else the result rounds, then each epilogue op (``F.linear`` and torch ops)."""
+        return self.packed is not None
 
     def rows(self) -> tuple[PackedRows, torch.Tensor | None] | None:
         """What the native kernels read (``linear.c``'s packed weight, and its bias), packed
-        on first use; None for a packed oneDNN weight or with native layers off."""
-        if self._rows is None and self.weight is not None and native_layers_enabled():
+        on first use; None with native layers off. NOTE: where oneDNN packs bf16 too (it
+        serves large steps) this is a third copy of the weight: small steps read these
+        panels, ~4x cheaper per call than oneDNN's (``benchmarks/step_cost.py``)."""
+        if self._rows is None and native_layers_enabled():
             weight, bias = self._narrowed()
             self._rows = (PackedRows(weight), bias)
         return self._rows
@@ -127,7 +133,7 @@ class FrozenLinear:
         """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
         value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same
         numbers in half the bytes, and a small step is a pass over its weights."""
-        weight, bias = self.weight, self.bias
+        weight, bias = self._source, self.bias
         if weight.dtype != torch.float32:
             return weight, bias
         narrow = weight.to(torch.bfloat16)
@@ -145,7 +151,7 @@ class FrozenLinear:
             return _in_row_blocks(self._blas, x)
         if self._few_rows:
             weight, bias = self.rows()
-            y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation])
+            y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation], None, self.rounds_once)
             if y is not None:
                 return y
         return self._blas(x)
@@ -175,7 +181,7 @@ class FrozenLinear:
         if self._few_rows:
             epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
             weight, bias = self.rows()
-            y = linear_rows(x, weight, bias, epilogue, other)
+            y = linear_rows(x, weight, bias, epilogue, other, self.rounds_once)
             if y is not None:
                 return y
         return self._binary_blas(x, other, op)
@@ -304,9 +310,14 @@ class GatedMLP(nn.Module):
         self._up = FrozenLinear(self.up_proj.weight, self.up_proj.bias)
         self._down = FrozenLinear(self.down_proj.weight, self.down_proj.bias)
 
+    @property
+    def rounds_once(self) -> bool:
+        """After ``fuse_projections``: its matmuls' epilogues round once (oneDNN-packed)."""
+        return self._down is not None and self._down.rounds_once
+
     def native_weights(self) -> dict[str, PackedRows | torch.Tensor | None] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads, or None
-        where it cannot (packed oneDNN weights)."""
+        with native layers off."""
         linears = {"gate": self._gate, "up": self._up, "down": self._down}
         rows = {name: None if f is None else f.rows() for name, f in linears.items()}
         if any(r is None for r in rows.values()):
