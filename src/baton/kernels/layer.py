@@ -16,11 +16,12 @@ import torch
 
 from baton.config import RuntimeEnv
 from baton.kernels import DTYPES, library, small_step_threads
-from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, PackedRows
+from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, MAX_ROWS_BESIDE_ONEDNN, PackedRows
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
 MAX_TOKENS = MAX_ROWS
-"""Steps up to this many tokens take the native layer (above it BLAS's matmuls win)."""
+"""Steps up to this many tokens take the native layer (above it BLAS's matmuls win); beside
+oneDNN's packed bf16 matmuls up to ``MAX_ROWS_BESIDE_ONEDNN`` (``NativeLayer.max_tokens``)."""
 
 NORMS = ("input_norm", "post_norm", "qk_norm")
 MATRICES = ("qkv", "o", "gate", "up", "down")
@@ -66,6 +67,8 @@ class NativeLayer:
         self._layer_ref = ctypes.byref(layer)
         self.dtype = tensors["input_norm"].dtype
         """The activations' dtype."""
+        self.max_tokens = MAX_ROWS_BESIDE_ONEDNN if layer.round_once else MAX_TOKENS
+        """The most tokens of a step this layer takes (larger steps: the torch layers)."""
 
     @classmethod
     def build(

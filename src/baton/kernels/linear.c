@@ -35,7 +35,10 @@
 #include "fastmath.h"
 #include "kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
 #endif
@@ -45,7 +48,53 @@ enum { GROUP = 6, PANEL = 16, MIN_PARALLEL_MACS = 65536 };
 /* The column a bf16 panel holds at position p of one i (see the layout above). */
 static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
 
-#ifdef HAVE_AVX2
+#if defined(HAVE_AVX512)
+/* w[16 b + c, i] for the panel's 16 columns c (already at panel b); in bf16 in the panel's
+ * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores. */
+static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
+    if (w_bf16) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + 16 * i);
+}
+
+/* The AVX2 tile below with one 16-lane accumulator per row and partial sum: the same
+ * multiply-adds in the same order per column, so the same bits, at half the instructions. */
+#define DEFINE_TILE(R, U)                                                                     \
+    static inline __attribute__((always_inline)) void tile_##R##_of(                          \
+        const float *x, int k, const void *p, const int w_bf16, float *out) {                 \
+        __m512 acc[U][R];                                                                     \
+        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_setzero_ps(); \
+        int i = 0;                                                                            \
+        for (; i + U <= k; i += U)                                                            \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
+                const __m512 w = load16(p, i + u, w_bf16);                                    \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_fmadd_ps( \
+                    w, _mm512_set1_ps(x[(int64_t)r * k + i + u]), acc[u][r]);                 \
+            }                                                                                 \
+        for (; i < k; i++) {                                                                  \
+            const __m512 w = load16(p, i, w_bf16);                                            \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[0][r] =                   \
+                _mm512_fmadd_ps(w, _mm512_set1_ps(x[(int64_t)r * k + i]), acc[0][r]);         \
+        }                                                                                     \
+        const __m512i column_at = /* bf16: column c sits in lane 2 (c % 8) + c / 8 */         \
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            __m512 sum = acc[0][r];                                                           \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[u][r]); \
+            if (w_bf16) sum = _mm512_permutexvar_ps(column_at, sum);                          \
+            _mm512_storeu_ps(out + r * 16, sum);                                              \
+        }                                                                                     \
+    }                                                                                         \
+    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
+        if (w_bf16)                                                                           \
+            tile_##R##_of(x, k, p, 1, out);                                                   \
+        else                                                                                  \
+            tile_##R##_of(x, k, p, 0, out);                                                   \
+    }
+#elif defined(HAVE_AVX2)
 /* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b). */
 static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo, __m256 *hi) {
     if (w_bf16) {

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.kernels.layer import MAX_TOKENS, NativeLayer
+from baton.kernels.layer import NativeLayer
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]; with ``rows`` (indices into T), only those
         tokens go on past attention: [B, len(rows), hidden] (all tokens' K/V are stored)."""
-        if self._native is not None and x.shape[0] * x.shape[1] <= MAX_TOKENS:
+        if self._native is not None and x.shape[0] * x.shape[1] <= self._native.max_tokens:
             out = self._forward_native(x, rotary, attn)
             if out is not None:
                 return out if rows is None else out[:, rows]

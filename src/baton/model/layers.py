@@ -18,7 +18,14 @@ from torch import nn
 
 from baton import platform
 from baton.kernels.layer import enabled as native_layers_enabled
-from baton.kernels.linear import ACTIVATIONS, Epilogue, PackedRows, linear_rows
+from baton.kernels.linear import (
+    ACTIVATIONS,
+    MAX_ROWS,
+    MAX_ROWS_BESIDE_ONEDNN,
+    Epilogue,
+    PackedRows,
+    linear_rows,
+)
 from baton.kernels.norm import rms_norm
 from baton.model.spec import RopeSpec
 
@@ -112,6 +119,7 @@ class FrozenLinear:
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
         self._few_rows = weight.numel() >= FEW_ROWS_MIN_WEIGHT and native_layers_enabled()
+        self._max_few_rows = MAX_ROWS_BESIDE_ONEDNN if self.packed is not None else MAX_ROWS
 
     @property
     def rounds_once(self) -> bool:
@@ -149,12 +157,15 @@ class FrozenLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _invariant_rows.get():
             return _in_row_blocks(self._blas, x)
-        if self._few_rows:
+        if self._few_rows and self._takes_few(x):
             weight, bias = self.rows()
             y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation], None, self.rounds_once)
             if y is not None:
                 return y
         return self._blas(x)
+
+    def _takes_few(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self._max_few_rows * x.shape[-1]
 
     def _blas(self, x: torch.Tensor) -> torch.Tensor:
         """``__call__`` through oneDNN (packed) or ``F.linear``."""
@@ -178,7 +189,7 @@ class FrozenLinear:
                 return _in_row_blocks(lambda a, b: self._binary_blas(a, b, op), x, other)
             y = self(x)
             return y * other if op == "mul" else y + other
-        if self._few_rows:
+        if self._few_rows and self._takes_few(x):
             epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
             weight, bias = self.rows()
             y = linear_rows(x, weight, bias, epilogue, other, self.rounds_once)
