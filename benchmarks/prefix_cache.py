@@ -11,6 +11,11 @@ the hit rate (prompt tokens restored / looked up) and the mean acceptance length
 must not change. The CPU is printed and written into the JSON.
 
     python benchmarks/prefix_cache.py            # 48 requests at 4 req/s, 80% shared
+    python benchmarks/prefix_cache.py --model half-b --num-requests 12 --rate 0.5 --max-tokens 8
+
+``--model half-b``: a random Qwen3 of ~0.5B parameters (``step_cost.HALF_B``, bf16, no draft)
+instead of the bundled model -- where a prompt's compute, not a step's fixed cost, makes up
+the TTFT, as on the models users serve.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +34,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from common import machine_facts, resolve_dtype_arg  # noqa: E402
+from common import machine_facts, resolve_dtype_arg, save_random_qwen3  # noqa: E402
 
 from baton.config import EngineConfig  # noqa: E402
 from baton.corpus import held_out_texts  # noqa: E402
@@ -89,7 +95,9 @@ def run(engine: LLMEngine, requests, params: SamplingParams) -> dict:
     }
 
 
-def pd_bytes(requests, params: SamplingParams, dtype: str, decode_caching: bool) -> dict:
+def pd_bytes(
+    model_dir: Path, requests, params: SamplingParams, dtype: str, decode_caching: bool
+) -> dict:
     """The workload through an in-process PD pair (loopback backend, one request at a time):
     state bytes pushed per request, with decode's own prefix cache on or off (prefill's is
     on both times)."""
@@ -98,9 +106,9 @@ def pd_bytes(requests, params: SamplingParams, dtype: str, decode_caching: bool)
     from baton.transfer.receiver import Receiver
     from baton.transfer.sender import Sender
 
-    prefill_engine = LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype))
+    prefill_engine = LLMEngine(model_dir, EngineConfig.from_kwargs(dtype=dtype))
     decode_engine = LLMEngine(
-        BUNDLED, EngineConfig.from_kwargs(dtype=dtype, enable_prefix_caching=decode_caching)
+        model_dir, EngineConfig.from_kwargs(dtype=dtype, enable_prefix_caching=decode_caching)
     )
     backend = LoopbackBackend()
     regions = {
@@ -148,8 +156,23 @@ def main() -> int:
         help="past the bundled model's 512 positions, for longer prompts (speed only: RoPE "
         "runs on, the text is not what the model was trained for)",
     )  # fmt: skip
+    p.add_argument(
+        "--model", choices=["bundled", "half-b"], default="bundled",
+        help="half-b: a random ~0.5B Qwen3 (no draft), written to a temporary directory",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefix.json")
     args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model == "bundled":
+            return measure(args, BUNDLED)
+        from step_cost import HALF_B, WINDOW
+
+        return measure(
+            args, save_random_qwen3(Path(tmp) / "half-b", torch.bfloat16, WINDOW, **HALF_B)
+        )
+
+
+def measure(args: argparse.Namespace, model_dir: Path) -> int:
     dtype = resolve_dtype_arg(args.dtype)
     facts = machine_facts(dtype, threads=args.threads)
     requests = workload(args.num_requests, args.shared, args.own, args.rate, args.seed)
@@ -161,18 +184,18 @@ def main() -> int:
                 dtype=dtype, num_threads=args.threads, enable_prefix_caching=on,
                 max_model_len=args.max_model_len,
             )  # fmt: skip
-            engine = LLMEngine(BUNDLED, config)
+            engine = LLMEngine(model_dir, config)
             run(engine, requests[:4], params)  # warm-up (kernels, allocator); cache too
-            engine = LLMEngine(BUNDLED, config)  # a fresh, empty cache for the timed run
+            engine = LLMEngine(model_dir, config)  # a fresh, empty cache for the timed run
             results[side].append(run(engine, requests, params))
     summary = {
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
         for side, runs in results.items()
     }
     reuse = args.shared / (args.shared + args.own)
-    print(f"{args.num_requests} requests at {args.rate}/s, {args.shared} shared + {args.own} own "
-          f"tokens ({reuse:.0%} reuse), {args.max_tokens} new, {dtype}, "
-          f"{args.threads} threads")  # fmt: skip
+    print(f"{args.model} model: {args.num_requests} requests at {args.rate}/s, "
+          f"{args.shared} shared + {args.own} own tokens ({reuse:.0%} reuse), "
+          f"{args.max_tokens} new, {dtype}, {args.threads} threads")  # fmt: skip
     print(f"{'':24}{'uncached':>12}{'cached':>12}{'ratio':>8}")
     for key, unit, scale in (("ttft_p50_s", "ms", 1e3), ("ttft_p99_s", "ms", 1e3),
                              ("request_throughput", "req/s", 1.0)):  # fmt: skip
@@ -185,8 +208,8 @@ def main() -> int:
         print(f"acceptance ({side}): {summary[side].get('acceptance_length_mean')}")
     pd = None
     if args.pd:
-        off = pd_bytes(requests, params, dtype, decode_caching=False)
-        on = pd_bytes(requests, params, dtype, decode_caching=True)
+        off = pd_bytes(model_dir, requests, params, dtype, decode_caching=False)
+        on = pd_bytes(model_dir, requests, params, dtype, decode_caching=True)
         pd = {"decode_cache_off": off, "decode_cache_on": on}
         ratio = on["bytes_per_request"] / off["bytes_per_request"]
         print(f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "
