@@ -48,6 +48,15 @@ enum { GROUP = 6, PANEL = 16, MIN_PARALLEL_MACS = 65536 };
 /* The column a bf16 panel holds at position p of one i (see the layout above). */
 static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
 
+/* tile_R: tile_R_of with the weight dtype a constant in each copy. */
+#define DISPATCH_TILE(R)                                                                      \
+    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
+        if (w_bf16)                                                                           \
+            tile_##R##_of(x, k, p, 1, out);                                                   \
+        else                                                                                  \
+            tile_##R##_of(x, k, p, 0, out);                                                   \
+    }
+
 #if defined(HAVE_AVX512)
 /* w[16 b + c, i] for the panel's 16 columns c (already at panel b); in bf16 in the panel's
  * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores. */
@@ -88,12 +97,7 @@ static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
             _mm512_storeu_ps(out + r * 16, sum);                                              \
         }                                                                                     \
     }                                                                                         \
-    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
-        if (w_bf16)                                                                           \
-            tile_##R##_of(x, k, p, 1, out);                                                   \
-        else                                                                                  \
-            tile_##R##_of(x, k, p, 0, out);                                                   \
-    }
+    DISPATCH_TILE(R)
 #elif defined(HAVE_AVX2)
 /* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b). */
 static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo, __m256 *hi) {
@@ -144,12 +148,7 @@ static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo
             _mm256_storeu_ps(out + r * 16 + 8, s1);                                           \
         }                                                                                     \
     }                                                                                         \
-    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
-        if (w_bf16)                                                                           \
-            tile_##R##_of(x, k, p, 1, out);                                                   \
-        else                                                                                  \
-            tile_##R##_of(x, k, p, 0, out);                                                   \
-    }
+    DISPATCH_TILE(R)
 #else
 /* Portable C, the same sums in the same order. */
 #define DEFINE_TILE(R, U)                                                                     \
