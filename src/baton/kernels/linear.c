@@ -12,7 +12,9 @@
  * BLAS sgemm it replaces takes 2-4x a row's time for 2-8 rows here, and ~20-30 us per call
  * of fixed cost for any). In bf16 a panel's 16 values of one i are interleaved (columns
  * 0..7 at even positions, 8..15 at odd ones) so that a shift and a mask widen them to two
- * fp32 vectors. Panels are split over pool.c's threads (a small step's calls: see there why
+ * fp32 vectors; where the CPU multiplies bf16 pairs (AVX-512 BF16) bf16 rows times bf16
+ * panels take the pair tiles instead (two panel rows, paired by a permute, per vdpbf16ps:
+ * twice the multiply-adds per instruction, other sums). Panels are split over pool.c's threads (a small step's calls: see there why
  * not OpenMP's); a call below ~64 K multiply-adds runs on one thread. Columns past n in the
  * last panel are zeros and never stored.
  *
@@ -190,6 +192,66 @@ DEFINE_TILE(6, 1)
 typedef void (*tile_fn)(const float *, int, const void *, int, float *);
 static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+#define HAVE_PAIRS 1
+/* bf16 activations and weights where the CPU multiplies bf16 pairs (vdpbf16ps, as oneDNN's
+ * bf16 matmuls do): out[r * 16 + c] = sum over pairs j of x[r, 2j] w[c, 2j] + x[r, 2j+1]
+ * w[c, 2j+1], twice the multiply-adds per instruction of the widened fp32 tiles. xb: the rows
+ * in bf16, kp (k rounded up to even) apart, zero-padded. Two panel rows i, i+1 (adjacent)
+ * are one 64-byte load, their columns paired by one permute; an odd k's last row pairs with
+ * zeros. NOTE: other bits than the fp32 tiles (pairs summed in the instruction's order). */
+#define DEFINE_PAIR_TILE(R, U)                                                                \
+    static void pair_tile_##R(const uint16_t *xb, int k, int kp, const void *p, float *out) { \
+        const __m512i pair_at = _mm512_loadu_si512(PAIR_AT);                                  \
+        const uint16_t *w = p;                                                                \
+        __m512 acc[U][R];                                                                     \
+        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_setzero_ps(); \
+        const int pairs = k / 2;                                                              \
+        int j = 0;                                                                            \
+        for (; j + U <= pairs; j += U)                                                        \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
+                const __m512i v = _mm512_permutexvar_epi16(                                   \
+                    pair_at, _mm512_loadu_si512(w + 32 * (int64_t)(j + u)));                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_dpbf16_ps( \
+                    acc[u][r], (__m512bh)_mm512_set1_epi32(                                   \
+                        *(const int32_t *)(xb + (int64_t)r * kp + 2 * (j + u))), (__m512bh)v); \
+            }                                                                                 \
+        for (; j < (k + 1) / 2; j++) {                                                        \
+            const __m512i v = _mm512_permutexvar_epi16(pair_at,                               \
+                2 * j + 1 < k ? _mm512_loadu_si512(w + 32 * (int64_t)j)                       \
+                              : _mm512_zextsi256_si512(_mm256_loadu_si256(                    \
+                                    (const __m256i *)(w + 32 * (int64_t)j))));                \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[0][r] = _mm512_dpbf16_ps( \
+                acc[0][r], (__m512bh)_mm512_set1_epi32(                                       \
+                    *(const int32_t *)(xb + (int64_t)r * kp + 2 * j)), (__m512bh)v);          \
+        }                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            __m512 sum = acc[0][r];                                                           \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[u][r]); \
+            _mm512_storeu_ps(out + r * 16, sum);                                              \
+        }                                                                                     \
+    }
+/* Element 2c of a permuted pair of panel rows: column c of row i (position 2 (c % 8) + c / 8),
+ * element 2c + 1: of row i + 1 (16 further): the lanes then hold the columns in order. */
+static const uint16_t PAIR_AT[32] = {0, 16, 2, 18, 4,  20, 6,  22, 8,  24, 10,
+                                     26, 12, 28, 14, 30, 1, 17, 3,  19, 5,  21,
+                                     7,  23, 9,  25, 11, 27, 13, 29, 15, 31};
+/* 8 to 12 independent sums in flight: a vdpbf16ps waits on its accumulator's last. */
+DEFINE_PAIR_TILE(1, 8)
+DEFINE_PAIR_TILE(2, 4)
+DEFINE_PAIR_TILE(3, 4)
+DEFINE_PAIR_TILE(4, 2)
+DEFINE_PAIR_TILE(5, 2)
+DEFINE_PAIR_TILE(6, 2)
+typedef void (*pair_tile_fn)(const uint16_t *, int, int, const void *, float *);
+static const pair_tile_fn PAIR_TILES[GROUP + 1] = {NULL,         pair_tile_1, pair_tile_2,
+                                                   pair_tile_3, pair_tile_4, pair_tile_5,
+                                                   pair_tile_6};
+#else
+#define HAVE_PAIRS 0
+#endif
+
 /* y[row, j0 + i] = epilogue(round(d[i] + bias[j0 + i]), other[row, j0 + i]) for i < count:
  * one output row's stretch of a block, the epilogue chosen once for the stretch. */
 static void finish(const float *d, int j0, int count, const void *bias, int w_bf16, int op,
@@ -229,8 +291,9 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
 }
 
 typedef struct {
-    const float *xf; /* the rows in fp32, contiguous */
-    int32_t m, k, n, op, act_bf16, w_bf16;
+    const float *xf;    /* the rows in fp32, contiguous (or NULL: xb) */
+    const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
+    int32_t m, k, kp, n, op, act_bf16, w_bf16;
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
     void *y;
@@ -246,7 +309,12 @@ static void one_block(void *ctx, int blk, int worker) {
     const void *panel = (const char *)J->w + (size_t)blk * PANEL * k * (J->w_bf16 ? 2 : 4);
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
-        TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block);
+#if HAVE_PAIRS
+        if (J->xb != NULL)
+            PAIR_TILES[rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, block);
+        else
+#endif
+            TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block);
         for (int r = 0; r < rows; r++) {
             const int64_t row = g + r;
             finish(block + r * PANEL, begin, stop - begin, J->bias, J->w_bf16, J->op, J->other,
@@ -260,14 +328,29 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
                       int32_t num_threads) {
+    const int64_t macs = (int64_t)m * n * k;
+    const int kp = k + (k & 1);
+    if (HAVE_PAIRS && act_bf16 && w_bf16) { /* the rows in bf16, zero-padded to kp */
+        uint16_t *xb = calloc((size_t)m * (size_t)kp, sizeof(uint16_t));
+        if (xb == NULL) return 1;
+        for (int r = 0; r < m; r++)
+            memcpy(xb + (int64_t)r * kp, (const uint16_t *)x + (int64_t)r * x_stride,
+                   (size_t)k * sizeof(uint16_t));
+        const Job job = {NULL, xb, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other,
+                         other_stride, y_stride, y};
+        baton_parallel(one_block, (void *)&job, (n + PANEL - 1) / PANEL,
+                       macs < MIN_PARALLEL_MACS ? 1 : num_threads);
+        free(xb);
+        return 0;
+    }
     /* The rows in fp32, contiguous: every weight row is multiplied into all of them. */
     float *xf = malloc((size_t)m * (size_t)k * sizeof(float));
     if (xf == NULL) return 1;
     for (int r = 0; r < m; r++)
         for (int i = 0; i < k; i++)
             xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
-    const int64_t macs = (int64_t)m * n * k;
-    const Job job = {xf, m, k, n, op, act_bf16, w_bf16, w, bias, other, other_stride, y_stride, y};
+    const Job job = {xf, NULL, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other,
+                     other_stride, y_stride, y};
     baton_parallel(one_block, (void *)&job, (n + PANEL - 1) / PANEL,
                    macs < MIN_PARALLEL_MACS ? 1 : num_threads);
     free(xf);

@@ -23,12 +23,12 @@ panels beat BLAS's fp32 matmul here: 4096x256 at 32 rows 0.88 vs 1.48 ms, a batc
 step 17-20 vs 22-25 ms (``benchmarks/step_cost.py``)."""
 
 
-MAX_ROWS_BESIDE_ONEDNN = 12
-"""Where oneDNN computes bf16 (AVX-512-BF16; its packed matmuls multiply bf16 pairs, twice
-the multiply-adds per instruction of the panels' widened fp32), the panels take calls of at
-most this many rows: measured on a Zen 5 (``benchmarks/step_cost.py --dtype bfloat16``),
-decode steps of 4 / 8 / 12 requests 0.87 / 1.38-1.58 / 2.62 ms through the panels vs 1.91 /
-2.06-2.29 / 3.97 op by op, but 16 / 24 / 32: 3.27 / 4.91 / 5.6-6.1 vs 2.89 / 3.64 / 4.0-4.3."""
+MAX_ROWS_BESIDE_ONEDNN = 16
+"""Where oneDNN computes bf16 (AVX-512-BF16), the panels take calls of at most this many
+rows: measured on a Zen 5 (``benchmarks/step_cost.py --dtype bfloat16``), with linear.c's
+bf16-pair tiles, decode steps of 16 requests 2.10 / 2.20 ms fused vs 2.21 / 2.45 op by op
+(oneDNN), of 32 requests 4.11 / 4.52 vs 3.56 / 3.46 (with the widened fp32 tiles the
+crossover was at 12: 16 requests 3.27 vs 2.89 ms)."""
 
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
