@@ -14,19 +14,21 @@
  * 0..7 at even positions, 8..15 at odd ones) so that a shift and a mask widen them to two
  * fp32 vectors; where the CPU multiplies bf16 pairs (AVX-512 BF16) bf16 rows times bf16
  * panels take the pair tiles instead (two panel rows, paired by a permute, per vdpbf16ps:
- * twice the multiply-adds per instruction, other sums). Panels are split over pool.c's threads (a small step's calls: see there why
- * not OpenMP's); a call below ~64 K multiply-adds runs on one thread. Columns past n in the
- * last panel are zeros and never stored.
+ * twice the multiply-adds per instruction, other sums). Panels are split over pool.c's
+ * threads (a small step's calls: see there why not OpenMP's); a call below ~64 K
+ * multiply-adds runs on one thread. Columns past n in the last panel are zeros and never
+ * stored.
  *
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
  * (row stride y_stride) are bf16 (act_bf16) or fp32; the packed weight and the bias are
  * bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch path this replaces
  * (baton/model/layers.py FrozenLinear): unpacked, the matmul's result is rounded to the
  * activation dtype, then each epilogue op rounds again; with EPI_ROUND_ONCE in op (oneDNN's
- * packed bf16 matmul, whose post-op works on the fp32 result) the epilogue rounds once. The sum over k runs in order, in up
- * to 4 interleaved partial sums for 1-3 rows (one chain of multiply-adds would wait on
- * their latency), so fp32 results differ from BLAS's in the last bits (tests compare
- * within tolerance, and greedy tokens); which thread computes a panel changes nothing.
+ * packed bf16 matmul, whose post-op works on the fp32 result) the epilogue rounds once.
+ * The sum over k runs in order, in up to 4 interleaved partial sums for 1-3 rows (one
+ * chain of multiply-adds would wait on their latency), so fp32 results differ from BLAS's
+ * in the last bits (tests compare within tolerance, and greedy tokens); which thread
+ * computes a panel changes nothing.
  * Built and loaded by baton/kernels/__init__.py; Python side: baton/kernels/linear.py.
  */
 #include <math.h>
@@ -94,7 +96,8 @@ static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
             _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
             __m512 sum = acc[0][r];                                                           \
-            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[u][r]); \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
+                sum = _mm512_add_ps(sum, acc[u][r]);                                          \
             if (w_bf16) sum = _mm512_permutexvar_ps(column_at, sum);                          \
             _mm512_storeu_ps(out + r * 16, sum);                                              \
         }                                                                                     \
@@ -228,12 +231,14 @@ static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, t
         }                                                                                     \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
             __m512 sum = acc[0][r];                                                           \
-            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[u][r]); \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
+                sum = _mm512_add_ps(sum, acc[u][r]);                                          \
             _mm512_storeu_ps(out + r * 16, sum);                                              \
         }                                                                                     \
     }
-/* Element 2c of a permuted pair of panel rows: column c of row i (position 2 (c % 8) + c / 8),
- * element 2c + 1: of row i + 1 (16 further): the lanes then hold the columns in order. */
+/* Element 2c of a permuted pair of panel rows: column c of row i (position 2 (c % 8) +
+ * c / 8), element 2c + 1: of row i + 1 (16 further): the lanes then hold the columns in
+ * order. */
 static const uint16_t PAIR_AT[32] = {0, 16, 2, 18, 4,  20, 6,  22, 8,  24, 10,
                                      26, 12, 28, 14, 30, 1, 17, 3,  19, 5,  21,
                                      7,  23, 9,  25, 11, 27, 13, 29, 15, 31};
@@ -328,31 +333,26 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
                       int32_t num_threads) {
-    const int64_t macs = (int64_t)m * n * k;
-    const int kp = k + (k & 1);
-    if (HAVE_PAIRS && act_bf16 && w_bf16) { /* the rows in bf16, zero-padded to kp */
-        uint16_t *xb = calloc((size_t)m * (size_t)kp, sizeof(uint16_t));
-        if (xb == NULL) return 1;
-        for (int r = 0; r < m; r++)
+    /* The rows every weight row is multiplied into, contiguous: in bf16 for the pair tiles
+     * (zero-padded to an even kp), else in fp32. */
+    const int pairs = HAVE_PAIRS && act_bf16 && w_bf16, kp = k + (k & 1);
+    float *xf = pairs ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
+    uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
+    if (xf == NULL && xb == NULL) return 1;
+    for (int r = 0; r < m; r++) {
+        if (pairs)
             memcpy(xb + (int64_t)r * kp, (const uint16_t *)x + (int64_t)r * x_stride,
                    (size_t)k * sizeof(uint16_t));
-        const Job job = {NULL, xb, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other,
-                         other_stride, y_stride, y};
-        baton_parallel(one_block, (void *)&job, (n + PANEL - 1) / PANEL,
-                       macs < MIN_PARALLEL_MACS ? 1 : num_threads);
-        free(xb);
-        return 0;
+        else
+            for (int i = 0; i < k; i++)
+                xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
     }
-    /* The rows in fp32, contiguous: every weight row is multiplied into all of them. */
-    float *xf = malloc((size_t)m * (size_t)k * sizeof(float));
-    if (xf == NULL) return 1;
-    for (int r = 0; r < m; r++)
-        for (int i = 0; i < k; i++)
-            xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
-    const Job job = {xf, NULL, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other,
-                     other_stride, y_stride, y};
+    const int64_t macs = (int64_t)m * n * k;
+    const Job job = {xf, xb, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other, other_stride,
+                     y_stride, y};
     baton_parallel(one_block, (void *)&job, (n + PANEL - 1) / PANEL,
                    macs < MIN_PARALLEL_MACS ? 1 : num_threads);
     free(xf);
+    free(xb);
     return 0;
 }
