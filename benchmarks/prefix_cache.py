@@ -96,7 +96,12 @@ def run(engine: LLMEngine, requests, params: SamplingParams) -> dict:
 
 
 def pd_bytes(
-    model_dir: Path, requests, params: SamplingParams, dtype: str, decode_caching: bool
+    model_dir: Path,
+    requests,
+    params: SamplingParams,
+    dtype: str,
+    decode_caching: bool,
+    max_model_len: int | None = None,
 ) -> dict:
     """The workload through an in-process PD pair (loopback backend, one request at a time):
     state bytes pushed per request, with decode's own prefix cache on or off (prefill's is
@@ -106,9 +111,14 @@ def pd_bytes(
     from baton.transfer.receiver import Receiver
     from baton.transfer.sender import Sender
 
-    prefill_engine = LLMEngine(model_dir, EngineConfig.from_kwargs(dtype=dtype))
+    prefill_engine = LLMEngine(
+        model_dir, EngineConfig.from_kwargs(dtype=dtype, max_model_len=max_model_len)
+    )
     decode_engine = LLMEngine(
-        model_dir, EngineConfig.from_kwargs(dtype=dtype, enable_prefix_caching=decode_caching)
+        model_dir,
+        EngineConfig.from_kwargs(
+            dtype=dtype, enable_prefix_caching=decode_caching, max_model_len=max_model_len
+        ),
     )
     backend = LoopbackBackend()
     regions = {
@@ -208,8 +218,8 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
         print(f"acceptance ({side}): {summary[side].get('acceptance_length_mean')}")
     pd = None
     if args.pd:
-        off = pd_bytes(model_dir, requests, params, dtype, decode_caching=False)
-        on = pd_bytes(model_dir, requests, params, dtype, decode_caching=True)
+        off = pd_bytes(model_dir, requests, params, dtype, False, args.max_model_len)
+        on = pd_bytes(model_dir, requests, params, dtype, True, args.max_model_len)
         pd = {"decode_cache_off": off, "decode_cache_on": on}
         ratio = on["bytes_per_request"] / off["bytes_per_request"]
         print(f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "

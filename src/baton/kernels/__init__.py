@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 """The activation dtypes the kernels read, and the ``is_bf16`` flag each passes them."""
 
-SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c", "pool.c")
+SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c", "chain.c", "pool.c")
 HEADERS = ("fastmath.h", "kernels.h")
 FLAGS = ("-O3", "-fopenmp", "-pthread", "-fPIC", "-shared", "-fno-math-errno")
 LEVEL_FLAGS = {
@@ -163,6 +163,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.baton_decoder_layer.restype = ctypes.c_int
     lib.baton_decoder_layer.argtypes = [ptr, ptr]
+    lib.baton_draft_chain.restype = ctypes.c_int
+    lib.baton_draft_chain.argtypes = [ptr, ptr]
     lib.baton_pool_helper_tasks.restype = i64
     lib.baton_pool_helper_tasks.argtypes = []
     return lib

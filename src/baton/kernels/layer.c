@@ -21,28 +21,6 @@
 
 #include "kernels.h"
 
-/* Matrices are packed in linear.c's panels; they and their biases are bf16 (w_bf16) or fp32,
- * norm weights in the activations' dtype. */
-typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
-    const void *input_norm, *post_norm; /* [hidden] */
-    const void *qkv, *qkv_bias;         /* [(heads + 2 kv_heads) * head_dim, hidden] */
-    const void *qk_norm;                /* [heads + kv_heads, head_dim]: q heads, then k */
-    const void *o, *o_bias;             /* [hidden, heads * head_dim] */
-    const void *gate, *gate_bias, *up, *up_bias, *down, *down_bias;
-    int32_t hidden, intermediate, heads, kv_heads, head_dim, act; /* act: EPI_SILU / GELU */
-    float eps, norm_offset, qk_eps;
-    int32_t w_bf16, round_once; /* round_once: EPI_ROUND_ONCE, as oneDNN's packed matmuls */
-} Layer;
-
-typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
-    void *x;               /* [tokens, hidden] in: the layer's input; out: its output */
-    const void *cos, *sin; /* [tokens, head_dim] rotary tables of the tokens' positions */
-    void *k_pool, *v_pool; /* this layer's keys and values in the pool (Args' k and v) */
-    const Args *attn;      /* the forward's index lists for the pool */
-    int32_t tokens, batch; /* the step's tokens; segments in attn */
-    int32_t act_bf16, lanes, num_threads;
-} Step;
-
 /* 0, or nonzero when a kernel found no scratch memory. */
 int baton_decoder_layer(const Layer *L, const Step *s) {
     const int64_t t = s->tokens, hid = L->hidden, d = L->head_dim;

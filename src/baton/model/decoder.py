@@ -65,6 +65,11 @@ class DecoderLayer(nn.Module):
             round_once=self.mlp.rounds_once,
         )
 
+    @property
+    def native(self) -> NativeLayer | None:
+        """The layer as one native call (``prepare_native``), or None."""
+        return self._native
+
     def forward(
         self,
         x: torch.Tensor,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from baton.kernels.chain import NativeChain
 from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.layers import FrozenLinear, RMSNorm
@@ -96,6 +97,32 @@ class MTPDraft(nn.Module):
         self._eh = FrozenLinear(self.eh_proj.weight)
         self.layer.prepare_native()
         return self
+
+    def native_chain(self, target: CausalLM) -> NativeChain | None:
+        """After both models' ``fuse_projections``: a proposal chain's steps after the first
+        as one native call (``baton.kernels.chain``: per guess the target's head and argmax,
+        then this draft's step on it), or None where it does not apply."""
+        eh, head = self._eh, target._head
+        if eh is None or head is None or target.model.embed_scale != 1.0:
+            return None
+        layer, norm = self.layer.native, target.model.norm
+        same_norms = (self.enorm.eps, self.enorm.offset) == (self.hnorm.eps, self.hnorm.offset)
+        if layer is None or not same_norms:  # the kernel takes one eps and offset for both
+            return None
+        return NativeChain.build(
+            layer,
+            embed=target.model.embed_tokens.weight,
+            enorm=self.enorm.weight,
+            hnorm=self.hnorm.weight,
+            norm=norm.weight,
+            eh=eh.few_rows_kernel(),
+            head=head.few_rows_kernel(),
+            max_rows=min(layer.max_tokens, eh.max_few_rows, head.max_few_rows),
+            eps=self.enorm.eps,
+            offset=self.enorm.offset,
+            norm_eps=norm.eps,
+            norm_offset=norm.offset,
+        )
 
     def forward(
         self,

@@ -137,6 +137,20 @@ class FrozenLinear:
             self._rows = (PackedRows(weight), bias)
         return self._rows
 
+    def few_rows_kernel(self) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
+        """For a native caller that runs this matmul as ``__call__`` does on at most
+        ``max_few_rows`` rows (``baton.kernels.chain``): panels, bias and whether it rounds
+        once; None where ``__call__`` does not take ``linear.c`` (a small weight, an
+        activation, native layers off)."""
+        if not self._few_rows or self.activation != "none":
+            return None
+        rows = self.rows()
+        return None if rows is None else (*rows, self.rounds_once)
+
+    @property
+    def max_few_rows(self) -> int:
+        return self._max_few_rows
+
     def _narrowed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
         value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same

@@ -80,14 +80,23 @@ class PagedAttention:
     """``AttentionBackend`` over a ``ModelCache``; one instance per forward."""
 
     def __init__(
-        self, cache: ModelCache, segments: list[Segment], native_layers: bool = True
+        self,
+        cache: ModelCache,
+        segments: list[Segment],
+        native_layers: bool = True,
+        one_at_a_time: bool = False,
     ) -> None:
         """``native_layers``: layers may attend through ``native_layer`` (a step computing
         no prompt token: a prompt's keys and values are then computed by one path whatever
-        the step's size, so a prefix-cache hit restores the bytes a cold run writes)."""
+        the step's size, so a prefix-cache hit restores the bytes a cold run writes).
+        ``one_at_a_time``: for ``baton.kernels.chain``, which computes each segment's tokens
+        one per step, each attending the pool's rows before it: the native plan's units
+        then cover the segments' own positions too (the kernel derives each step's query
+        and store from the plan)."""
         self.cache = cache
         self.segments = segments
         self.native_layers = native_layers
+        self.one_at_a_time = one_at_a_time
         self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
         self._one: dict[tuple[str, Segment], tuple] = {}
 
@@ -119,8 +128,9 @@ class PagedAttention:
         firsts = [_first_visible(s, window) for s in segs]
         # The kernel reads the pool before the step's K/V are stored; the torch path after.
         unit_lists, key_base = [], []
+        covers_own = self.one_at_a_time or not native
         for seg, first in zip(segs, firsts, strict=True):
-            end = seg.start if native else seg.start + seg.num_tokens
+            end = seg.start + seg.num_tokens if covers_own else seg.start
             units, base = pool.read_units(seg.request_id, first, end)
             unit_lists.append(units)
             key_base.append(base)

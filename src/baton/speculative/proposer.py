@@ -49,6 +49,9 @@ class DraftProposer:
         self.context_floor: dict[str, int] = {}
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
+        self.chain = draft.native_chain(target)
+        """The chain's steps after the first in one native call (``baton.kernels.chain``), or
+        None: the per-step path below, the reference (tests compare the two)."""
 
     def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
         """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens).
@@ -124,8 +127,20 @@ class DraftProposer:
             p = self.pending[rid]
             entries.append((rid, p.start_slot, p.hidden, p.token_ids))
         hiddens = self._run(entries)
-        chains = {rid: [] for rid in request_ids}
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
+        chains = self._chain_natively(request_ids, slots, hiddens)
+        if chains is None:
+            chains = self._chain(request_ids, slots, hiddens)
+        # Committed draft state ends where the pending pairs ended; trim behind it.
+        for rid in request_ids:
+            self.cache.trim(rid, slots[rid])
+        return chains
+
+    def _chain(
+        self, request_ids: list[str], slots: dict[str, int], hiddens: list[torch.Tensor]
+    ) -> dict[str, list[int]]:
+        """The chains from the first step's states, step by step (guess, then draft step)."""
+        chains: dict[str, list[int]] = {rid: [] for rid in request_ids}
         for step in range(self.num_tokens):
             # NOTE: the head's raw output: the fp32 cast and soft-capping (monotonic) cannot
             # change an argmax, and skipping them is a decode step's worth of ops.
@@ -143,10 +158,36 @@ class DraftProposer:
                 for rid, h in zip(request_ids, hiddens, strict=True)
             ]
             hiddens = self._run(step_entries)
-        # Committed draft state ends where the pending pairs ended; trim behind it.
-        for rid in request_ids:
-            self.cache.trim(rid, slots[rid])
         return chains
+
+    def _chain_natively(
+        self, request_ids: list[str], slots: dict[str, int], hiddens: list[torch.Tensor]
+    ) -> dict[str, list[int]] | None:
+        """``_chain`` in one native call: the same guesses, the same scratch slots stored;
+        None where it does not apply (then nothing was changed but the pools' growth, which
+        ``_chain`` makes too)."""
+        steps, chain = self.num_tokens, self.chain
+        if chain is None or steps < 2 or len(request_ids) > chain.max_rows:
+            return None
+        segments, positions = [], []
+        floors = [self.context_floor.get(rid, 0) for rid in request_ids]
+        for b, (rid, floor) in enumerate(zip(request_ids, floors, strict=True)):
+            # Scratch slots L .. L+steps-2, as ``_run`` grows them one by one.
+            self.cache.grow(rid, slots[rid], slots[rid] + steps - 1)
+            segments.append(Segment(rid, b * (steps - 1), slots[rid], steps - 1, floor))
+        for step in range(steps - 1):  # step-major, as the kernel reads the tables
+            positions.extend(slots[rid] + 1 + step for rid in request_ids)
+        a = self.draft.layer.self_attn
+        backend = PagedAttention(self.cache, segments, one_at_a_time=True)  # owns the plan
+        attention = backend.native_layer(0, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+        hidden = torch.cat(hiddens)
+        if attention is None or hidden.dtype != chain.dtype:
+            return None
+        cos, sin = self.draft.rotary_emb(torch.tensor([positions]), hidden.dtype)
+        guesses = chain(hidden, cos.contiguous(), sin.contiguous(), attention, floors, steps)
+        del backend  # the plan's index lists were read until here
+        self.num_draft_forwards += steps - 1
+        return dict(zip(request_ids, guesses, strict=True))
 
     def preempted(self, request_id: str) -> None:
         """The request lost its units (it will be prefilled again): its pending pairs go with

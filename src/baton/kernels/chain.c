@@ -1,0 +1,119 @@
+/* The rest of a draft's proposal chain in one call. After the draft's first step (its pending
+ * pairs, run by baton/speculative/proposer.py), a top-1 chain of `steps` guesses is, per
+ * guess, the target's head and an argmax and -- but for the last -- one more draft step on
+ * (draft state, guess): ~40 torch ops and a dozen native calls each, on one token per
+ * request. Here they are the C calls of the kernels beside this file, with the same
+ * arithmetic in the same order (so the same guesses and the same stored bytes):
+ *
+ *   d_i = argmax(h head^T)                                            linear.c, logits.c
+ *   x   = [rms_norm(embed[d_i], enorm), rms_norm(h, hnorm)] eh^T      norm.c, linear.c
+ *   x   = decoder_layer(x) at slot L + i - 1 (stores its k, v)        layer.c
+ *   h   = rms_norm(x, norm)                                           the target's final norm
+ *
+ * Step i's query attends the pool's rows before its slot, the earlier steps' scratch slots
+ * included (stored by then). So the plan (`attn`) is built once, for segments of steps - 1
+ * tokens starting at each request's first scratch slot L, its units covering all of them;
+ * each step's query, visible range and store are derived from it here:
+ *
+ *   slot:      L-W+1 ....... L-1 | L    L+1  ...  L+steps-2
+ *   step 1:    [  visible  ]       q
+ *   step 2:       [  visible  ]    k    q                     (k: stored by step 1)
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+typedef struct { /* field for field baton/kernels/chain.py ``_Chain`` */
+    const Layer *layer;               /* the draft's decoder layer */
+    const void *embed;                /* [vocab, hidden] the target's, activations' dtype */
+    const void *enorm, *hnorm, *norm; /* [hidden]: the draft's input norms, the target's final */
+    const void *eh, *eh_bias;         /* panels of [hidden, 2 hidden] (bias may be NULL) */
+    const void *head, *head_bias;     /* panels of [vocab, hidden] */
+    int32_t vocab, hidden, eh_w_bf16, head_w_bf16, eh_op, head_op;
+    float eps, offset, norm_eps, norm_offset; /* enorm's and hnorm's; the final norm's */
+} Chain;
+
+typedef struct { /* field for field baton/kernels/chain.py ``_ChainStep`` */
+    void *hidden;              /* [batch, hidden] in: the first step's states; then scratch */
+    const void *cos, *sin;     /* [steps - 1, batch, head_dim] rotary tables, step-major */
+    void *k_pool, *v_pool;     /* the draft layer's keys and values in its pool */
+    const Args *attn;          /* the plan (see above) */
+    const int32_t *floor;      /* [batch] no position below it is read (the ablation switch) */
+    int64_t *tokens;           /* [batch, steps] out: the guesses */
+    int32_t batch, steps, act_bf16, lanes, num_threads;
+} ChainStep;
+
+/* Step `i`'s (1-based) query, visible range and store, per segment, from the plan. */
+static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t batch,
+                      int32_t *lists, Args *a) {
+    int32_t *q_offset = lists, *q_start = lists + batch, *q_count = lists + 2 * batch;
+    int32_t *first = lists + 3 * batch, *store_token = lists + 4 * batch;
+    int32_t *store_unit = lists + 5 * batch, *store_row = lists + 6 * batch;
+    for (int b = 0; b < batch; b++) {
+        const int pos = plan->q_start[b] + i - 1;
+        int lo = plan->window > 0 && pos - plan->window + 1 > 0 ? pos - plan->window + 1 : 0;
+        lo = lo > floor[b] ? lo : floor[b];
+        q_offset[b] = b, q_start[b] = pos, q_count[b] = 1, first[b] = lo < pos ? lo : pos;
+        store_token[b] = b;
+        const int32_t *units = plan->units + (int64_t)b * plan->max_units;
+        if (plan->is_ring) {
+            store_unit[b] = units[0], store_row[b] = pos % plan->rows;
+        } else {
+            const int at = pos - plan->key_base[b];
+            store_unit[b] = units[at / plan->rows], store_row[b] = at % plan->rows;
+        }
+    }
+    *a = *plan;
+    a->q_offset = q_offset, a->q_start = q_start, a->q_count = q_count, a->first = first;
+    a->store_token = store_token, a->store_unit = store_unit, a->store_row = store_row;
+    a->num_stores = batch;
+}
+
+/* 0, or nonzero when a kernel found no scratch memory. */
+int baton_draft_chain(const Chain *c, const ChainStep *s) {
+    const int64_t b = s->batch, hid = c->hidden, vocab = c->vocab, d = c->layer->head_dim;
+    const int bf = s->act_bf16, nt = s->num_threads;
+    const size_t elem = bf ? 2 : 4, row = (size_t)hid * elem;
+    char *scratch = malloc((size_t)b * (vocab + 5 * hid) * elem);
+    int64_t *best = malloc(sizeof(int64_t) * b);
+    float *value = malloc(sizeof(float) * b);
+    int32_t *lists = malloc(sizeof(int32_t) * 7 * b);
+    int status = scratch == NULL || best == NULL || value == NULL || lists == NULL;
+    char *scores = scratch, *e = scores + b * vocab * elem, *en = e + b * row;
+    char *eh = en + b * row, *x = eh + 2 * b * row;
+    for (int i = 0; status == 0; i++) {
+        status |= baton_linear_rows(s->hidden, hid, (int)b, (int)hid, c->head, (int)vocab,
+                                    c->head_bias, NULL, 0, c->head_op, scores, vocab, bf,
+                                    c->head_w_bf16, nt);
+        baton_argmax_rows(scores, b, vocab, vocab, bf, best, value, nt);
+        for (int r = 0; r < b; r++) s->tokens[r * s->steps + i] = best[r];
+        if (i == s->steps - 1) break;
+
+        for (int r = 0; r < b; r++) memcpy(e + r * row, (const char *)c->embed + best[r] * row, row);
+        baton_rms_norm(e, b, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf, s->lanes,
+                       nt);
+        baton_rms_norm(s->hidden, b, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,
+                       s->lanes, nt);
+        for (int r = 0; r < b; r++) { /* cat(enorm(embed), hnorm(h)) */
+            memcpy(eh + 2 * r * row, en + r * row, row);
+            memcpy(eh + (2 * r + 1) * row, e + r * row, row);
+        }
+        status |= baton_linear_rows(eh, 2 * hid, (int)b, (int)(2 * hid), c->eh, (int)hid,
+                                    c->eh_bias, NULL, 0, c->eh_op, x, hid, bf, c->eh_w_bf16, nt);
+        Args a;
+        step_plan(s->attn, s->floor, i + 1, (int32_t)b, lists, &a);
+        const size_t table = (size_t)i * b * d * elem; /* step i + 1's rows of the tables */
+        const Step step = {x, (const char *)s->cos + table, (const char *)s->sin + table,
+                           s->k_pool, s->v_pool, &a, (int32_t)b, (int32_t)b, bf, s->lanes, nt};
+        status |= baton_decoder_layer(c->layer, &step);
+        baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
+                       c->norm_offset, bf, s->lanes, nt);
+    }
+    free(scratch);
+    free(best);
+    free(value);
+    free(lists);
+    return status;
+}

@@ -1,0 +1,138 @@
+"""Python side of ``chain.c``: the rest of a draft's top-1 proposal chain in one native call.
+
+``NativeChain.build`` takes the tensors the chain reads -- the draft's layer (a
+``NativeLayer``), its two input norms and projection, the target's embedding, final norm and
+head -- and returns None where ``chain.c`` does not apply (no kernels, a matmul the few-row
+kernel does not take, an embedding scale). Who calls it: ``baton.speculative.proposer``,
+whose per-step torch path stays the reference (tests compare guesses and the pool's bytes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from baton.kernels import DTYPES, library, small_step_threads
+from baton.kernels.layer import NativeLayer
+from baton.kernels.linear import ROUND_ONCE, PackedRows
+from baton.kernels.norm import MAX_DIM, torch_lanes
+
+_ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+
+
+class _Chain(ctypes.Structure):
+    # Field for field the ``Chain`` struct of chain.c.
+    _fields_ = [
+        *((name, _ptr) for name in (
+            "layer", "embed", "enorm", "hnorm", "norm", "eh", "eh_bias", "head", "head_bias",
+        )),
+        *((name, _i32) for name in (
+            "vocab", "hidden", "eh_w_bf16", "head_w_bf16", "eh_op", "head_op",
+        )),
+        *((name, _f32) for name in ("eps", "offset", "norm_eps", "norm_offset")),
+    ]  # fmt: skip
+
+
+class _ChainStep(ctypes.Structure):
+    # Field for field the ``ChainStep`` struct of chain.c.
+    _fields_ = [
+        *((name, _ptr) for name in (
+            "hidden", "cos", "sin", "k_pool", "v_pool", "attn", "floor", "tokens",
+        )),
+        *((name, _i32) for name in ("batch", "steps", "act_bf16", "lanes", "num_threads")),
+    ]  # fmt: skip
+
+
+Matmul = tuple[PackedRows, torch.Tensor | None, bool]
+"""A matrix as ``linear.c`` reads it: panels, bias (or None), whether it rounds once."""
+
+
+class NativeChain:
+    """The chain's weights, pointed to once; ``__call__`` runs a chain over a batch."""
+
+    def __init__(self, layer: NativeLayer, keep: list, chain: _Chain, max_rows: int) -> None:
+        self._layer, self._keep = layer, keep  # keep every pointer of ``chain`` valid
+        self._chain_ref = ctypes.byref(chain)
+        self.dtype = layer.dtype
+        self.max_rows = max_rows
+        """The most requests a call takes: the layer's and the matmuls' few-row limit (above
+        it the per-step path runs oneDNN's / BLAS's matmuls)."""
+
+    @classmethod
+    def build(
+        cls,
+        layer: NativeLayer | None,
+        *,
+        embed: torch.Tensor,
+        enorm: torch.Tensor,
+        hnorm: torch.Tensor,
+        norm: torch.Tensor,
+        eh: Matmul | None,
+        head: Matmul | None,
+        max_rows: int,
+        eps: float,
+        offset: float,
+        norm_eps: float,
+        norm_offset: float,
+    ) -> NativeChain | None:
+        """embed [vocab, hidden] and the norms' weights [hidden] in the activations' dtype
+        (``layer.dtype``); eh: the draft's projection of cat(e, h), head: the target's."""
+        if layer is None or eh is None or head is None or library() is None:
+            return None
+        tensors = [t.detach().contiguous() for t in (embed, enorm, hnorm, norm)]
+        if any(t.dtype != layer.dtype or not t.is_cpu for t in tensors):
+            return None
+        hidden = tensors[0].shape[1]
+        if hidden > MAX_DIM or eh[0].k != 2 * hidden or head[0].k != hidden:
+            return None
+        if eh[0].n != hidden or head[0].n != tensors[0].shape[0]:
+            return None
+        chain = _Chain()
+        chain.layer = ctypes.addressof(layer._layer)
+        for name, t in zip(("embed", "enorm", "hnorm", "norm"), tensors, strict=True):
+            setattr(chain, name, t.data_ptr())
+        keep = [*tensors]
+        for name, (weight, bias, round_once) in (("eh", eh), ("head", head)):
+            if weight.dtype not in DTYPES or (bias is not None and bias.dtype != weight.dtype):
+                return None
+            setattr(chain, name, weight.data_ptr())
+            setattr(chain, f"{name}_bias", None if bias is None else bias.data_ptr())
+            setattr(chain, f"{name}_w_bf16", DTYPES[weight.dtype])
+            setattr(chain, f"{name}_op", ROUND_ONCE if round_once else 0)
+            keep += [weight, bias]
+        chain.vocab, chain.hidden = head[0].n, hidden
+        chain.eps, chain.offset = eps, offset
+        chain.norm_eps, chain.norm_offset = norm_eps, norm_offset
+        return cls(layer, keep, chain, max_rows)
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: tuple[int, int, int, int],
+        floors: list[int],
+        steps: int,
+    ) -> list[list[int]]:
+        """hidden: [batch, hidden] the first draft step's final-normed states; cos/sin: the
+        rotary tables of the scratch slots' positions, step-major ([1, (steps - 1) * batch,
+        1, head_dim], contiguous); attention: the backend's ``native_layer`` of a plan of
+        segments of ``steps - 1`` tokens (``PagedAttention(..., one_at_a_time=True)``) ->
+        each request's ``steps`` guesses (the scratch slots' keys and values stored)."""
+        batch = hidden.shape[0]
+        assert 0 < batch <= self.max_rows and hidden.dtype == self.dtype and steps >= 1
+        state = hidden.contiguous().clone()
+        tokens = torch.empty((batch, steps), dtype=torch.int64)
+        floor = torch.tensor(floors, dtype=torch.int32)
+        step = _ChainStep()
+        step.hidden, step.cos, step.sin = state.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.attn, _, step.k_pool, step.v_pool = attention
+        step.floor, step.tokens = floor.data_ptr(), tokens.data_ptr()
+        step.batch, step.steps = batch, steps
+        step.act_bf16, step.lanes = DTYPES[self.dtype], torch_lanes()
+        step.num_threads = small_step_threads()
+        status = library().baton_draft_chain(self._chain_ref, ctypes.byref(step))
+        if status != 0:
+            raise MemoryError(f"draft chain kernel: no scratch memory (status {status})")
+        return tokens.tolist()

@@ -1,0 +1,129 @@
+"""The draft's proposal chain in one native call (baton/kernels/chain.c) against the proposer's
+per-step path (``DraftProposer._chain``, the reference).
+
+From the same engine state, both give the same guesses and leave the draft's pool with the
+same bytes (the scratch slots' keys and values included), for batches of requests at
+different positions (windows and pages crossed), paged and ring, fp32 and bf16, chains of 2
+to 5 guesses, the draft-state ablation switch on; on every instruction-set level this CPU
+runs. Whole generations with the chain on and off are equal in tokens, log-probabilities
+and acceptance per request -- and the chain really ran.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import baton.model.layers as model_layers
+from baton import platform
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.engine.llm import LLM
+from baton.kernels import library
+from baton.kernels.chain import NativeChain
+from baton.request import SamplingParams
+from tests.conftest import BUNDLED
+
+OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
+pytestmark = pytest.mark.skipif(library() is None, reason=OFF)
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "The quick brown fox jumps over the lazy dog and then",
+    "import os\nimport sys\n\n\ndef main(argv):\n    " * 4,  # past the draft's window
+    "x",
+]
+
+
+def _engine_mid_decode(dtype: str, mode: str, steps: int, **kwargs) -> LLMEngine:
+    config = EngineConfig.from_kwargs(
+        dtype=dtype, sliding_mode=mode, page_size=8, num_speculative_tokens=steps, **kwargs
+    )
+    engine = LLMEngine(BUNDLED, config)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(prompt, params)
+        for _ in range(i + 2):  # staggered: each request at another position
+            engine.step()
+    return engine
+
+
+def _draft_storage(engine: LLMEngine) -> list[torch.Tensor]:
+    return [c.storage.clone() for c in engine.registry if c.name.startswith("draft.")]
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize(
+    ("dtype", "mode", "steps"),
+    [
+        ("float32", "paged", 3),
+        ("float32", "ring", 2),
+        ("bfloat16", "paged", 5),
+        ("bfloat16", "ring", 3),
+    ],
+)
+@pytest.mark.parametrize("empty_draft_state", [False, True])
+@torch.inference_mode()  # as the runner calls the proposer
+def test_the_chain_equals_the_per_step_path(dtype, mode, steps, empty_draft_state, monkeypatch):
+    monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)  # every CPU's path
+    engine = _engine_mid_decode(
+        dtype, mode, steps, debug_empty_draft_prompt_state=empty_draft_state
+    )
+    proposer = engine.proposer
+    assert isinstance(proposer.chain, NativeChain)
+    for _ in range(3):  # a few decode steps, each checked from the same state
+        ids = sorted(proposer.pending)
+        assert len(ids) == len(PROMPTS)
+        before = _draft_storage(engine)
+        native = proposer.propose(ids)
+        native_storage = _draft_storage(engine)
+        for component, saved in zip(
+            [c for c in engine.registry if c.name.startswith("draft.")], before, strict=True
+        ):
+            component.storage.copy_(saved)
+        chain, proposer.chain = proposer.chain, None
+        forwards = proposer.num_draft_forwards
+        reference = proposer.propose(ids)
+        proposer.chain = chain
+        assert proposer.num_draft_forwards - forwards == steps
+        assert native == reference
+        assert all(len(g) == steps for g in native.values())
+        for got, want in zip(native_storage, _draft_storage(engine), strict=True):
+            assert torch.equal(got, want)
+        engine.step()
+
+
+@torch.inference_mode()
+def test_the_chain_declines_what_it_cannot_take(monkeypatch):
+    engine = _engine_mid_decode("float32", "paged", 3)
+    proposer = engine.proposer
+    chain = proposer.chain
+    ids = sorted(proposer.pending)
+    monkeypatch.setattr(chain, "max_rows", len(ids) - 1)  # more requests than it takes
+    calls = []
+    monkeypatch.setattr(NativeChain, "__call__", lambda *a: calls.append(a))
+    assert all(len(g) == 3 for g in proposer.propose(ids).values()) and not calls
+    monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")
+    assert LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype="float32")).proposer.chain is None
+
+
+@pytest.mark.parametrize("onednn", [False, True])
+def test_generation_with_the_chain_equals_without(onednn, monkeypatch):
+    if onednn and not platform.current().native_bf16:
+        pytest.skip(f"oneDNN has no bf16 path on this CPU ({platform.current().summary()})")
+    if not onednn:
+        monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+    dtype = "bfloat16" if onednn else "float32"
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=1)
+    runs, calls = [], []
+    chain_call = NativeChain.__call__
+    monkeypatch.setattr(NativeChain, "__call__", lambda *a: calls.append(1) or chain_call(*a))
+    for use_chain in (True, False):
+        llm = LLM(BUNDLED, dtype=dtype, page_size=8)
+        if not use_chain:
+            llm.engine.proposer.chain = None
+        outs = llm.generate(PROMPTS, params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+                     for o in outs])  # fmt: skip
+    assert calls and runs[0] == runs[1]
+    assert any(max(a) > 1 for _, _, a in runs[0])  # guesses were accepted
