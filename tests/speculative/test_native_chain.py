@@ -54,26 +54,32 @@ def _draft_storage(engine: LLMEngine) -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize(
-    ("dtype", "mode", "steps"),
+    ("dtype", "mode", "steps", "empty_draft_state", "first_natively"),
     [
-        ("float32", "paged", 3),
-        ("float32", "ring", 2),
-        ("bfloat16", "paged", 5),
-        ("bfloat16", "ring", 3),
+        ("float32", "paged", 3, False, True),
+        ("float32", "ring", 2, True, True),
+        ("float32", "paged", 4, False, False),  # more pending pairs than the call takes
+        ("bfloat16", "paged", 5, True, True),
+        ("bfloat16", "ring", 3, False, True),
     ],
 )
-@pytest.mark.parametrize("empty_draft_state", [False, True])
 @torch.inference_mode()  # as the runner calls the proposer
-def test_the_chain_equals_the_per_step_path(dtype, mode, steps, empty_draft_state, monkeypatch):
+def test_the_chain_equals_the_per_step_path(
+    dtype, mode, steps, empty_draft_state, first_natively, monkeypatch
+):
     monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)  # every CPU's path
     engine = _engine_mid_decode(
         dtype, mode, steps, debug_empty_draft_prompt_state=empty_draft_state
     )
     proposer = engine.proposer
     assert isinstance(proposer.chain, NativeChain)
+    if not first_natively:  # the first step per step, the rest in the call
+        monkeypatch.setattr(proposer.chain, "max_rows", len(PROMPTS))
+    many_pairs = False
     for _ in range(3):  # a few decode steps, each checked from the same state
         ids = sorted(proposer.pending)
         assert len(ids) == len(PROMPTS)
+        many_pairs |= sum(len(proposer.pending[r].token_ids) for r in ids) > len(PROMPTS)
         before = _draft_storage(engine)
         native = proposer.propose(ids)
         native_storage = _draft_storage(engine)
@@ -91,6 +97,7 @@ def test_the_chain_equals_the_per_step_path(dtype, mode, steps, empty_draft_stat
         for got, want in zip(native_storage, _draft_storage(engine), strict=True):
             assert torch.equal(got, want)
         engine.step()
+    assert many_pairs or first_natively
 
 
 @torch.inference_mode()

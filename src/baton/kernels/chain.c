@@ -1,9 +1,9 @@
-/* The rest of a draft's proposal chain in one call. After the draft's first step (its pending
- * pairs, run by baton/speculative/proposer.py), a top-1 chain of `steps` guesses is, per
- * guess, the target's head and an argmax and -- but for the last -- one more draft step on
- * (draft state, guess): ~40 torch ops and a dozen native calls each, on one token per
- * request. Here they are the C calls of the kernels beside this file, with the same
- * arithmetic in the same order (so the same guesses and the same stored bytes):
+/* A draft's proposal chain in one call: a top-1 chain of `steps` guesses is the draft's first
+ * step on each request's pending pairs (baton/speculative/proposer.py), then per guess the
+ * target's head and an argmax and -- but for the last -- one more draft step on (draft state,
+ * guess): ~40 torch ops and a dozen native calls per step, on a few tokens. Here they are the
+ * C calls of the kernels beside this file, with the same arithmetic in the same order (so the
+ * same guesses and the same stored bytes as the proposer's per-step path):
  *
  *   d_i = argmax(h head^T)                                            linear.c, logits.c
  *   x   = [rms_norm(embed[d_i], enorm), rms_norm(h, hnorm)] eh^T      norm.c, linear.c
@@ -36,14 +36,45 @@ typedef struct { /* field for field baton/kernels/chain.py ``_Chain`` */
 } Chain;
 
 typedef struct { /* field for field baton/kernels/chain.py ``_ChainStep`` */
-    void *hidden;              /* [batch, hidden] in: the first step's states; then scratch */
-    const void *cos, *sin;     /* [steps - 1, batch, head_dim] rotary tables, step-major */
-    void *k_pool, *v_pool;     /* the draft layer's keys and values in its pool */
-    const Args *attn;          /* the plan (see above) */
-    const int32_t *floor;      /* [batch] no position below it is read (the ablation switch) */
-    int64_t *tokens;           /* [batch, steps] out: the guesses */
-    int32_t batch, steps, act_bf16, lanes, num_threads;
+    void *hidden;          /* [batch, hidden] the first step's states (out: the last step's) */
+    const void *cos, *sin; /* [steps - 1, batch, head_dim] rotary tables, step-major */
+    void *k_pool, *v_pool; /* the draft layer's keys and values in its pool */
+    const Args *attn;      /* the plan (see above) */
+    const int32_t *floor;  /* [batch] no position below it is read (the ablation switch) */
+    int64_t *tokens;       /* [batch, steps] out: the guesses */
+    /* The first step too, when first_attn is not NULL: the pending pairs (target states and
+     * the tokens after them), a plan of their segments, and each request's last pair's row. */
+    const void *first_hidden, *first_cos, *first_sin; /* [pairs, hidden], [pairs, head_dim] */
+    const int64_t *first_ids;                         /* [pairs] */
+    const Args *first_attn;
+    const int32_t *last_rows; /* [batch] */
+    int32_t pairs, batch, steps, act_bf16, lanes, num_threads;
 } ChainStep;
+
+/* x = decoder_layer(eh(cat(enorm(embed[ids]), hnorm(hidden)))) for n tokens of `segments`
+ * segments; scratch: 4 n rows of hidden. */
+static int draft_step(const Chain *c, const ChainStep *s, const void *hidden, const int64_t *ids,
+                      int64_t n, const void *cos, const void *sin, const Args *attn,
+                      int32_t segments, char *scratch, char *x) {
+    const int64_t hid = c->hidden;
+    const int bf = s->act_bf16, nt = s->num_threads;
+    const size_t row = (size_t)hid * (bf ? 2 : 4);
+    char *e = scratch, *en = e + n * row, *eh = en + n * row;
+    for (int r = 0; r < n; r++) memcpy(e + r * row, (const char *)c->embed + ids[r] * row, row);
+    baton_rms_norm(e, n, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf, s->lanes,
+                   nt);
+    baton_rms_norm(hidden, n, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,
+                   s->lanes, nt);
+    for (int r = 0; r < n; r++) { /* cat(enorm(embed), hnorm(h)) */
+        memcpy(eh + 2 * r * row, en + r * row, row);
+        memcpy(eh + (2 * r + 1) * row, e + r * row, row);
+    }
+    int status = baton_linear_rows(eh, 2 * hid, (int)n, (int)(2 * hid), c->eh, (int)hid,
+                                   c->eh_bias, NULL, 0, c->eh_op, x, hid, bf, c->eh_w_bf16, nt);
+    const Step step = {x, cos, sin, s->k_pool, s->v_pool, attn, (int32_t)n, segments, bf,
+                       s->lanes, nt};
+    return status | baton_decoder_layer(c->layer, &step);
+}
 
 /* Step `i`'s (1-based) query, visible range and store, per segment, from the plan. */
 static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t batch,
@@ -74,15 +105,22 @@ static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t bat
 /* 0, or nonzero when a kernel found no scratch memory. */
 int baton_draft_chain(const Chain *c, const ChainStep *s) {
     const int64_t b = s->batch, hid = c->hidden, vocab = c->vocab, d = c->layer->head_dim;
+    const int64_t n = s->first_attn != NULL && s->pairs > b ? s->pairs : b; /* most rows */
     const int bf = s->act_bf16, nt = s->num_threads;
     const size_t elem = bf ? 2 : 4, row = (size_t)hid * elem;
-    char *scratch = malloc((size_t)b * (vocab + 5 * hid) * elem);
+    char *scratch = malloc((size_t)b * vocab * elem + 5 * n * row);
     int64_t *best = malloc(sizeof(int64_t) * b);
     float *value = malloc(sizeof(float) * b);
     int32_t *lists = malloc(sizeof(int32_t) * 7 * b);
     int status = scratch == NULL || best == NULL || value == NULL || lists == NULL;
-    char *scores = scratch, *e = scores + b * vocab * elem, *en = e + b * row;
-    char *eh = en + b * row, *x = eh + 2 * b * row;
+    char *scores = scratch, *x = scores + b * vocab * elem, *rest = x + n * row;
+    if (status == 0 && s->first_attn != NULL) { /* the pending pairs; each request's last */
+        status |= draft_step(c, s, s->first_hidden, s->first_ids, s->pairs, s->first_cos,
+                             s->first_sin, s->first_attn, (int32_t)b, rest, x);
+        for (int r = 0; r < b; r++) memmove(x + r * row, x + s->last_rows[r] * row, row);
+        baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
+                       c->norm_offset, bf, s->lanes, nt);
+    }
     for (int i = 0; status == 0; i++) {
         status |= baton_linear_rows(s->hidden, hid, (int)b, (int)hid, c->head, (int)vocab,
                                     c->head_bias, NULL, 0, c->head_op, scores, vocab, bf,
@@ -90,24 +128,11 @@ int baton_draft_chain(const Chain *c, const ChainStep *s) {
         baton_argmax_rows(scores, b, vocab, vocab, bf, best, value, nt);
         for (int r = 0; r < b; r++) s->tokens[r * s->steps + i] = best[r];
         if (i == s->steps - 1) break;
-
-        for (int r = 0; r < b; r++) memcpy(e + r * row, (const char *)c->embed + best[r] * row, row);
-        baton_rms_norm(e, b, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf, s->lanes,
-                       nt);
-        baton_rms_norm(s->hidden, b, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,
-                       s->lanes, nt);
-        for (int r = 0; r < b; r++) { /* cat(enorm(embed), hnorm(h)) */
-            memcpy(eh + 2 * r * row, en + r * row, row);
-            memcpy(eh + (2 * r + 1) * row, e + r * row, row);
-        }
-        status |= baton_linear_rows(eh, 2 * hid, (int)b, (int)(2 * hid), c->eh, (int)hid,
-                                    c->eh_bias, NULL, 0, c->eh_op, x, hid, bf, c->eh_w_bf16, nt);
         Args a;
         step_plan(s->attn, s->floor, i + 1, (int32_t)b, lists, &a);
         const size_t table = (size_t)i * b * d * elem; /* step i + 1's rows of the tables */
-        const Step step = {x, (const char *)s->cos + table, (const char *)s->sin + table,
-                           s->k_pool, s->v_pool, &a, (int32_t)b, (int32_t)b, bf, s->lanes, nt};
-        status |= baton_decoder_layer(c->layer, &step);
+        status |= draft_step(c, s, s->hidden, best, b, (const char *)s->cos + table,
+                             (const char *)s->sin + table, &a, (int32_t)b, rest, x);
         baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
                        c->norm_offset, bf, s->lanes, nt);
     }

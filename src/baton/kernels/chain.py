@@ -10,6 +10,7 @@ whose per-step torch path stays the reference (tests compare guesses and the poo
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -39,9 +40,27 @@ class _ChainStep(ctypes.Structure):
     _fields_ = [
         *((name, _ptr) for name in (
             "hidden", "cos", "sin", "k_pool", "v_pool", "attn", "floor", "tokens",
+            "first_hidden", "first_cos", "first_sin", "first_ids", "first_attn", "last_rows",
         )),
-        *((name, _i32) for name in ("batch", "steps", "act_bf16", "lanes", "num_threads")),
+        *((name, _i32) for name in (
+            "pairs", "batch", "steps", "act_bf16", "lanes", "num_threads",
+        )),
     ]  # fmt: skip
+
+
+@dataclass
+class FirstStep:
+    """The chain's first draft step, on each request's pending pairs: their target states
+    [pairs, hidden] and tokens [pairs] (int64), the rotary tables of their positions
+    ([1, pairs, 1, head_dim]), the backend's ``native_layer`` of their segments, and each
+    request's last pair's index (the state its first guess reads)."""
+
+    hidden: torch.Tensor
+    token_ids: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attention: tuple[int, int, int, int]
+    last_rows: list[int]
 
 
 Matmul = tuple[PackedRows, torch.Tensor | None, bool]
@@ -55,6 +74,7 @@ class NativeChain:
         self._layer, self._keep = layer, keep  # keep every pointer of ``chain`` valid
         self._chain_ref = ctypes.byref(chain)
         self.dtype = layer.dtype
+        self._hidden = chain.hidden
         self.max_rows = max_rows
         """The most requests a call takes: the layer's and the matmuls' few-row limit (above
         it the per-step path runs oneDNN's / BLAS's matmuls)."""
@@ -108,27 +128,45 @@ class NativeChain:
 
     def __call__(
         self,
-        hidden: torch.Tensor,
+        batch: int,
+        steps: int,
         cos: torch.Tensor,
         sin: torch.Tensor,
         attention: tuple[int, int, int, int],
         floors: list[int],
-        steps: int,
+        hidden: torch.Tensor | None = None,
+        first: FirstStep | None = None,
     ) -> list[list[int]]:
-        """hidden: [batch, hidden] the first draft step's final-normed states; cos/sin: the
-        rotary tables of the scratch slots' positions, step-major ([1, (steps - 1) * batch,
-        1, head_dim], contiguous); attention: the backend's ``native_layer`` of a plan of
-        segments of ``steps - 1`` tokens (``PagedAttention(..., one_at_a_time=True)``) ->
-        each request's ``steps`` guesses (the scratch slots' keys and values stored)."""
-        batch = hidden.shape[0]
-        assert 0 < batch <= self.max_rows and hidden.dtype == self.dtype and steps >= 1
-        state = hidden.contiguous().clone()
+        """Each of ``batch`` requests' ``steps`` guesses (the scratch slots' keys and values
+        stored): from ``hidden`` ([batch, hidden], the first draft step's final-normed
+        states), or running the first step here (``first``: exactly one of the two). cos,
+        sin: the rotary tables of the scratch slots' positions, step-major ([1, (steps - 1)
+        * batch, 1, head_dim]); attention: the backend's ``native_layer`` of a plan of
+        segments of ``steps - 1`` tokens (``PagedAttention(..., one_at_a_time=True)``);
+        floors: per request its lowest readable slot."""
+        assert 0 < batch <= self.max_rows and steps >= 2 and (hidden is None) != (first is None)
+        state = torch.empty((batch, self._hidden), dtype=self.dtype)
+        if hidden is not None:
+            assert hidden.shape == state.shape and hidden.dtype == self.dtype
+            state.copy_(hidden)
         tokens = torch.empty((batch, steps), dtype=torch.int64)
-        floor = torch.tensor(floors, dtype=torch.int32)
+        keep = [torch.tensor(floors, dtype=torch.int32), cos.contiguous(), sin.contiguous()]
         step = _ChainStep()
-        step.hidden, step.cos, step.sin = state.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.hidden, step.cos, step.sin = state.data_ptr(), keep[1].data_ptr(), keep[2].data_ptr()
         step.attn, _, step.k_pool, step.v_pool = attention
-        step.floor, step.tokens = floor.data_ptr(), tokens.data_ptr()
+        step.floor, step.tokens = keep[0].data_ptr(), tokens.data_ptr()
+        if first is not None:
+            assert first.hidden.dtype == self.dtype and len(first.last_rows) == batch
+            keep += [
+                first.hidden.contiguous(), first.cos.contiguous(), first.sin.contiguous(),
+                first.token_ids.to(torch.int64).contiguous(),
+                torch.tensor(first.last_rows, dtype=torch.int32),
+            ]  # fmt: skip
+            step.first_hidden, step.first_cos, step.first_sin, step.first_ids, step.last_rows = (
+                t.data_ptr() for t in keep[3:]
+            )
+            step.first_attn = first.attention[0]
+            step.pairs = first.hidden.shape[0]
         step.batch, step.steps = batch, steps
         step.act_bf16, step.lanes = DTYPES[self.dtype], torch_lanes()
         step.num_threads = small_step_threads()

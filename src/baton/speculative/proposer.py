@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.kernels.chain import FirstStep
 from baton.kernels.logits import argmax_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
@@ -53,10 +54,11 @@ class DraftProposer:
         """The chain's steps after the first in one native call (``baton.kernels.chain``), or
         None: the per-step path below, the reference (tests compare the two)."""
 
-    def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
-        """One batched draft forward; entries: (request, first slot, hidden [m, H], tokens).
-        Per entry its last draft state [1, H], the one a guess reads: the other pairs only
-        store their keys and values."""
+    def _inputs(
+        self, entries: list[tuple[str, int, torch.Tensor, list[int]]]
+    ) -> tuple[list[Segment], torch.Tensor, list[int], list[int]]:
+        """A batched draft forward's segments, hidden states [N, H], tokens and positions
+        (entries: request, first slot, hidden [m, H], tokens); the pools grown for them."""
         segments, hidden, ids, positions = [], [], [], []
         offset = 0
         for request_id, slot, h, tokens in entries:
@@ -70,12 +72,18 @@ class DraftProposer:
             ids.extend(tokens)
             positions.extend(range(slot + 1, slot + 1 + len(tokens)))
             offset += len(tokens)
+        return segments, torch.cat(hidden), ids, positions
+
+    def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+        """One batched draft forward (``_inputs``' entries). Per entry its last draft state
+        [1, H], the one a guess reads: the other pairs only store their keys and values."""
+        segments, hidden, ids, positions = self._inputs(entries)
         rows = None
         if len(ids) > len(entries):
             rows = torch.tensor([s.offset + s.num_tokens - 1 for s in segments])
         out = self.draft(
             self.target,
-            torch.cat(hidden)[None],
+            hidden[None],
             torch.tensor([ids]),
             torch.tensor([positions]),
             PagedAttention(self.cache, segments),
@@ -126,11 +134,10 @@ class DraftProposer:
         for rid in request_ids:
             p = self.pending[rid]
             entries.append((rid, p.start_slot, p.hidden, p.token_ids))
-        hiddens = self._run(entries)
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
-        chains = self._chain_natively(request_ids, slots, hiddens)
+        chains = self._propose_natively(request_ids, entries, slots)
         if chains is None:
-            chains = self._chain(request_ids, slots, hiddens)
+            chains = self._chain(request_ids, slots, self._run(entries))
         # Committed draft state ends where the pending pairs ended; trim behind it.
         for rid in request_ids:
             self.cache.trim(rid, slots[rid])
@@ -160,33 +167,49 @@ class DraftProposer:
             hiddens = self._run(step_entries)
         return chains
 
-    def _chain_natively(
-        self, request_ids: list[str], slots: dict[str, int], hiddens: list[torch.Tensor]
+    def _propose_natively(
+        self, request_ids: list[str], entries: list, slots: dict[str, int]
     ) -> dict[str, list[int]] | None:
-        """``_chain`` in one native call: the same guesses, the same scratch slots stored;
-        None where it does not apply (then nothing was changed but the pools' growth, which
-        ``_chain`` makes too)."""
+        """``_run`` and ``_chain`` in one native call (``baton.kernels.chain``) -- with more
+        pending pairs than it takes, ``_run`` and then the call: the same guesses, the same
+        slots stored. None where it does not apply (nothing changed then but the pools'
+        growth, which the per-step path makes too)."""
         steps, chain = self.num_tokens, self.chain
         if chain is None or steps < 2 or len(request_ids) > chain.max_rows:
             return None
+        if entries[0][2].dtype != chain.dtype:
+            return None
+        a = self.draft.layer.self_attn
+        layer_args = (0, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+        first, state, backends = None, None, []  # backends own the plans until the call
+        if sum(len(e[3]) for e in entries) <= chain.max_rows:
+            segments, hidden, ids, positions = self._inputs(entries)
+            backends.append(PagedAttention(self.cache, segments))
+            attention = backends[-1].native_layer(*layer_args)
+            if attention is None:
+                return None
+            cos, sin = self.draft.rotary_emb(torch.tensor([positions]), hidden.dtype)
+            last = [seg.offset + seg.num_tokens - 1 for seg in segments]
+            first = FirstStep(hidden, torch.tensor(ids), cos, sin, attention, last)
+        else:
+            state = torch.cat(self._run(entries))
         segments, positions = [], []
         floors = [self.context_floor.get(rid, 0) for rid in request_ids]
         for b, (rid, floor) in enumerate(zip(request_ids, floors, strict=True)):
-            # Scratch slots L .. L+steps-2, as ``_run`` grows them one by one.
+            # Scratch slots L .. L+steps-2, as ``_chain`` grows them one by one.
             self.cache.grow(rid, slots[rid], slots[rid] + steps - 1)
             segments.append(Segment(rid, b * (steps - 1), slots[rid], steps - 1, floor))
         for step in range(steps - 1):  # step-major, as the kernel reads the tables
             positions.extend(slots[rid] + 1 + step for rid in request_ids)
-        a = self.draft.layer.self_attn
-        backend = PagedAttention(self.cache, segments, one_at_a_time=True)  # owns the plan
-        attention = backend.native_layer(0, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
-        hidden = torch.cat(hiddens)
-        if attention is None or hidden.dtype != chain.dtype:
-            return None
-        cos, sin = self.draft.rotary_emb(torch.tensor([positions]), hidden.dtype)
-        guesses = chain(hidden, cos.contiguous(), sin.contiguous(), attention, floors, steps)
-        del backend  # the plan's index lists were read until here
-        self.num_draft_forwards += steps - 1
+        backends.append(PagedAttention(self.cache, segments, one_at_a_time=True))
+        attention = backends[-1].native_layer(*layer_args)
+        if attention is None:  # the pool's storage is not the kernel's (then neither was it
+            assert first is None  # for the first step's plan)
+            return self._chain(request_ids, slots, list(state[:, None]))
+        cos, sin = self.draft.rotary_emb(torch.tensor([positions]), chain.dtype)
+        guesses = chain(len(request_ids), steps, cos, sin, attention, floors, state, first)
+        del backends  # the plans' index lists were read until here
+        self.num_draft_forwards += steps if first is not None else steps - 1
         return dict(zip(request_ids, guesses, strict=True))
 
     def preempted(self, request_id: str) -> None:
