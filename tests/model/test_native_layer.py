@@ -18,6 +18,7 @@ import baton.model.layers as model_layers
 from baton import platform
 from baton.engine.llm import LLM
 from baton.kernels import library
+from baton.kernels.chain import NativeChain
 from baton.kernels.linear import MAX_ROWS, Epilogue, PackedRows, linear_rows
 from baton.request import SamplingParams
 from tests.conftest import BUNDLED
@@ -135,18 +136,24 @@ PROMPTS = [
 def _generate(dtype: str, mode: str, calls: list[int]):
     llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    layer_call, matmul = native_layer.NativeLayer.__call__, model_layers.linear_rows
+    matmul = model_layers.linear_rows
+    # The layers run one by one, as a stack (the target) or in the draft's chain.
+    layer_calls = {
+        cls: cls.__call__
+        for cls in (native_layer.NativeLayer, native_layer.NativeStack, NativeChain)
+    }
 
     def counted_layer(self, *args):
         calls.append("layer")
-        return layer_call(self, *args)
+        return layer_calls[type(self)](self, *args)
 
     def counted_matmul(*args):
         calls.append("matmul")
         return matmul(*args)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native_layer.NativeLayer, "__call__", counted_layer)
+        for cls in layer_calls:
+            mp.setattr(cls, "__call__", counted_layer)
         mp.setattr(model_layers, "linear_rows", counted_matmul)
         outs = llm.generate(PROMPTS, params)
     return [
@@ -229,3 +236,28 @@ def test_small_step_threads_come_from_the_engine_config():
         assert kernels.small_step_threads() == torch.get_num_threads() == 2
     finally:
         kernels.set_small_step_threads(None)
+
+
+@pytest.mark.parametrize(("dtype", "mode"), [("float32", "paged"), ("bfloat16", "ring")])
+def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
+    """``NativeStack`` (every layer and the final norm in one call) runs the layers'
+    arithmetic: the same tokens, log-probabilities and acceptance, bit for bit."""
+    from baton.kernels.layer import NativeStack
+
+    monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+    calls: list[int] = []
+    stack_call = NativeStack.__call__
+    monkeypatch.setattr(NativeStack, "__call__", lambda *a: calls.append(1) or stack_call(*a))
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    runs = []
+    for use_stack in (True, False):
+        calls.clear()
+        llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
+        assert isinstance(llm.engine.model._stack, NativeStack)
+        if not use_stack:
+            llm.engine.model._stack = None
+        outs = llm.generate(PROMPTS, params)
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+                     for o in outs])  # fmt: skip
+        assert bool(calls) == use_stack
+    assert runs[0] == runs[1]

@@ -163,6 +163,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.baton_decoder_layer.restype = ctypes.c_int
     lib.baton_decoder_layer.argtypes = [ptr, ptr]
+    lib.baton_decoder_stack.restype = ctypes.c_int
+    lib.baton_decoder_stack.argtypes = [ptr]
     lib.baton_draft_chain.restype = ctypes.c_int
     lib.baton_draft_chain.argtypes = [ptr, ptr]
     lib.baton_pool_helper_tasks.restype = i64

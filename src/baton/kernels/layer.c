@@ -18,6 +18,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -62,5 +63,45 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
                                 s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
     free(scratch);
+    return status;
+}
+
+typedef struct { /* field for field baton/kernels/layer.py ``_StackLayer`` */
+    const Layer *layer;
+    const Args *attn; /* the step's index lists for this layer's pool */
+    void *k_pool, *v_pool;
+    int32_t batch; /* segments in attn */
+} StackLayer;
+
+typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
+    const int64_t *ids;             /* [tokens] */
+    const void *embed, *norm;       /* [vocab, hidden], [hidden]: the activations' dtype */
+    void *out;                      /* [tokens, hidden] the final-normed states */
+    const void *cos, *sin;          /* [tokens, head_dim] */
+    const StackLayer *layers;
+    float eps, offset;              /* the final norm's */
+    int32_t num_layers, tokens, hidden, act_bf16, lanes, num_threads;
+} Stack;
+
+/* A small step's whole model but the head: embedding rows, every layer (as
+ * baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer. 0, or
+ * nonzero when a kernel found no scratch memory. */
+int baton_decoder_stack(const Stack *s) {
+    const int64_t t = s->tokens, hid = s->hidden;
+    const size_t row = (size_t)hid * (s->act_bf16 ? 2 : 4);
+    char *x = malloc((size_t)t * row);
+    if (x == NULL) return 1;
+    for (int64_t r = 0; r < t; r++)
+        memcpy(x + r * row, (const char *)s->embed + s->ids[r] * row, row);
+    int status = 0;
+    for (int i = 0; i < s->num_layers && status == 0; i++) {
+        const StackLayer *l = &s->layers[i];
+        const Step step = {x, s->cos, s->sin, l->k_pool, l->v_pool, l->attn, s->tokens, l->batch,
+                           s->act_bf16, s->lanes, s->num_threads};
+        status |= baton_decoder_layer(l->layer, &step);
+    }
+    baton_rms_norm(x, t, hid, 1, 0, s->norm, 0, s->out, (int)hid, s->eps, s->offset, s->act_bf16,
+                   s->lanes, s->num_threads);
+    free(x);
     return status;
 }

@@ -54,6 +54,24 @@ class _Step(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _StackLayer(ctypes.Structure):
+    # Field for field the ``StackLayer`` struct of layer.c.
+    _fields_ = [
+        ("layer", _ptr), ("attn", _ptr), ("k_pool", _ptr), ("v_pool", _ptr), ("batch", _i32),
+    ]  # fmt: skip
+
+
+class _Stack(ctypes.Structure):
+    # Field for field the ``Stack`` struct of layer.c.
+    _fields_ = [
+        *((name, _ptr) for name in ("ids", "embed", "norm", "out", "cos", "sin", "layers")),
+        ("eps", _f32), ("offset", _f32),
+        *((name, _i32) for name in (
+            "num_layers", "tokens", "hidden", "act_bf16", "lanes", "num_threads",
+        )),
+    ]  # fmt: skip
+
+
 def enabled() -> bool:
     return RuntimeEnv.from_environ().native_layers
 
@@ -142,4 +160,66 @@ class NativeLayer:
         status = library().baton_decoder_layer(self._layer_ref, ctypes.byref(step))
         if status != 0:
             raise MemoryError(f"decoder layer kernel: no scratch memory (status {status})")
+        return out
+
+
+class NativeStack:
+    """A model's layers as one native call per small step: the embedding's rows, every layer
+    (``NativeLayer``'s arithmetic), the final norm -- ``CausalLM.forward`` without a Python
+    call per layer."""
+
+    def __init__(
+        self, layers: list[NativeLayer], embed: torch.Tensor, norm: torch.Tensor, eps: float,
+        offset: float,
+    ) -> None:  # fmt: skip
+        self._layers = layers
+        self._embed, self._norm = embed.detach().contiguous(), norm.detach().contiguous()
+        self._entries = (_StackLayer * len(layers))()
+        for entry, layer in zip(self._entries, layers, strict=True):
+            entry.layer = ctypes.addressof(layer._layer)
+        stack = self._stack = _Stack()
+        stack.embed, stack.norm = self._embed.data_ptr(), self._norm.data_ptr()
+        stack.layers = ctypes.addressof(self._entries)
+        stack.eps, stack.offset = eps, offset
+        stack.num_layers, stack.hidden = len(layers), self._embed.shape[1]
+        self.dtype = layers[0].dtype
+        self.max_tokens = min(layer.max_tokens for layer in layers)
+
+    @classmethod
+    def build(
+        cls, layers: list[NativeLayer | None], embed: torch.Tensor, norm: torch.Tensor,
+        eps: float, offset: float,
+    ) -> NativeStack | None:  # fmt: skip
+        """None unless every layer is native, of one dtype, and the embedding and norm are in
+        it (then ``CausalLM.forward`` calls the layers one by one)."""
+        if not layers or any(layer is None for layer in layers):
+            return None
+        dtype = layers[0].dtype
+        if any(layer.dtype != dtype for layer in layers) or embed.dtype != dtype:
+            return None
+        if norm.dtype != dtype or norm.shape[0] > MAX_DIM or library() is None:
+            return None
+        return cls(layers, embed, norm, eps, offset)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: list[tuple[int, int, int, int]],
+    ) -> torch.Tensor:
+        """input_ids: [1, T] (T <= ``max_tokens``), cos/sin: [1, T, 1, head_dim] contiguous,
+        attention: per layer the backend's ``native_layer`` -> final-normed [1, T, hidden]
+        (every layer's keys and values stored in its pool)."""
+        ids = input_ids.to(torch.int64).contiguous()
+        out = torch.empty((*ids.shape, self._embed.shape[1]), dtype=self.dtype)
+        for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
+            entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
+        stack = self._stack
+        stack.ids, stack.out, stack.cos, stack.sin = (t.data_ptr() for t in (ids, out, cos, sin))
+        stack.tokens, stack.act_bf16, stack.lanes = ids.numel(), DTYPES[self.dtype], torch_lanes()
+        stack.num_threads = small_step_threads()
+        status = library().baton_decoder_stack(ctypes.byref(stack))
+        if status != 0:
+            raise MemoryError(f"decoder stack kernel: no scratch memory (status {status})")
         return out

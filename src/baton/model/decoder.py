@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.kernels.layer import NativeLayer
+from baton.kernels.layer import NativeLayer, NativeStack
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
@@ -150,6 +150,8 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._head: FrozenLinear | None = None
+        self._stack: NativeStack | None = None
+        """Every layer and the final norm as one native call for small steps, or None."""
 
     def forward(
         self,
@@ -162,12 +164,38 @@ class CausalLM(nn.Module):
         ``rows`` (indices into T) [B, len(rows), hidden]: the last layer's projections, MLP and
         the final norm run for those tokens only (a prefill chunk whose outputs are mostly
         never read); every layer still stores every token's keys and values."""
+        stack = self._stack
+        if stack is not None and input_ids.numel() <= stack.max_tokens:
+            out = self._forward_native(stack, input_ids, positions, attn)
+            if out is not None:
+                return out if rows is None else out[:, rows]
         x = self.model.embed(input_ids)
         rotary = self.model.rotary_emb(positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
+
+    def _forward_native(
+        self, stack: NativeStack, input_ids: torch.Tensor, positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
+        without a Python call per layer), or None where the backend does not allow it."""
+        native_layer = getattr(attn, "native_layer", None)
+        if native_layer is None:
+            return None
+        attention = []
+        for layer in self.model.layers:
+            a = layer.self_attn
+            args = native_layer(
+                layer.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap
+            )
+            if args is None:
+                return None
+            attention.append(args)
+        cos, sin = self.model.rotary_emb(positions, stack.dtype)
+        return stack(input_ids, cos.contiguous(), sin.contiguous(), attention)
 
     def fuse_projections(self) -> CausalLM:
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
@@ -178,6 +206,12 @@ class CausalLM(nn.Module):
         self._head = FrozenLinear(self.lm_head.weight)
         for layer in self.model.layers:
             layer.prepare_native()
+        norm = self.model.norm
+        if self.model.embed_scale == 1.0:
+            self._stack = NativeStack.build(
+                [layer.native for layer in self.model.layers], self.model.embed_tokens.weight,
+                norm.weight, norm.eps, norm.offset,
+            )  # fmt: skip
         return self
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
