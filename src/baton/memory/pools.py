@@ -329,6 +329,8 @@ class PagedPool(StatePool):
         key cached already keeps its page (this one is freed as usual)."""
         complete = self.num_tokens.get(request_id, 0) // self.page_size
         first = self.num_registered.get(request_id, 0)
+        if first >= complete and request_id not in self.retired:
+            return  # most decode steps: nothing new (called for every request every step)
         retired = self.retired.pop(request_id, {})
         table = {**retired, **self.tables.get(request_id, {})}
         logical = first
