@@ -171,8 +171,9 @@ class EngineConfig:
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None
     """Speculative decoding with the model's MTP draft; None = on when the model has one."""
-    num_speculative_tokens: int = 3
-    """Draft tokens proposed (and verified) per decode step."""
+    num_speculative_tokens: int | None = None
+    """Draft tokens proposed (and verified) per decode step; None: by the compute dtype
+    (``LLMEngine``'s ``DRAFT_TOKENS``: 4 in bf16, 3 in fp32)."""
     debug_prefix_cache_skip_draft: bool = False
     """Debug switch: a prefix-cache hit restores the target's pages only; the draft's state
     starts empty at the hit (what a forgotten draft state costs in acceptance)."""
@@ -184,7 +185,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.num_speculative_tokens < 1:
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )

@@ -136,7 +136,7 @@ def build_hello(
         draft=draft,
         speculative=SpeculativeConfig(
             enabled=draft is not None,
-            num_speculative_tokens=config.num_speculative_tokens if draft is not None else 0,
+            num_speculative_tokens=engine.num_spec if draft is not None else 0,
         ),
         schema=schema,
         schema_hash=schema_hash(schema),
@@ -283,7 +283,11 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
     for field in ("enabled", "num_speculative_tokens"):
         mine, theirs = getattr(local.speculative, field), getattr(remote.speculative, field)
         if mine != theirs:
-            problems.append(sides.differs("speculative config: ", field, mine, theirs))
+            hint = ""
+            if field == "num_speculative_tokens":
+                hint = (": start both with the same --num-speculative-tokens (unset, it follows "
+                        "the compute dtype: 4 in bfloat16, 3 in float32)")  # fmt: skip
+            problems.append(sides.differs("speculative config: ", field, mine, theirs) + hint)
     if local.backend != remote.backend:
         problems.append(sides.differs("", "transfer backend", local.backend, remote.backend))
     mine, theirs = _dtypes(local.schema), _dtypes(remote.schema)
