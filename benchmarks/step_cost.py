@@ -21,11 +21,11 @@ sliding and full layers, GQA, tied embeddings), batch-1 decode: the parameter by
 reads / step time, as a fraction of memcpy measured in the same run (counted both ways:
 bytes read + written per second, and bytes copied per second).
 
-The real model with its MTP draft (k=3) at batch 1 is timed too (what a user runs), with its
-tokens per verify step. Every figure is taken twice in the same run, in-process A/B: with
-small steps' decoder layers as one native call each (``fused``, ``baton.kernels.layer``, the
-default) and op by op (``torch``, ``BATON_NATIVE_LAYERS=0``). The CPU is printed and written
-into the JSON.
+The real model with its MTP draft (the default number of draft tokens) at batch 1 is timed
+too (what a user runs), with its tokens per verify step. Every figure is taken twice in the
+same run, in-process A/B: with small steps' decoder layers as one native call each
+(``fused``, ``baton.kernels.layer``, the default: the stack, and the draft's chain) and op
+by op (``torch``, ``BATON_NATIVE_LAYERS=0``). The CPU is printed and written into the JSON.
 
     python benchmarks/step_cost.py                   # batch 1, 8, 32; fused and torch
     python benchmarks/step_cost.py --layers fused    # one variant
@@ -171,6 +171,7 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
     results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
     (output,) = engine.step()  # tokens per verify step so far
     results["1_mtp"]["acceptance_length"] = output.metrics.acceptance_length
+    results["1_mtp"]["num_speculative_tokens"] = engine.num_spec
     return results
 
 
@@ -219,7 +220,8 @@ def print_table(layers: str, results: dict[str, dict]) -> None:
               f"{row['twin_ops_per_step']:6d}")  # fmt: skip
     mtp = results["1_mtp"]
     step, accepted = mtp["real"]["step_s"], mtp["acceptance_length"] or 1.0
-    print(f"batch 1 with the MTP draft (k=3): {step * 1e3:.2f} ms per verify step, "
+    k = mtp.get("num_speculative_tokens")
+    print(f"batch 1 with the MTP draft (k={k}): {step * 1e3:.2f} ms per verify step, "
           f"{accepted:.2f} tokens per step = {accepted / step:.0f} tok/s")  # fmt: skip
     b1 = results.get("1")
     if b1:
