@@ -60,7 +60,7 @@ static int draft_step(const Chain *c, const ChainStep *s, const void *hidden, co
     const int bf = s->act_bf16, nt = s->num_threads;
     const size_t row = (size_t)hid * (bf ? 2 : 4);
     char *e = scratch, *en = e + n * row, *eh = en + n * row;
-    for (int r = 0; r < n; r++) memcpy(e + r * row, (const char *)c->embed + ids[r] * row, row);
+    baton_gather_rows(e, c->embed, ids, n, row);
     baton_rms_norm(e, n, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf, s->lanes,
                    nt);
     baton_rms_norm(hidden, n, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,

@@ -1,4 +1,4 @@
-"""Python side of ``chain.c``: the rest of a draft's top-1 proposal chain in one native call.
+"""Python side of ``chain.c``: a draft's top-1 proposal chain in one native call.
 
 ``NativeChain.build`` takes the tensors the chain reads -- the draft's layer (a
 ``NativeLayer``), its two input norms and projection, the target's embedding, final norm and

@@ -3,7 +3,9 @@
 #ifndef BATON_KERNELS_H
 #define BATON_KERNELS_H
 
+#include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The arguments of baton_paged_attention (field for field baton/kernels/paged_attention.py
  * ``_Args``); the layout is described in paged_attention.c. */
@@ -80,6 +82,13 @@ int baton_decoder_layer(const Layer *L, const Step *s);
 /* logits.c: per row its first maximum's index and value. */
 void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
                        int is_bf16, int64_t *best, float *best_value, int num_threads);
+
+/* dst[r] = table[ids[r]] for n rows of row_bytes (an embedding lookup). */
+static inline void baton_gather_rows(void *dst, const void *table, const int64_t *ids, int64_t n,
+                                     size_t row_bytes) {
+    for (int64_t r = 0; r < n; r++)
+        memcpy((char *)dst + r * row_bytes, (const char *)table + ids[r] * row_bytes, row_bytes);
+}
 
 /* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
  * worker in [0, threads) tells a task's thread (scratch memory). */

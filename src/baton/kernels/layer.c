@@ -18,7 +18,6 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #include "kernels.h"
 
@@ -91,8 +90,7 @@ int baton_decoder_stack(const Stack *s) {
     const size_t row = (size_t)hid * (s->act_bf16 ? 2 : 4);
     char *x = malloc((size_t)t * row);
     if (x == NULL) return 1;
-    for (int64_t r = 0; r < t; r++)
-        memcpy(x + r * row, (const char *)s->embed + s->ids[r] * row, row);
+    baton_gather_rows(x, s->embed, s->ids, t, row);
     int status = 0;
     for (int i = 0; i < s->num_layers && status == 0; i++) {
         const StackLayer *l = &s->layers[i];

@@ -94,21 +94,26 @@ class DecoderLayer(nn.Module):
         )
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
+    def native_attention(self, attn: AttentionBackend) -> tuple[int, int, int, int] | None:
+        """The backend's ``native_layer`` arguments for this layer's attention (what its
+        native call, a ``NativeStack`` or a draft chain reads), or None where it has none."""
+        native_layer = getattr(attn, "native_layer", None)
+        if native_layer is None:
+            return None
+        a = self.self_attn
+        return native_layer(self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+
     def _forward_native(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
     ) -> torch.Tensor | None:
         """``forward`` in one native call, or None where the backend or inputs do not allow
         it (the torch path then runs)."""
-        native_layer = getattr(attn, "native_layer", None)
         cos, sin = rotary
-        if (
-            native_layer is None
-            or x.dtype != self._native.dtype
-            or not (cos.is_contiguous() and sin.is_contiguous() and cos.dtype == x.dtype)
+        if x.dtype != self._native.dtype or not (
+            cos.is_contiguous() and sin.is_contiguous() and cos.dtype == x.dtype
         ):
             return None
-        a = self.self_attn
-        args = native_layer(self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+        args = self.native_attention(attn)
         return None if args is None else self._native(x, cos, sin, args)
 
     def keys_values(
@@ -182,15 +187,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor | None:  # fmt: skip
         """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
         without a Python call per layer), or None where the backend does not allow it."""
-        native_layer = getattr(attn, "native_layer", None)
-        if native_layer is None:
-            return None
         attention = []
         for layer in self.model.layers:
-            a = layer.self_attn
-            args = native_layer(
-                layer.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap
-            )
+            args = layer.native_attention(attn)
             if args is None:
                 return None
             attention.append(args)

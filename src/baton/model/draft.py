@@ -99,9 +99,9 @@ class MTPDraft(nn.Module):
         return self
 
     def native_chain(self, target: CausalLM) -> NativeChain | None:
-        """After both models' ``fuse_projections``: a proposal chain's steps after the first
-        as one native call (``baton.kernels.chain``: per guess the target's head and argmax,
-        then this draft's step on it), or None where it does not apply."""
+        """After both models' ``fuse_projections``: a proposal chain as one native call
+        (``baton.kernels.chain``: this draft's first step, then per guess the target's head
+        and argmax and this draft's step on it), or None where it does not apply."""
         eh, head = self._eh, target._head
         if eh is None or head is None or target.model.embed_scale != 1.0:
             return None

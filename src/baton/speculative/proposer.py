@@ -51,8 +51,8 @@ class DraftProposer:
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
         self.chain = draft.native_chain(target)
-        """The chain's steps after the first in one native call (``baton.kernels.chain``), or
-        None: the per-step path below, the reference (tests compare the two)."""
+        """A proposal in one native call (``baton.kernels.chain``), or None: the per-step
+        path below, the reference (tests compare the two)."""
 
     def _inputs(
         self, entries: list[tuple[str, int, torch.Tensor, list[int]]]
@@ -179,13 +179,11 @@ class DraftProposer:
             return None
         if entries[0][2].dtype != chain.dtype:
             return None
-        a = self.draft.layer.self_attn
-        layer_args = (0, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
         first, state, backends = None, None, []  # backends own the plans until the call
         if sum(len(e[3]) for e in entries) <= chain.max_rows:
             segments, hidden, ids, positions = self._inputs(entries)
             backends.append(PagedAttention(self.cache, segments))
-            attention = backends[-1].native_layer(*layer_args)
+            attention = self.draft.layer.native_attention(backends[-1])
             if attention is None:
                 return None
             cos, sin = self.draft.rotary_emb(torch.tensor([positions]), hidden.dtype)
@@ -202,7 +200,7 @@ class DraftProposer:
         for step in range(steps - 1):  # step-major, as the kernel reads the tables
             positions.extend(slots[rid] + 1 + step for rid in request_ids)
         backends.append(PagedAttention(self.cache, segments, one_at_a_time=True))
-        attention = backends[-1].native_layer(*layer_args)
+        attention = self.draft.layer.native_attention(backends[-1])
         if attention is None:  # the pool's storage is not the kernel's (then neither was it
             assert first is None  # for the first step's plan)
             return self._chain(request_ids, slots, list(state[:, None]))
