@@ -161,6 +161,16 @@ def _generate(dtype: str, mode: str, calls: list[int]):
     ]
 
 
+def _steps_before(accepted_lengths: list[int], num_tokens: int) -> int:
+    """How many leading verify steps committed at most ``num_tokens`` tokens together."""
+    total = 0
+    for i, n in enumerate(accepted_lengths):
+        total += n
+        if total > num_tokens:
+            return i
+    return len(accepted_lengths)
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     """The first index where a and b differ (a's length if nowhere)."""
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
@@ -202,6 +212,11 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, on
                 assert want_tokens[same] in top, (same, top)
                 assert top[tokens[same]] - top[want_tokens[same]] <= 0.05, (same, top)
                 assert same >= 10, f"diverged at token {same}"
+            # Acceptance of the verify steps that committed only tokens before the divergence
+            # (after it the two runs verify different texts). tokens[0] is the prefill's.
+            steps = min(_steps_before(got, same - 1), _steps_before(want, same - 1))
+            assert steps > 0, (same, got, want)
+            got, want = got[:steps], want[:steps]
             assert sum(got) / len(got) == pytest.approx(sum(want) / len(want), abs=0.3)
     tol = dict(rel=1e-4, abs=1e-3) if dtype == "float32" else dict(rel=2e-2, abs=0.1)
     for (tokens, got, _), (want_tokens, want, _) in zip(fused, reference, strict=True):
