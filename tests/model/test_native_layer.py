@@ -9,6 +9,8 @@ bf16's rounding, which may break either way) -- and the fused layer really ran.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,12 +165,7 @@ def _generate(dtype: str, mode: str, calls: list[int]):
 
 def _steps_before(accepted_lengths: list[int], num_tokens: int) -> int:
     """How many leading verify steps committed at most ``num_tokens`` tokens together."""
-    total = 0
-    for i, n in enumerate(accepted_lengths):
-        total += n
-        if total > num_tokens:
-            return i
-    return len(accepted_lengths)
+    return sum(1 for total in itertools.accumulate(accepted_lengths) if total <= num_tokens)
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
