@@ -13,6 +13,10 @@ must not change. The CPU is printed and written into the JSON.
     python benchmarks/prefix_cache.py            # 48 requests at 4 req/s, 80% shared
     python benchmarks/prefix_cache.py --model half-b --num-requests 12 --rate 0.5 --max-tokens 8
 
+``--sliding-mode ring``: the sliding-window layers keep rings instead of pages; a ring is
+overwritten in place, so it restores nothing (``Caching.NONE``) and no request gets a hit --
+the figures show what that costs.
+
 ``--model half-b``: a random Qwen3 of ~0.5B parameters (``step_cost.HALF_B``, bf16, no draft)
 instead of the bundled model -- where a prompt's compute, not a step's fixed cost, makes up
 the TTFT, as on the models users serve.
@@ -39,6 +43,7 @@ from common import machine_facts, resolve_dtype_arg, save_random_qwen3  # noqa: 
 from baton.config import EngineConfig  # noqa: E402
 from baton.corpus import held_out_texts  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
+from baton.engine.keep_warm import KeepWarm  # noqa: E402
 from baton.request import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
 
@@ -61,8 +66,11 @@ def workload(num: int, shared: int, own: int, rate: float, seed: int):
     return out
 
 
-def run(engine: LLMEngine, requests, params: SamplingParams) -> dict:
-    """Feed requests at their arrival times, step until all are done; per-request TTFT."""
+def run(engine: LLMEngine, requests, params: SamplingParams, keep_warm_s: float) -> dict:
+    """Feed requests at their arrival times, step until all are done; per-request TTFT.
+    Between requests the loop waits as a server's does: torch's threads kept warm for
+    ``keep_warm_s`` after the last step (``KeepWarm``), then asleep until the next arrival."""
+    warm = KeepWarm(keep_warm_s)
     pending = list(requests)
     start = time.perf_counter()
     arrival, first, done, accepted = {}, {}, {}, []
@@ -74,9 +82,12 @@ def run(engine: LLMEngine, requests, params: SamplingParams) -> dict:
             rid = engine.add_request({"prompt_token_ids": prompt}, params)
             arrival[rid] = start + at
         if not engine.has_unfinished_requests():
-            time.sleep(min(0.005, max(0.0, pending[0][0] - now)))
+            time.sleep(warm.wait_s(max(0.0, pending[0][0] - now)))
+            warm.tick()
             continue
-        for out in engine.step():
+        outputs = engine.step()
+        warm.busy()
+        for out in outputs:
             t = time.perf_counter()
             first.setdefault(out.request_id, t)
             if out.finished:
@@ -102,6 +113,7 @@ def pd_bytes(
     dtype: str,
     decode_caching: bool,
     max_model_len: int | None = None,
+    sliding_mode: str = "paged",
 ) -> dict:
     """The workload through an in-process PD pair (loopback backend, one request at a time):
     state bytes pushed per request, with decode's own prefix cache on or off (prefill's is
@@ -111,14 +123,10 @@ def pd_bytes(
     from baton.transfer.receiver import Receiver
     from baton.transfer.sender import Sender
 
-    prefill_engine = LLMEngine(
-        model_dir, EngineConfig.from_kwargs(dtype=dtype, max_model_len=max_model_len)
-    )
+    common = {"dtype": dtype, "max_model_len": max_model_len, "sliding_mode": sliding_mode}
+    prefill_engine = LLMEngine(model_dir, EngineConfig.from_kwargs(**common))
     decode_engine = LLMEngine(
-        model_dir,
-        EngineConfig.from_kwargs(
-            dtype=dtype, enable_prefix_caching=decode_caching, max_model_len=max_model_len
-        ),
+        model_dir, EngineConfig.from_kwargs(**common, enable_prefix_caching=decode_caching)
     )
     backend = LoopbackBackend()
     regions = {
@@ -160,6 +168,12 @@ def main() -> int:
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sliding-mode", choices=["paged", "ring"], default="paged")
+    p.add_argument(
+        "--keep-warm-s", type=float, default=EngineConfig().keep_warm_s,
+        help="as baton serve's: threads kept warm this long after a step (0: the loop just "
+        "sleeps between arrivals, and a step after a long gap starts late on a VM)",
+    )  # fmt: skip
     p.add_argument("--pd", action="store_true", help="also: PD bytes moved per request")
     p.add_argument(
         "--max-model-len", type=int, default=None,
@@ -192,12 +206,12 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
         for side, on in (("uncached", False), ("cached", True)):
             config = EngineConfig.from_kwargs(
                 dtype=dtype, num_threads=args.threads, enable_prefix_caching=on,
-                max_model_len=args.max_model_len,
+                max_model_len=args.max_model_len, sliding_mode=args.sliding_mode,
             )  # fmt: skip
             engine = LLMEngine(model_dir, config)
-            run(engine, requests[:4], params)  # warm-up (kernels, allocator); cache too
+            run(engine, requests[:4], params, args.keep_warm_s)  # warm-up; cache too
             engine = LLMEngine(model_dir, config)  # a fresh, empty cache for the timed run
-            results[side].append(run(engine, requests, params))
+            results[side].append(run(engine, requests, params, args.keep_warm_s))
     summary = {
         side: {k: statistics.median(r[k] for r in runs) for k in runs[0] if runs[0][k] is not None}
         for side, runs in results.items()
@@ -205,7 +219,8 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
     reuse = args.shared / (args.shared + args.own)
     print(f"{args.model} model: {args.num_requests} requests at {args.rate}/s, "
           f"{args.shared} shared + {args.own} own tokens ({reuse:.0%} reuse), "
-          f"{args.max_tokens} new, {dtype}, {args.threads} threads")  # fmt: skip
+          f"{args.max_tokens} new, {dtype}, {args.threads} threads, "
+          f"sliding layers {args.sliding_mode}, keep warm {args.keep_warm_s:g} s")  # fmt: skip
     print(f"{'':24}{'uncached':>12}{'cached':>12}{'ratio':>8}")
     for key, unit, scale in (("ttft_p50_s", "ms", 1e3), ("ttft_p99_s", "ms", 1e3),
                              ("request_throughput", "req/s", 1.0)):  # fmt: skip
@@ -218,8 +233,9 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
         print(f"acceptance ({side}): {summary[side].get('acceptance_length_mean')}")
     pd = None
     if args.pd:
-        off = pd_bytes(model_dir, requests, params, dtype, False, args.max_model_len)
-        on = pd_bytes(model_dir, requests, params, dtype, True, args.max_model_len)
+        pd_args = (model_dir, requests, params, dtype)
+        off = pd_bytes(*pd_args, False, args.max_model_len, args.sliding_mode)
+        on = pd_bytes(*pd_args, True, args.max_model_len, args.sliding_mode)
         pd = {"decode_cache_off": off, "decode_cache_on": on}
         ratio = on["bytes_per_request"] / off["bytes_per_request"]
         print(f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "

@@ -70,6 +70,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         options["small_step_threads"] = args.small_step_threads
     if args.max_model_len:
         options["max_model_len"] = args.max_model_len
+    if args.keep_warm_s is not None:
+        options["keep_warm_s"] = args.keep_warm_s
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.no_speculative:
@@ -108,7 +110,7 @@ def _serve(args: argparse.Namespace) -> int:
 
         core = LLMEngine(args.model, config)
     fault = RuntimeEnv.from_environ().debug_engine_fault_after_steps
-    engine = AsyncEngine(core, fail_after_steps=fault)
+    engine = AsyncEngine(core, fail_after_steps=fault, keep_warm_s=config.keep_warm_s)
     name = args.served_model_name or Path(args.model).name
     try:
         app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))

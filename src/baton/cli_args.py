@@ -45,6 +45,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
+        "--keep-warm-s", type=float, default=None,
+        help="seconds an idle server keeps its compute threads warm after its last step "
+        "(default 60; 0: never -- its next request may start ~10 ms late on a VM)",
+    )  # fmt: skip
+    p.add_argument(
         "--no-prefix-caching", action="store_true",
         help="recompute every prompt (default: reuse cached pages of shared prefixes)",
     )  # fmt: skip

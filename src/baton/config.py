@@ -167,6 +167,11 @@ class EngineConfig:
     OpenMP's pool a server was faster on 1 (its HTTP side and clients share the cores and
     every region waited for a thread off its core); ``pool.c`` never waits for one, and 2
     threads serve 1.2x faster than 1 on 2 cores."""
+    keep_warm_s: float = 60.0
+    """A server loop (``baton serve``, a prefill worker) waiting for work keeps torch's
+    threads warm this long after its last step (a parallel no-op every 5 ms:
+    ``engine/keep_warm.py``); 0: never. On the 2-core VMs here a step after 250 ms idle
+    otherwise starts ~10 ms late."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None
@@ -185,6 +190,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.keep_warm_s < 0:
+            raise ValueError(f"keep_warm_s must be >= 0 seconds, got {self.keep_warm_s}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"

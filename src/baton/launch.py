@@ -253,7 +253,7 @@ def _serve_args(model: str, options: dict, served_model_name: str | None) -> lis
     flags = {
         "dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len",
         "num_speculative_tokens": "--num-speculative-tokens", "sliding_mode": "--sliding-mode",
-        "small_step_threads": "--small-step-threads",
+        "small_step_threads": "--small-step-threads", "keep_warm_s": "--keep-warm-s",
     }  # fmt: skip
     switches = {"enable_prefix_caching": "--no-prefix-caching", "speculative": "--no-speculative"}
     args = ["--model", model, "--token-env", TOKEN_ENV]

@@ -31,7 +31,9 @@ did not write (``StateDone.first_valid_tokens``).
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -181,4 +183,9 @@ class PrefixCache:
 
 
 def _as_bytes(token_ids: list[int]) -> bytes:
-    return b"".join(t.to_bytes(4, "little") for t in token_ids)
+    """The ids as 4-byte little-endian integers (array's C loop: the per-token Python join
+    took ~0.1 ms of a 400-token lookup)."""
+    ids = array.array("I", token_ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids.tobytes()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from baton.engine.core import EngineCore
 from baton.engine.engine import EngineStats
+from baton.engine.keep_warm import KeepWarm
 from baton.engine.outputs import HandoffReason, RequestOutput
 from baton.request import SamplingParams
 
@@ -74,11 +75,14 @@ class AsyncEngine:
         engine: EngineCore,
         on_failure: Callable[[], None] | None = None,
         fail_after_steps: int | None = None,
+        keep_warm_s: float = 0.0,
     ) -> None:
         """``on_failure``: called on the engine thread once the loop raised and every request
         was failed (the CLI stops the server there). ``fail_after_steps``: tests only, the
-        loop raises ``InjectedFault`` after this many engine steps."""
+        loop raises ``InjectedFault`` after this many engine steps. ``keep_warm_s``: how long
+        after its last step the idle loop keeps torch's threads warm (``KeepWarm``)."""
         self.engine = engine
+        self.warm = KeepWarm(keep_warm_s)
         self.on_failure = on_failure
         self.fail_after_steps = fail_after_steps
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -210,6 +214,7 @@ class AsyncEngine:
                     if num_steps == self.fail_after_steps:
                         raise InjectedFault(f"injected after {num_steps} engine steps")
                     self._dispatch(self.engine.step())
+                    self.warm.busy()
                     num_steps += 1
                 self.stats = self.engine.stats()
         except Exception as exc:
@@ -224,12 +229,16 @@ class AsyncEngine:
             self.on_failure()
 
     def _drain(self, block: bool) -> bool:
-        """Apply every queued command (waiting for one if ``block``); False on stop."""
+        """Apply every queued command (waiting for one if ``block``, keeping the threads
+        warm meanwhile); False on stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=self.warm.wait_s())
             except queue.Empty:
-                return True
+                if not block:
+                    return True
+                self.warm.tick()
+                continue
             block = False
             if isinstance(command, _Stop):
                 return False

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from baton.config import Deadlines, EngineConfig
 from baton.engine.engine import LLMEngine
+from baton.engine.keep_warm import KeepWarm
 from baton.memory.state import PushPhase
 from baton.transfer.backends import WORKER_BACKENDS, new_worker_backend
 from baton.transfer.backends.base import RegionDescriptor
@@ -113,6 +114,7 @@ class PrefillServer:
         self.deadlines = deadlines or Deadlines()
         self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
+        self.warm = KeepWarm(engine_config.keep_warm_s)
         self.backend_kind = backend_kind
         self.transfer_host = transfer_host
         self.prefill = Sender(
@@ -164,12 +166,16 @@ class PrefillServer:
         """Drain the channel, drop rooms past their deadline, run one step if there is work."""
         self.last_turn = time.monotonic()
         can_step = self._has_work() and time.monotonic() >= self._stall_until
-        self._drain(0 if can_step else round(self.deadlines.idle_wait_s * 1000))
+        wait_s = self.warm.wait_s(self.deadlines.idle_wait_s)
+        self._drain(0 if can_step else round(wait_s * 1000))
         self._expire()
         if time.monotonic() - self._last_peer_check >= self.deadlines.peer_check_s:
             self._check_peers()
-        if self._has_work() and time.monotonic() >= self._stall_until:
+        if not (self._has_work() and time.monotonic() >= self._stall_until):
+            self.warm.tick()
+        else:
             self.engine.step()
+            self.warm.busy()
             if self.debug_step_pause_s:
                 logger.info("prefill: debug pause of %g s before pushing", self.debug_step_pause_s)
                 time.sleep(self.debug_step_pause_s)
