@@ -46,8 +46,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
         "--keep-warm-s", type=float, default=None,
-        help="seconds an idle server keeps its compute threads warm after its last step "
-        "(default 60; 0: never -- its next request may start ~10 ms late on a VM)",
+        help="seconds an idle server keeps its second compute thread spinning after its "
+        "last step (about one core meanwhile; default 0: never): on a VM, a request after "
+        "an idle gap may otherwise start up to ~10 ms late",
     )  # fmt: skip
     p.add_argument(
         "--no-prefix-caching", action="store_true",

@@ -251,21 +251,21 @@ def test_engine_switches_reach_every_worker_as_given():
 
     argv = ["serve", "--dtype", "float32", "--no-speculative", "--num-speculative-tokens", "2",
             "--no-prefix-caching", "--sliding-mode", "ring",
-            "--small-step-threads", "2", "--keep-warm-s", "0"]  # fmt: skip
+            "--small-step-threads", "2", "--keep-warm-s", "30"]  # fmt: skip
     options = _engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.speculative is False and config.num_speculative_tokens == 2
     assert config.cache.enable_prefix_caching is False
     assert config.cache.sliding_mode == "ring"
     assert config.small_step_threads == 2
-    assert config.keep_warm_s == 0
+    assert config.keep_warm_s == 30
     child = build_parser().parse_args(["serve", *_serve_args("m", options, None)])
     assert _engine_options(child) == options
     default = _engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
     assert "sliding_mode" not in default
     assert "small_step_threads" not in default  # as --threads
-    assert "keep_warm_s" not in default and EngineConfig().keep_warm_s > 0
+    assert "keep_warm_s" not in default and EngineConfig().keep_warm_s == 0
     as_torch = _engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
     assert "small_step_threads" not in as_torch
 

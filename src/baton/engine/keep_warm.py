@@ -5,16 +5,22 @@ decode server's engine thread) and ``transfer.prefill`` (a prefill worker). Each
 when it stepped (``busy``), asks how long it may block (``wait_s``) and calls ``tick``
 when a wait ends with nothing to do. It touches no engine state.
 
-Why: measured on the 2-core KVM machines here (AMD EPYC Zen 5), after 250 ms with nothing
-to do, the first parallel region of the next step waits ~10 ms for the second intra-op
-thread to come back -- a cached 400-token prompt's first token took 16.4 ms instead of
-5.7 (medians of 24). A parallel no-op every 5 ms while idle removes it (5.5 ms); waking
-only the loop's own thread does not (16.2 ms); every 20 ms removes part of it (7.9 ms).
-With one intra-op thread there is nothing to wake (the same request after 250 ms idle:
-5.5-7.3 ms, as without the gap): no ticks then (``baton launch`` pins each worker to one
-core, one thread). The ticks cost ~20 us of two threads each (well under 1% of the
-cores), and stop ``window_s`` after the last step, so that a server idle for longer
-sleeps for good (its next request pays the wake-up once).
+Why: on the 2-core KVM machines here (AMD EPYC Zen 5), a server that sleeps between
+requests spaced 250 ms apart sometimes starts each next step late, its first parallel region
+waiting up to ~10 ms for torch's second thread: a cached 400-token prompt's first token took
+13-16 ms instead of ~5.5 (medians of 12-24, requests served in a row each after such a gap).
+A parallel no-op every 5 ms meanwhile removed it (5.5 ms); waking only the loop's own thread
+did not (15 ms); every 20 ms removed part of it (6-8 ms). It comes and goes with the host:
+in other runs the plain gap cost 1-2 ms at p50 and ~10 at p90 (``benchmarks/idle_wake.py``:
+p50 6.4 vs 5.1, p90 16.9 vs 6.6 ms), and when the two ways alternate request by request
+they measure the same (a VM busy in the last second seems to stay responsive). With one
+intra-op thread there is nothing to wake: no ticks then (``baton launch`` pins each worker
+to one core, one thread).
+
+The cost: torch's OpenMP thread spins for a while after every parallel region, so ticks
+every 5 ms keep it spinning -- about one core (1.0 CPU-s per idle second, measured) for
+``window_s`` after the last step. Hence off by default (``EngineConfig.keep_warm_s``); a
+deployment that would rather spend a core than the tail latency turns it on.
 """
 
 from __future__ import annotations
