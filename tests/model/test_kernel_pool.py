@@ -128,3 +128,25 @@ def test_a_forked_child_computes_without_its_parents_helpers(threads):
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child hung in the pool")
+
+
+def test_inline_small_calls_keeps_the_helpers_out_and_the_bits(threads):
+    """``inline_small_calls`` (the runner's, after a step's prompt matmuls): every task on
+    the calling thread, the same result; the setting comes back when it ends, raising or
+    not."""
+    cases = [_case(seed) for seed in range(4)]
+    want = [_alone(x, w) for x, w in cases]
+    threads(2)
+    before = library().baton_pool_helper_tasks()
+    with kernels.inline_small_calls():
+        assert kernels.small_step_threads() == 1
+        for _ in range(5):
+            for (x, w), expected in zip(cases, want, strict=True):
+                assert torch.equal(linear_rows(x, w, None), expected)
+    assert library().baton_pool_helper_tasks() == before, "a helper took a task"
+    assert kernels.small_step_threads() == 2
+    with contextlib.suppress(RuntimeError), kernels.inline_small_calls():
+        raise RuntimeError
+    assert kernels.small_step_threads() == 2
+    with kernels.inline_small_calls(active=False):
+        assert kernels.small_step_threads() == 2

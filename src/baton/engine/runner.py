@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.engine.scheduler import SchedulerOutput
+from baton.kernels import inline_small_calls
 from baton.kernels.logits import argmax_rows, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
@@ -97,13 +98,16 @@ class ModelRunner:
             full[rows] = hidden
             hidden = full
         result = StepResult()
-        self._sample(batch.chunks, segments, hidden, states, result)
-        verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
-        if verified:
-            self._verify(verified, hidden, chains, states, result)
-        if self.proposer is not None:
-            with step_invariant_rows(computes_prompt):
-                self._feed_draft(batch.chunks, segments, hidden, result)
+        # After a prompt's matmuls (OpenMP's threads), small native calls run inline: see
+        # kernels.inline_small_calls. The same bits either way.
+        with inline_small_calls(computes_prompt):
+            self._sample(batch.chunks, segments, hidden, states, result)
+            verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
+            if verified:
+                self._verify(verified, hidden, chains, states, result)
+            if self.proposer is not None:
+                with step_invariant_rows(computes_prompt):
+                    self._feed_draft(batch.chunks, segments, hidden, result)
         return result
 
     def _rows_read(self, chunks, segments, num_tokens: int) -> torch.Tensor | None:
