@@ -122,7 +122,7 @@ def inline_small_calls(active: bool = True) -> Iterator[None]:
     thread then spins on the other core for a while, and ``pool.c``'s helper, woken
     meanwhile, competes with it for that core -- a task it took may wait for it. Measured on
     a Zen 5 (2 cores), the head of such a step's sampled row took 0.33-0.37 ms with 2
-    threads and 0.10-0.11 ms inline (27 us alone)."""
+    threads and 0.09-0.16 ms inline (27 us alone)."""
     token = _inline.set(active)
     try:
         yield
