@@ -116,6 +116,10 @@ class PagedAttentionCall:
         args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
         args.window, args.is_ring = window or 0, int(is_ring)
         self.args = args
+        self._address = ctypes.addressof(args)
+        self._layer_storage: torch.Tensor | None = None  # ``for_layer``'s last pool
+        self._layer_fields: tuple = ()
+        self._layer_strides = (0, 0)
 
     @staticmethod
     def supports(storage: torch.Tensor) -> bool:
@@ -133,16 +137,22 @@ class PagedAttentionCall:
     ) -> tuple[int, int, int, int]:
         """For ``layer.c``, which sets the step's tensors itself: the pool-wide fields set
         (storage as ``__call__``'s), then (args address, segments, the layer's keys and
-        values addresses in the pool)."""
-        assert storage.dtype in DTYPES and storage.is_contiguous()
-        a = self.args
-        # storage: [units, layers, 2 (k, v), rows, kv_heads, D]
-        a.unit_stride, a.row_stride, a.head_stride = (storage.stride(i) for i in (0, 3, 4))
-        a.heads, a.kv_heads, a.head_dim = heads, storage.shape[-2], head_dim
-        a.scale, a.softcap = scale, softcap or 0.0
-        keys = storage.data_ptr() + local * storage.stride(1) * storage.element_size()
-        values = keys + storage.stride(2) * storage.element_size()
-        return ctypes.addressof(a), self.batch, keys, values
+        values addresses in the pool). The fields are set once for all the pool's layers
+        alike (every layer of a step asks: a few microseconds each otherwise)."""
+        fields = (heads, head_dim, scale, softcap)
+        if storage is not self._layer_storage or fields != self._layer_fields:
+            assert storage.dtype in DTYPES and storage.is_contiguous()
+            a = self.args
+            # storage: [units, layers, 2 (k, v), rows, kv_heads, D]
+            a.unit_stride, a.row_stride, a.head_stride = (storage.stride(i) for i in (0, 3, 4))
+            a.heads, a.kv_heads, a.head_dim = heads, storage.shape[-2], head_dim
+            a.scale, a.softcap = scale, softcap or 0.0
+            size = storage.element_size()
+            self._layer_strides = (storage.stride(1) * size, storage.stride(2) * size)
+            self._layer_storage, self._layer_fields = storage, fields
+        layer_bytes, kv_bytes = self._layer_strides
+        keys = self._layer_storage.data_ptr() + local * layer_bytes
+        return self._address, self.batch, keys, keys + kv_bytes
 
     def __call__(
         self,
@@ -171,6 +181,7 @@ class PagedAttentionCall:
         a.heads, a.kv_heads, a.head_dim = q.shape[1], storage.shape[-2], q.shape[2]
         a.scale, a.softcap = scale, softcap or 0.0
         a.is_bf16 = DTYPES[q.dtype]
+        self._layer_storage = None  # the fields above are this call's, not ``for_layer``'s
         num_threads = torch.get_num_threads()
         status = library().baton_paged_attention(ctypes.byref(a), self.batch, num_threads)
         if status != 0:

@@ -69,6 +69,8 @@ class _BatchPlan:
     """The same lists for the C kernel, which reads the pool in place (None: torch only)."""
     gathered: tuple | None = None
     """The torch path's tensors (``_gather_plan``), built on its first use."""
+    counted: bool = False
+    """``native_layer`` counted the segments' tokens as stored (once for all layers)."""
 
 
 def _first_visible(seg: Segment, window: int | None) -> int:
@@ -234,7 +236,9 @@ class PagedAttention:
         plan, others = self._plan(pool, window)
         if plan is None or plan.native is None or others:
             return None
-        self._count(pool, plan)
+        if not plan.counted:  # every layer of the pool asks; the count is the same
+            self._count(pool, plan)
+            plan.counted = True
         return plan.native.for_layer(pool.storage, local, heads, head_dim, scale, softcap)
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
