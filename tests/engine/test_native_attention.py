@@ -8,6 +8,7 @@ with a floor (the draft-state ablation). Pools: full pages, sliding pages, rings
 
 from __future__ import annotations
 
+import ctypes
 import random
 from types import SimpleNamespace
 
@@ -148,3 +149,43 @@ def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype, he
     whole = attend(0)
     for start in (1, 5, 8, 13, 16, 24):
         assert torch.equal(attend(start), whole[start:]), start
+
+
+def test_for_layer_sets_the_fields_of_the_pool_and_layer_it_is_asked_for():
+    """One plan serves every layer of its pool: the pool-wide fields are set once, set again
+    for another storage or head shape, and after ``__call__`` (which sets them its own way)."""
+    storage = torch.zeros((6, 3, 2, PAGE, 2, 16), dtype=torch.float32)
+    other = torch.zeros((6, 2, 2, PAGE, 1, 32), dtype=torch.float32)
+    call = kernel.PagedAttentionCall(
+        [[0, 1]], [0], [0], [5], [1], [0], [0], [1], [1], PAGE, None, False
+    )
+
+    def fields(storage, local, heads, head_dim):
+        address, batch, keys, values = call.for_layer(storage, local, heads, head_dim, 0.5, None)
+        a = call.args
+        item = storage.element_size()
+        assert batch == 1 and address == ctypes.addressof(a)
+        assert keys == storage.data_ptr() + local * storage.stride(1) * item
+        assert values == keys + storage.stride(2) * item
+        strides = (storage.stride(0), storage.stride(3), storage.stride(4))
+        assert (a.unit_stride, a.row_stride, a.head_stride) == strides
+        assert (a.heads, a.kv_heads, a.head_dim) == (heads, storage.shape[-2], head_dim)
+
+    fields(storage, 0, 4, 16)
+    fields(storage, 2, 4, 16)  # the same pool, another layer
+    fields(storage, 1, 8, 16)  # another head count
+    fields(other, 1, 2, 32)  # another pool
+    fields(other, 1, 4, 32)
+    q = torch.zeros((1, 2, 32))
+    k = torch.zeros((1, 1, 32))
+    call(q, k, k, torch.empty_like(q), other, 0, 0.5, None)
+    fields(other, 1, 4, 32)  # the same as before __call__, which set heads = 2
+
+
+def test_take_is_indexing_by_a_list():
+    from baton.engine.runner import _take
+
+    t = torch.arange(12.0).view(6, 2)
+    for rows in ([], [3], [1, 2, 3], [0, 2, 1, 3], [2, 1], [4, 4], [0, 1, 2, 3, 4, 5]):
+        assert torch.equal(_take(t, rows), t[rows]), rows
+    assert _take(t, [1, 2, 3]).data_ptr() == t[1].data_ptr()  # a view: no gather
