@@ -54,18 +54,22 @@ def _draft_storage(engine: LLMEngine) -> list[torch.Tensor]:
 
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize(
-    ("dtype", "mode", "steps", "empty_draft_state", "first_natively"),
+    ("dtype", "mode", "steps", "empty_draft_state", "first"),
     [
-        ("float32", "paged", 3, False, True),
-        ("float32", "ring", 2, True, True),
-        ("float32", "paged", 4, False, False),  # more pending pairs than the call takes
-        ("bfloat16", "paged", 5, True, True),
-        ("bfloat16", "ring", 3, False, True),
+        ("float32", "paged", 3, False, "in_call"),
+        ("float32", "ring", 2, True, "in_call"),
+        # More pending pairs than the call takes: the first step per step, the rest in the
+        # call -- or, as the proposer does, all but each request's last pair stored first.
+        ("float32", "paged", 4, False, "per_step"),
+        ("float32", "paged", 4, False, "split"),
+        ("bfloat16", "ring", 4, False, "split"),
+        ("bfloat16", "paged", 5, True, "in_call"),
+        ("bfloat16", "ring", 3, False, "in_call"),
     ],
 )
 @torch.inference_mode()  # as the runner calls the proposer
 def test_the_chain_equals_the_per_step_path(
-    dtype, mode, steps, empty_draft_state, first_natively, monkeypatch
+    dtype, mode, steps, empty_draft_state, first, monkeypatch
 ):
     monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)  # every CPU's path
     engine = _engine_mid_decode(
@@ -73,8 +77,13 @@ def test_the_chain_equals_the_per_step_path(
     )
     proposer = engine.proposer
     assert isinstance(proposer.chain, NativeChain)
-    if not first_natively:  # the first step per step, the rest in the call
+    if first != "in_call":
         monkeypatch.setattr(proposer.chain, "max_rows", len(PROMPTS))
+        most = len(PROMPTS) if first == "split" else 10**9
+        monkeypatch.setattr(proposer, "first_step_max_pairs", most)  # on both paths
+    stored = []
+    prefill = proposer.prefill
+    monkeypatch.setattr(proposer, "prefill", lambda e: stored.append(e) or prefill(e))
     many_pairs = False
     for _ in range(3):  # a few decode steps, each checked from the same state
         ids = sorted(proposer.pending)
@@ -97,7 +106,8 @@ def test_the_chain_equals_the_per_step_path(
         for got, want in zip(native_storage, _draft_storage(engine), strict=True):
             assert torch.equal(got, want)
         engine.step()
-    assert many_pairs or first_natively
+    assert many_pairs or first == "in_call"
+    assert any(any(e[3] for e in entries) for entries in stored) == (first == "split")
 
 
 @torch.inference_mode()

@@ -37,6 +37,11 @@ class PendingPairs:
     token_ids: list[int]  # [m] the token after each
 
 
+FIRST_STEP_MAX_PAIRS = 16
+"""``DraftProposer.first_step_max_pairs`` without a native chain (with one: the rows its call
+takes)."""
+
+
 class DraftProposer:
     def __init__(
         self, target: CausalLM, draft: MTPDraft, cache: ModelCache, num_tokens: int
@@ -53,6 +58,9 @@ class DraftProposer:
         self.chain = draft.native_chain(target)
         """A proposal in one native call (``baton.kernels.chain``), or None: the per-step
         path below, the reference (tests compare the two)."""
+        self.first_step_max_pairs = self.chain.max_rows if self.chain else FIRST_STEP_MAX_PAIRS
+        """Above this many pending pairs in all, a proposal's first step stores all but each
+        request's last pair beforehand (``_store_all_but_last``), on either path."""
 
     def _inputs(
         self, entries: list[tuple[str, int, torch.Tensor, list[int]]]
@@ -135,6 +143,8 @@ class DraftProposer:
             p = self.pending[rid]
             entries.append((rid, p.start_slot, p.hidden, p.token_ids))
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
+        if sum(len(e[3]) for e in entries) > self.first_step_max_pairs:
+            entries = self._store_all_but_last(entries)
         chains = self._propose_natively(request_ids, entries, slots)
         if chains is None:
             chains = self._chain(request_ids, slots, self._run(entries))
@@ -142,6 +152,15 @@ class DraftProposer:
         for rid in request_ids:
             self.cache.trim(rid, slots[rid])
         return chains
+
+    def _store_all_but_last(self, entries: list) -> list:
+        """A first step over many pending pairs (a batch after a verify step): the keys and
+        values of all but each request's last pair are stored as ``prefill`` stores prompt
+        pairs -- one projection, no attention, no MLP: nothing reads their outputs -- and the
+        step runs on the last pairs alone, a row per request (then in the chain's one call;
+        op by op, its layer on every pair was most of a batch-8 proposal)."""
+        self.prefill([(rid, slot, h[:-1], tokens[:-1]) for rid, slot, h, tokens in entries])
+        return [(rid, slot + len(ts) - 1, h[-1:], ts[-1:]) for rid, slot, h, ts in entries]
 
     def _chain(
         self, request_ids: list[str], slots: dict[str, int], hiddens: list[torch.Tensor]
