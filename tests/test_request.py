@@ -161,3 +161,11 @@ def test_request_bookkeeping():
 def test_empty_prompt_is_rejected():
     with pytest.raises(ValueError, match="'r0'"):
         Request("r0", [], SamplingParams())
+
+
+def test_token_ids_between_is_a_slice_of_all_token_ids():
+    request = Request("r", [1, 2, 3, 4], SamplingParams())
+    request.output_token_ids.extend([5, 6, 7])
+    for start in range(9):
+        for end in range(start, 10):
+            assert request.token_ids_between(start, end) == request.all_token_ids[start:end]

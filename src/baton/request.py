@@ -236,6 +236,14 @@ class Request:
         """Prompt then output, as a new list."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without copying the rest (a decode step reads one
+        token of a long request)."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.all_token_ids[start:end]
+
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished

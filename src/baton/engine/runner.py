@@ -77,7 +77,7 @@ class ModelRunner:
         segments: list[Segment] = []
         for chunk in batch.chunks:
             request = chunk.request
-            tokens = request.all_token_ids[chunk.start : chunk.end - chunk.num_spec]
+            tokens = request.token_ids_between(chunk.start, chunk.end - chunk.num_spec)
             tokens += chains.get(request.request_id, [])[: chunk.num_spec]
             segments.append(
                 Segment(request.request_id, len(input_ids), chunk.start, chunk.num_tokens)

@@ -59,6 +59,11 @@ class _Args(ctypes.Structure):
     ]
 
 
+_LIST_FIELDS = ("units", "num_units", "key_base", "q_offset", "q_start", "q_count", "first",
+                "store_token", "store_unit", "store_row")  # fmt: skip
+"""The ``Args`` pointers into the call's one buffer, in the order the lists are in it."""
+
+
 class PagedAttentionCall:
     """The segments' index lists, ready for the kernel.
 
@@ -86,31 +91,23 @@ class PagedAttentionCall:
     ) -> None:
         max_units = max(map(len, unit_lists))
         num_units = [len(u) for u in unit_lists]
-        # One int32 buffer holds every list (NOTE: array's C loop, not torch.tensor's per-
-        # element conversion: a tenth of the time); the struct points into it.
-        keep = array.array("i")  # units first: [B, max_units] row-major, padded with unit 0
-        zeros = array.array("i", bytes(4 * max_units))
+        # One int32 buffer holds every list, built in one go (NOTE: array's C loop, not
+        # torch.tensor's per-element conversion: a tenth of the time); the struct points
+        # into it. Units first: [B, max_units] row-major, padded with unit 0.
+        values: list[int] = []
         for units in unit_lists:
-            keep.extend(units)
-            keep.extend(zeros[: max_units - len(units)])
-        starts = {"units": 0}
-        for name, values in (
-            ("num_units", num_units),
-            ("key_base", key_base),
-            ("q_offset", q_offset),
-            ("q_start", q_start),
-            ("q_count", num_queries),
-            ("first", first),
-            ("store_token", store_token),
-            ("store_unit", store_unit),
-            ("store_row", store_row),
-        ):
-            starts[name] = len(keep)
-            keep.extend(values)
-        self._keep = keep  # no resizing from here on: the pointers stay valid
-        args = _Args()
+            values += units
+            values += [0] * (max_units - len(units))
+        lists = (num_units, key_base, q_offset, q_start, num_queries, first, store_token,
+                 store_unit, store_row)  # fmt: skip
+        starts = [0]
+        for values_of in lists:
+            starts.append(len(values))
+            values += values_of
+        self._keep = keep = array.array("i", values)  # never resized: the pointers stay valid
         base = keep.buffer_info()[0]
-        for name, at in starts.items():
+        args = _Args()
+        for name, at in zip(_LIST_FIELDS, starts, strict=True):
             setattr(args, name, base + 4 * at)
         self.batch = len(num_units)
         args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
