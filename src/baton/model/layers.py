@@ -293,6 +293,18 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
 
+    def of_positions(
+        self, positions: list[int], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` of ``torch.tensor([positions])``, from a Python list: where the
+        positions are one consecutive run (a batch-1 draft step's are) the rows are a view
+        of the tables -- no index op (a few microseconds, twice per proposal)."""
+        if not positions or positions != list(range(positions[0], positions[-1] + 1)):
+            return self(torch.tensor([positions], dtype=torch.long), dtype)
+        cos, sin = self._table(positions[-1] + 1, dtype)
+        run = slice(positions[0], positions[-1] + 1)
+        return cos[None, run, None], sin[None, run, None]  # [1, n, 1, head_dim]
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [..., T, heads, head_dim]; cos/sin: [..., T, 1, head_dim] in x's dtype."""

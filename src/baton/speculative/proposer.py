@@ -205,7 +205,7 @@ class DraftProposer:
             attention = self.draft.layer.native_attention(backends[-1])
             if attention is None:
                 return None
-            cos, sin = self.draft.rotary_emb(torch.tensor([positions]), hidden.dtype)
+            cos, sin = self.draft.rotary_emb.of_positions(positions, hidden.dtype)
             last = [seg.offset + seg.num_tokens - 1 for seg in segments]
             first = FirstStep(hidden, torch.tensor(ids), cos, sin, attention, last)
         else:
@@ -223,7 +223,7 @@ class DraftProposer:
         if attention is None:  # the pool's storage is not the kernel's (then neither was it
             assert first is None  # for the first step's plan)
             return self._chain(request_ids, slots, list(state[:, None]))
-        cos, sin = self.draft.rotary_emb(torch.tensor([positions]), chain.dtype)
+        cos, sin = self.draft.rotary_emb.of_positions(positions, chain.dtype)
         guesses = chain(len(request_ids), steps, cos, sin, attention, floors, state, first)
         del backends  # the plans' index lists were read until here
         self.num_draft_forwards += steps if first is not None else steps - 1
