@@ -182,10 +182,10 @@ def test_for_layer_sets_the_fields_of_the_pool_and_layer_it_is_asked_for():
     fields(other, 1, 4, 32)  # the same as before __call__, which set heads = 2
 
 
-def test_take_is_indexing_by_a_list():
-    from baton.engine.runner import _take
+def test_take_rows_is_indexing_by_a_list():
+    from baton.model.layers import take_rows
 
     t = torch.arange(12.0).view(6, 2)
     for rows in ([], [3], [1, 2, 3], [0, 2, 1, 3], [2, 1], [4, 4], [0, 1, 2, 3, 4, 5]):
-        assert torch.equal(_take(t, rows), t[rows]), rows
-    assert _take(t, [1, 2, 3]).data_ptr() == t[1].data_ptr()  # a view: no gather
+        assert torch.equal(take_rows(t, rows), t[rows]), rows
+    assert take_rows(t, [1, 2, 3]).data_ptr() == t[1].data_ptr()  # a view: no gather

@@ -23,18 +23,11 @@ from baton.kernels import inline_small_calls
 from baton.kernels.logits import argmax_rows, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
-from baton.model.layers import step_invariant_rows
+from baton.model.layers import step_invariant_rows, take_rows
 from baton.model.paged_attention import PagedAttention, Segment
 from baton.sampling.sampler import Sampler, SamplerOutput, SamplingState
 from baton.speculative.proposer import DraftProposer, PendingPairs
 from baton.speculative.verify import greedy_chain, verify_chain
-
-
-def _take(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``; a view where the rows are consecutive (a decode step's are: no gather)."""
-    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-        return t[rows[0] : rows[-1] + 1]
-    return t[rows]
 
 
 @dataclass
@@ -138,7 +131,7 @@ class ModelRunner:
         if not picked:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
-        scores = self.model.head(_take(hidden, rows))  # [B, V]
+        scores = self.model.head(take_rows(hidden, rows))  # [B, V]
         row_states = [states[c.request.request_id] for c, _ in picked]
         out = self._greedy(scores, row_states)
         if out is None:
@@ -153,7 +146,7 @@ class ModelRunner:
         """Verify every speculative chunk's chain: one head matmul and one log-softmax for
         all of them; plain-greedy requests compare proposals with one batched argmax."""
         rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
-        scores = self.model.head(_take(hidden, rows))  # [R, V]
+        scores = self.model.head(take_rows(hidden, rows))  # [R, V]
         if self._verify_greedy(verified, scores, chains, states, result):
             return
         logits = self.model.logits_of(scores)
@@ -228,7 +221,7 @@ class ModelRunner:
             committed.append((chunk.request.request_id, tokens, chunk.num_spec + 1 - len(tokens)))
             at.extend(range(start, start + len(tokens)))
             start = end
-        logprobs = (_take(value, at) - logsumexp_rows(scores, at)).tolist()
+        logprobs = (take_rows(value, at) - logsumexp_rows(scores, at)).tolist()
         offset = 0
         for request_id, tokens, num_rejected in committed:
             own = logprobs[offset : offset + len(tokens)]

@@ -297,13 +297,26 @@ class RotaryEmbedding(nn.Module):
         self, positions: list[int], dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` of ``torch.tensor([positions])``, from a Python list: where the
-        positions are one consecutive run (a batch-1 draft step's are) the rows are a view
-        of the tables -- no index op (a few microseconds, twice per proposal)."""
-        if not positions or positions != list(range(positions[0], positions[-1] + 1)):
+        positions are one run (a batch-1 draft step's are) the rows are a view of the
+        tables -- no index op (a few microseconds, twice per proposal)."""
+        cos, sin = self._table(max(positions, default=-1) + 1, dtype)
+        run = consecutive(positions)
+        if run is None:
             return self(torch.tensor([positions], dtype=torch.long), dtype)
-        cos, sin = self._table(positions[-1] + 1, dtype)
-        run = slice(positions[0], positions[-1] + 1)
         return cos[None, run, None], sin[None, run, None]  # [1, n, 1, head_dim]
+
+
+def consecutive(rows: list[int]) -> slice | None:
+    """``rows`` as a slice where they are one increasing run of consecutive values."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[-1] + 1)
+    return None
+
+
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``; a view where the rows are consecutive (a decode step's are: no gather)."""
+    run = consecutive(rows)
+    return t[rows] if run is None else t[run]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
