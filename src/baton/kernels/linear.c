@@ -257,6 +257,24 @@ static const pair_tile_fn PAIR_TILES[GROUP + 1] = {NULL,         pair_tile_1, pa
 #define HAVE_PAIRS 0
 #endif
 
+/* silu(u) = u sigmoid(u), the sigmoid from e = exp(-|u|) <= 1 (fastmath.h's polynomial: no
+ * overflow, and plain arithmetic, so that finish's loop vectorises -- libm's expf, one call
+ * per element, took longer than the pair tiles' multiply-adds of a few rows: a 5-row gate
+ * matmul 768 x 256 with silu 18-22 us, 10 without): 1 / (1 + e) for u >= 0, e / (1 + e)
+ * below. Within ~3e-7 of torch's silu (and the same bf16 values nearly everywhere). */
+static inline float silu(float u) {
+    const float e = exp_nonpositive(-fabsf(u));
+    return u * ((u >= 0.0f ? 1.0f : e) / (1.0f + e));
+}
+
+/* tanh(z) from t = exp(-2|z|) <= 1 as silu's sigmoid: (1 - t) / (1 + t), z's sign. Its
+ * absolute error is ~3e-7 (the relative one grows near 0, where gelu adds it to 1). */
+static inline float tanh_of(float z) {
+    const float t = exp_nonpositive(-2.0f * fabsf(z));
+    const float a = (1.0f - t) / (1.0f + t);
+    return z < 0.0f ? -a : a;
+}
+
 /* y[row, j0 + i] = epilogue(round(d[i] + bias[j0 + i]), other[row, j0 + i]) for i < count:
  * one output row's stretch of a block, the epilogue chosen once for the stretch. */
 static void finish(const float *d, int j0, int count, const void *bias, int w_bf16, int op,
@@ -274,13 +292,13 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
         for (int i = 0; i < count; i++) v[i] = round_to(v[i] * to_f32(other, other_at + i, bf), bf);
         break;
     case EPI_SILU:
-        for (int i = 0; i < count; i++) v[i] = round_to(v[i] / (1.0f + expf(-v[i])), bf);
+        for (int i = 0; i < count; i++) v[i] = round_to(silu(v[i]), bf);
         break;
     case EPI_GELU: {
         const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
         for (int i = 0; i < count; i++) {
             const float u = v[i];
-            v[i] = round_to(0.5f * u * (1.0f + tanhf(c * (u + 0.044715f * u * u * u))), bf);
+            v[i] = round_to(0.5f * u * (1.0f + tanh_of(c * (u + 0.044715f * u * u * u))), bf);
         }
         break;
     }
