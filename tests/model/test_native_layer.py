@@ -59,6 +59,21 @@ def test_linear_rows_is_the_torch_matmul(dtype, op, shape):
 
 
 @pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("op", [Epilogue.SILU, Epilogue.GELU_TANH])
+def test_activation_epilogues_hold_over_the_whole_range(op):
+    """linear.c's silu and gelu come from its own exp polynomial (vectorised), not libm's:
+    through an identity weight, every input from -100 to 100 (both tails, where the sigmoid
+    or tanh saturates, and near zero) lands within float rounding of torch's activation."""
+    x = torch.cat((torch.linspace(-100, 100, 4001), torch.tensor([0.0, 1e-7, -1e-7, 88.0, -88.0])))
+    x = x[: len(x) // 64 * 64].reshape(-1, 64)
+    got = torch.cat(
+        [linear_rows(rows, PackedRows(torch.eye(64)), None, op) for rows in x.split(16)]
+    )
+    want = TORCH_EPILOGUES[op](x, None)
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=3e-7)
+
+
+@pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("op", [Epilogue.NONE, Epilogue.ADD, Epilogue.MUL, Epilogue.SILU])
 def test_rounding_once_is_the_epilogue_on_the_fp32_result(op):
     """bf16: by default the matmul's result rounds, then the epilogue's (F.linear, then a
