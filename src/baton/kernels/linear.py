@@ -23,12 +23,15 @@ panels beat BLAS's fp32 matmul here: 4096x256 at 32 rows 0.88 vs 1.48 ms, a batc
 step 17-20 vs 22-25 ms (``benchmarks/step_cost.py``)."""
 
 
-MAX_ROWS_BESIDE_ONEDNN = 16
+MAX_ROWS_BESIDE_ONEDNN = 32
 """Where oneDNN computes bf16 (AVX-512-BF16), the panels take calls of at most this many
-rows: measured on a Zen 5 (``benchmarks/step_cost.py --dtype bfloat16``), with linear.c's
-bf16-pair tiles, decode steps of 16 requests 2.10 / 2.20 ms fused vs 2.21 / 2.45 op by op
-(oneDNN), of 32 requests 4.11 / 4.52 vs 3.56 / 3.46 (with the widened fp32 tiles the
-crossover was at 12: 16 requests 3.27 vs 2.89 ms)."""
+rows. Measured on a Zen 5 (in-process A/Bs, bf16 steps of the bundled model): with the
+bf16-pair tiles and linear.c's vectorised silu and few tasks per thread, a stack of 32 rows
+against 16 (oneDNN op by op above): plain decode of 24 / 28 requests 3.55 vs 3.73, 4.27 vs
+4.70 ms per step, of 32 4.74 / 5.60 vs 4.58 / 5.59 (a tie); MTP verify steps of 4 requests
+(20 rows) 3.73 / 4.02 vs 4.83 / 4.69 ms, of 6 (30 rows) 4.66 / 5.36 vs 5.24 / 5.62; 40 rows
+(8 requests) a tie at 48. Before those two changes the crossover was at 16 (32 requests
+4.11 / 4.52 vs 3.56 / 3.46 ms), with the widened fp32 tiles at 12."""
 
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
