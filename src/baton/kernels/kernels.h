@@ -54,6 +54,13 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
                       int32_t num_threads);
 
+/* g = act(x gate^T + gate_bias), u = mul(x up^T + up_bias, g): the two calls of
+ * baton_linear_rows in one parallel region (linear.c). */
+int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *gate,
+                     const void *gate_bias, int32_t act, void *g, const void *up,
+                     const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
+                     int32_t w_bf16, int32_t num_threads);
+
 /* layer.c's decoder layer. Matrices are packed in linear.c's panels; they and their biases are
  * bf16 (w_bf16) or fp32, norm weights in the activations' dtype. */
 typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */

@@ -9,7 +9,7 @@
  *   a   = paged_attention(q, k, qkv's v) (stores k, v)         paged_attention.c
  *   x   = x + a o^T                                            linear.c, ADD epilogue
  *   h   = rms_norm(x, post_norm)
- *   g   = act(h gate^T);  u = (h up^T) * g;  x = x + u down^T  linear.c
+ *   g   = act(h gate^T);  u = (h up^T) * g;  x = x + u down^T  linear.c (g, u: one region)
  *
  * Intermediates are rounded to the activation dtype where torch rounds them (every op's
  * output), so the one difference from the torch path is linear.c's order of summation.
@@ -55,10 +55,8 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
                                 L->o_bias, s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
     baton_rms_norm(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset, bf,
                    s->lanes, nt);
-    status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->gate, (int)inter, L->gate_bias, NULL,
-                                0, L->act | once, g, inter, bf, L->w_bf16, nt);
-    status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->up, (int)inter, L->up_bias, g, inter,
-                                EPI_MUL | once, u, inter, bf, L->w_bf16, nt);
+    status |= baton_gated_rows(h, hid, (int)t, (int)hid, L->gate, L->gate_bias, L->act | once, g,
+                               L->up, L->up_bias, EPI_MUL | once, u, (int)inter, bf, L->w_bf16, nt);
     status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
                                 s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
     free(scratch);

@@ -313,14 +313,16 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
         memcpy((float *)y + y_at, v, (size_t)count * sizeof(float));
 }
 
-typedef struct {
+typedef struct Job {
     const float *xf;    /* the rows in fp32, contiguous (or NULL: xb) */
     const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
     int32_t m, k, kp, n, op, act_bf16, w_bf16;
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
     void *y;
-    int32_t per_task; /* panels per task */
+    int32_t per_task;      /* panels per task */
+    const struct Job *then; /* or NULL: a second matmul of the same rows and n, run panel by
+                               panel after this one (its epilogue may read this one's y) */
 } Job;
 
 /* One task: output columns [blk * PANEL, +PANEL) of every row, from panel blk. */
@@ -355,17 +357,18 @@ static void some_blocks(void *ctx, int task, int worker) {
     const Job *J = ctx;
     const int panels = (J->n + PANEL - 1) / PANEL, first = task * J->per_task;
     const int stop = first + J->per_task < panels ? first + J->per_task : panels;
-    for (int b = first; b < stop; b++) one_block(ctx, b, worker);
+    for (int b = first; b < stop; b++) {
+        one_block(ctx, b, worker);
+        if (J->then != NULL) one_block((void *)J->then, b, worker);
+    }
 }
 
-/* Returns 0, or 1 when no scratch memory could be had. */
-int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
-                      int32_t n, const void *bias, const void *other, int64_t other_stride,
-                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
-                      int32_t num_threads) {
+/* `job` (and its `then`) over the rows x: 0, or 1 when no scratch memory could be had. */
+static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
+    const int m = job->m, k = job->k, n = job->n;
     /* The rows every weight row is multiplied into, contiguous: in bf16 for the pair tiles
      * (zero-padded to an even kp), else in fp32. */
-    const int pairs = HAVE_PAIRS && act_bf16 && w_bf16, kp = k + (k & 1);
+    const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_bf16, kp = k + (k & 1);
     float *xf = pairs ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
     uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
     if (xf == NULL && xb == NULL) return 1;
@@ -375,18 +378,45 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                    (size_t)k * sizeof(uint16_t));
         else
             for (int i = 0; i < k; i++)
-                xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, act_bf16);
+                xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, job->act_bf16);
     }
-    const int64_t macs = (int64_t)m * n * k;
+    const int64_t macs = (int64_t)m * n * k * (job->then != NULL ? 2 : 1);
     const int threads = macs < MIN_PARALLEL_MACS ? 1 : num_threads;
     const int panels = (n + PANEL - 1) / PANEL;
     const int per_task = panels / (TASKS_PER_THREAD * threads) > 1
                              ? panels / (TASKS_PER_THREAD * threads)
                              : 1;
-    const Job job = {xf, xb, m, k, kp, n, op, act_bf16, w_bf16, w, bias, other, other_stride,
-                     y_stride, y, per_task};
-    baton_parallel(some_blocks, (void *)&job, (panels + per_task - 1) / per_task, threads);
+    job->xf = xf, job->xb = xb, job->kp = kp, job->per_task = per_task;
+    if (job->then != NULL) { /* the same rows */
+        Job *then = (Job *)job->then;
+        then->xf = xf, then->xb = xb, then->kp = kp, then->per_task = per_task;
+    }
+    baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
     return 0;
+}
+
+int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
+                      int32_t n, const void *bias, const void *other, int64_t other_stride,
+                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
+                      int32_t num_threads) {
+    Job job = {NULL, NULL, m, k, 0, n, op, act_bf16, w_bf16, w, bias, other, other_stride,
+               y_stride, y, 0, NULL};
+    return run(&job, x, x_stride, num_threads);
+}
+
+/* A gated MLP's two matmuls of the same rows in one parallel region (one wait for the other
+ * thread instead of two): per panel, g = act(x gate^T + gate_bias), then
+ * u = (x up^T + up_bias) * g -- the same values as two baton_linear_rows calls (gate with
+ * `act`, up with EPI_MUL over g), panel by panel. g and u: [m, n] contiguous. */
+int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *gate,
+                     const void *gate_bias, int32_t act, void *g, const void *up,
+                     const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
+                     int32_t w_bf16, int32_t num_threads) {
+    const Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_bf16, up, up_bias, g, n, n, u,
+                        0, NULL};
+    Job first = {NULL, NULL, m, k, 0, n, act, act_bf16, w_bf16, gate, gate_bias, NULL, 0, n, g,
+                 0, &second};
+    return run(&first, x, x_stride, num_threads);
 }
