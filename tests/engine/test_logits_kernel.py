@@ -10,6 +10,7 @@ import torch
 
 import baton.kernels.logits as logits
 from baton.kernels import library
+from baton.kernels.linear import MAX_ROWS, PackedRows, linear_rows
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
 pytestmark = [
@@ -57,3 +58,32 @@ def test_unusable_inputs_take_torch_paths():
     assert logits.argmax_rows(torch.zeros(5, 3).t()) is None  # columns not contiguous
     assert logits.argmax_rows(torch.zeros(2, 3, 4)) is None
     assert logits.logsumexp_rows(torch.zeros(3, 0), [0]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 5, 17, MAX_ROWS])
+def test_head_greedy_is_the_head_then_argmax_and_logsumexp(dtype, rows):
+    """One native call (the runner's greedy path) gives the values of the three it replaces:
+    the head's scores (linear_rows), their argmax, and max - log-sum-exp in fp32, bit for bit
+    (ties included: a row repeated has equal scores everywhere)."""
+    g = torch.Generator().manual_seed(rows)
+    weight = (torch.randn(1000, 64, generator=g) / 8).to(dtype)
+    weight[500:510] = weight[499]  # tied columns: the lowest index wins
+    bias = torch.randn(1000, generator=g).to(dtype) if rows % 2 else None
+    x = torch.randn(rows, 64, generator=g).to(dtype)
+    packed = PackedRows(weight)
+    for round_once in (False, True):
+        best, logprob = logits.head_greedy(x, packed, bias, round_once)
+        scores = linear_rows(x, packed, bias, round_once=round_once)
+        want_best, value = logits.argmax_rows(scores)
+        lse = logits.logsumexp_rows(scores, list(range(rows)))
+        assert best == want_best.tolist() == scores.float().argmax(-1).tolist()
+        assert logprob == (value - lse).tolist()
+
+
+def test_head_greedy_declines_what_it_cannot_take():
+    packed = PackedRows(torch.randn(100, 16))
+    assert logits.head_greedy(torch.randn(MAX_ROWS + 1, 16), packed, None, False) is None
+    assert logits.head_greedy(torch.randn(4, 32)[:, ::2], packed, None, False) is None
+    assert logits.head_greedy(torch.randn(4, 24), packed, None, False) is None  # another k
+    assert logits.head_greedy(torch.randn(4, 16).half(), packed, None, False) is None

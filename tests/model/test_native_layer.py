@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import baton.engine.runner as runner_module
 import baton.kernels.layer as native_layer
 import baton.model.layers as model_layers
 from baton import platform
@@ -288,3 +289,29 @@ def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
                      for o in outs])  # fmt: skip
         assert bool(calls) == use_stack
     assert runs[0] == runs[1]
+
+
+def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
+    """Plain-greedy sampling and verification run the head, argmax and log-sum-exp as one
+    native call (``head_greedy``): the same tokens, cumulative log-probabilities and
+    acceptance as the three calls it replaces (head_greedy declining every call)."""
+    llm = LLM(BUNDLED, dtype="bfloat16", page_size=8)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    calls = []
+    fused_head = runner_module.head_greedy
+
+    def counted(*args):
+        calls.append(args[0].shape[0])
+        return fused_head(*args)
+
+    def run(head_greedy):
+        monkeypatch.setattr(runner_module, "head_greedy", head_greedy)
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.metrics.accepted_lengths)
+            for o in llm.generate(PROMPTS, params)
+        ]
+
+    fused = run(counted)
+    assert calls and max(calls) > 1  # first tokens and verify steps of several rows
+    assert fused == run(lambda *args: None)
+    assert any(accepted for _, _, accepted in fused)

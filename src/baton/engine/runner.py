@@ -9,7 +9,8 @@ Counts the tokens it computed, prompt tokens separately (a PD decode worker must
 none). Two shortcuts, each with the general path beside it: the last layer runs past
 attention only for the rows something reads (``_rows_read``: a prefill chunk's tail), and
 plain-greedy rows take the argmax / log-sum-exp kernels instead of fp32 logits and the
-sampler (``_plain_greedy``).
+sampler (``_plain_greedy``), with the head in the same native call where it takes linear.c
+(``_greedy_head``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels import inline_small_calls
-from baton.kernels.logits import argmax_rows, logsumexp_rows
+from baton.kernels.logits import argmax_rows, head_greedy, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.model.layers import step_invariant_rows, take_rows
@@ -131,11 +132,16 @@ class ModelRunner:
         if not picked:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
-        scores = self.model.head(take_rows(hidden, rows))  # [B, V]
+        x = take_rows(hidden, rows)
         row_states = [states[c.request.request_id] for c, _ in picked]
-        out = self._greedy(scores, row_states)
-        if out is None:
-            out = self.sampler.sample(self.model.logits_of(scores), row_states)
+        fused = self._greedy_head(x, row_states)
+        if fused is not None:
+            out = SamplerOutput(*fused, [None] * len(rows))
+        else:
+            scores = self.model.head(x)  # [B, V]
+            out = self._greedy(scores, row_states)
+            if out is None:
+                out = self.sampler.sample(self.model.logits_of(scores), row_states)
         for i, (chunk, _) in enumerate(picked):
             row_states[i].append(out.token_ids[i])
             result.committed[chunk.request.request_id] = Committed(
@@ -146,8 +152,17 @@ class ModelRunner:
         """Verify every speculative chunk's chain: one head matmul and one log-softmax for
         all of them; plain-greedy requests compare proposals with one batched argmax."""
         rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
-        scores = self.model.head(take_rows(hidden, rows))  # [R, V]
-        if self._verify_greedy(verified, scores, chains, states, result):
+        x = take_rows(hidden, rows)
+        row_states = [states[c.request.request_id] for c, _ in verified]
+        fused = self._greedy_head(x, row_states)
+        if fused is not None:
+            best, logprobs = fused
+            self._commit_greedy(
+                verified, best, lambda at: [logprobs[i] for i in at], chains, row_states, result
+            )
+            return
+        scores = self.model.head(x)  # [R, V]
+        if self._verify_greedy(verified, scores, chains, row_states, result):
             return
         logits = self.model.logits_of(scores)
         argmax: list[int] | None = None
@@ -201,15 +216,39 @@ class ModelRunner:
         lse = logsumexp_rows(scores, list(range(scores.shape[0])))
         return SamplerOutput(best.tolist(), (value - lse).tolist(), [None] * len(best))
 
-    def _verify_greedy(self, verified, scores, chains, states, result: StepResult) -> bool:
+    def _greedy_head(
+        self, x: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[list[int], list[float]] | None:
+        """For ``_plain_greedy`` rows x: the head, each row's argmax and its log-probability in
+        one native call (``head_greedy``: the values of the head, ``argmax_rows`` and
+        ``logsumexp_rows`` in turn); None where it does not apply."""
+        if not self._plain_greedy(states):
+            return None
+        kernel = self.model.head_kernel(x.shape[0])
+        return None if kernel is None else head_greedy(x, *kernel)
+
+    def _verify_greedy(self, verified, scores, chains, row_states, result: StepResult) -> bool:
         """``_verify`` when every request is plain greedy without top logprobs (False when
         not): every committed token is its row's argmax, so the kernels' argmax and
         log-sum-exp give tokens and logprobs, read only for the rows committed."""
-        row_states = [states[c.request.request_id] for c, _ in verified]
         found = argmax_rows(scores) if self._plain_greedy(row_states) else None
         if found is None:
             return False
         best, value = found[0].tolist(), found[1]
+        self._commit_greedy(
+            verified,
+            best,
+            lambda at: (take_rows(value, at) - logsumexp_rows(scores, at)).tolist(),
+            chains,
+            row_states,
+            result,
+        )
+        return True
+
+    def _commit_greedy(self, verified, best, logprobs_of, chains, row_states, result) -> None:
+        """Greedy verification from each verified row's argmax (``best``): the chains'
+        accepted prefixes and bonus tokens, appended and committed with their log-probabilities
+        (``logprobs_of``: committed rows -> their log-probabilities)."""
         committed, at, start = [], [], 0
         for (chunk, _), state in zip(verified, row_states, strict=True):
             end = start + chunk.num_tokens
@@ -221,7 +260,7 @@ class ModelRunner:
             committed.append((chunk.request.request_id, tokens, chunk.num_spec + 1 - len(tokens)))
             at.extend(range(start, start + len(tokens)))
             start = end
-        logprobs = (take_rows(value, at) - logsumexp_rows(scores, at)).tolist()
+        logprobs = logprobs_of(at)
         offset = 0
         for request_id, tokens, num_rejected in committed:
             own = logprobs[offset : offset + len(tokens)]
@@ -229,7 +268,6 @@ class ModelRunner:
                 tokens, own, [None] * len(tokens), num_rejected
             )
             offset += len(tokens)
-        return True
 
     def _feed_draft(self, chunks, segments, hidden, result: StepResult) -> None:
         """Draft prompt pairs of prefill chunks now; the rest become pending pairs."""

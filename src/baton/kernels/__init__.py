@@ -185,6 +185,10 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_linear_rows.argtypes = [
         ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32, ptr, i64, i32, i32, i32
     ]  # fmt: skip
+    lib.baton_head_greedy.restype = ctypes.c_int
+    lib.baton_head_greedy.argtypes = [
+        ptr, i64, i32, i32, ptr, i32, ptr, i32, ptr, i32, i32, ptr, ptr, i32
+    ]  # fmt: skip
     lib.baton_decoder_layer.restype = ctypes.c_int
     lib.baton_decoder_layer.argtypes = [ptr, ptr]
     lib.baton_decoder_stack.restype = ctypes.c_int

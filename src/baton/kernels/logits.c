@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "fastmath.h"
+#include "kernels.h"
 
 enum { BLOCK = 64 };
 
@@ -75,4 +76,44 @@ void baton_logsumexp_rows(const void *x, const int64_t *row_ids, int64_t n, int6
         const int64_t at = row_ids[i] * row_stride;
         out[i] = is_bf16 ? logsumexp_row(x, at, vocab, 1) : logsumexp_row(x, at, vocab, 0);
     }
+}
+
+typedef struct {
+    const void *scores;
+    int64_t vocab;
+    int is_bf16;
+    int64_t *best;
+    float *logprob;
+} Greedy;
+
+static void greedy_row(void *ctx, int r, int worker) {
+    (void)worker;
+    const Greedy *G = ctx;
+    const int64_t at = (int64_t)r * G->vocab;
+    float best_value, lse;
+    if (G->is_bf16) {
+        argmax_row(G->scores, at, G->vocab, 1, &G->best[r], &best_value);
+        lse = logsumexp_row(G->scores, at, G->vocab, 1);
+    } else {
+        argmax_row(G->scores, at, G->vocab, 0, &G->best[r], &best_value);
+        lse = logsumexp_row(G->scores, at, G->vocab, 0);
+    }
+    G->logprob[r] = best_value - lse;
+}
+
+/* Greedy decoding of m rows in one call: the head's scores (baton_linear_rows into `scores`,
+ * [m, vocab]), then per row its argmax and the argmax's log-probability (maximum minus
+ * log-sum-exp, in fp32) -- the values of baton_linear_rows, baton_argmax_rows and
+ * baton_logsumexp_rows called in turn (runner.py's three calls before), the rows on pool.c's
+ * threads. 0, or 1 without scratch memory. */
+int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
+                      int32_t vocab, const void *bias, int32_t op, void *scores,
+                      int32_t act_bf16, int32_t w_bf16, int64_t *best, float *logprob,
+                      int32_t num_threads) {
+    const int status = baton_linear_rows(x, x_stride, m, k, w, vocab, bias, NULL, 0, op, scores,
+                                         vocab, act_bf16, w_bf16, num_threads);
+    if (status != 0) return status;
+    const Greedy G = {scores, vocab, act_bf16, best, logprob};
+    baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 65536 ? num_threads : 1);
+    return 0;
 }

@@ -2,15 +2,17 @@
 
 Each function returns None when the kernel cannot take the call (no kernels, another dtype,
 rows not laid out as it reads them); the caller then runs its torch code. Who calls them:
-``baton.engine.runner`` (greedy verification and sampling) and ``baton.speculative.proposer``
-(the draft's guesses).
+``baton.engine.runner`` (greedy verification and sampling: ``head_greedy``, else the head,
+then ``argmax_rows`` and ``logsumexp_rows``) and ``baton.speculative.proposer`` (the draft's
+guesses).
 """
 
 from __future__ import annotations
 
 import torch
 
-from baton.kernels import DTYPES, library
+from baton.kernels import DTYPES, library, small_step_threads
+from baton.kernels.linear import MAX_ROWS, ROUND_ONCE, Epilogue, PackedRows
 
 
 def _usable(scores: torch.Tensor) -> bool:
@@ -61,3 +63,43 @@ def logsumexp_rows(scores: torch.Tensor, rows: list[int]) -> torch.Tensor | None
         torch.get_num_threads(),
     )
     return out
+
+
+def head_greedy(
+    x: torch.Tensor, weight: PackedRows, bias: torch.Tensor | None, round_once: bool
+) -> tuple[list[int], list[float]] | None:
+    """x: [R, k] rows (contiguous, at most ``MAX_ROWS``) through the head's panels (its
+    ``FrozenLinear.few_rows_kernel``) -> each row's argmax and that token's log-probability,
+    in one native call: the values of ``linear_rows``, ``argmax_rows`` and ``logsumexp_rows``
+    in turn (max - lse in fp32), without their three calls' tensors. None when the kernel
+    cannot take it."""
+    rows, k = x.shape
+    if not 0 < rows <= MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        return None
+    lib = library()
+    if lib is None or not x.is_contiguous() or weight.k != k or not weight.is_cpu:
+        return None
+    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
+        return None
+    scores = torch.empty((rows, weight.n), dtype=x.dtype)
+    best = torch.empty(rows, dtype=torch.int64)
+    logprob = torch.empty(rows, dtype=torch.float32)
+    status = lib.baton_head_greedy(
+        x.data_ptr(),
+        k,
+        rows,
+        k,
+        weight.data_ptr(),
+        weight.n,
+        None if bias is None else bias.data_ptr(),
+        int(Epilogue.NONE) | (ROUND_ONCE if round_once else 0),
+        scores.data_ptr(),
+        DTYPES[x.dtype],
+        DTYPES[weight.dtype],
+        best.data_ptr(),
+        logprob.data_ptr(),
+        small_step_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"head kernel: no scratch memory for {rows} x {k} (status {status})")
+    return best.tolist(), logprob.tolist()

@@ -217,6 +217,14 @@ class CausalLM(nn.Module):
         """[..., hidden] -> raw [..., vocab] scores in the model's dtype (argmax-ready)."""
         return self._head(hidden) if self._head is not None else self.lm_head(hidden)
 
+    def head_kernel(self, rows: int) -> tuple | None:
+        """What ``baton.kernels.logits.head_greedy`` reads for ``rows`` rows of ``head``:
+        (panels, bias, rounds once), where ``head`` itself would take linear.c's panels for
+        them and the logits are the raw scores; else None."""
+        if self._head is None or self.spec.final_logit_softcap is not None:
+            return None
+        return self._head.few_rows_now(rows)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""
         return self.logits_of(self.head(hidden))

@@ -147,6 +147,13 @@ class FrozenLinear:
         rows = self.rows()
         return None if rows is None else (*rows, self.rounds_once)
 
+    def few_rows_now(self, rows: int) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
+        """``few_rows_kernel`` where ``__call__`` would take linear.c for ``rows`` rows now
+        (at most ``max_few_rows``, outside ``step_invariant_rows``); else None."""
+        if _invariant_rows.get() or rows > self._max_few_rows:
+            return None
+        return self.few_rows_kernel()
+
     @property
     def max_few_rows(self) -> int:
         return self._max_few_rows
