@@ -114,6 +114,6 @@ int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                                          vocab, act_bf16, w_bf16, num_threads);
     if (status != 0) return status;
     const Greedy G = {scores, vocab, act_bf16, best, logprob};
-    baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 65536 ? num_threads : 1);
+    baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 4096 ? num_threads : 1);
     return 0;
 }
