@@ -60,6 +60,34 @@ def test_linear_rows_is_the_torch_matmul(dtype, op, shape):
 
 
 @pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 17])
+def test_gated_rows_are_gate_then_up_times_it(dtype, rows):
+    """layer.c's gated MLP matmuls in one pool region (``baton_gated_rows``, panel by panel)
+    give the bits of two ``linear_rows`` calls: the gate with its activation, then up times
+    it -- with biases, rounding once or twice, and a last partial panel."""
+    g = torch.Generator().manual_seed(rows)
+    k, n = 48, 200
+    gate, up = ((torch.randn(n, k, generator=g) / 7).to(dtype) for _ in range(2))
+    gate_bias, up_bias = (torch.randn(n, generator=g).to(dtype) for _ in range(2))
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    packed_gate, packed_up = PackedRows(gate), PackedRows(up)
+    for round_once in (False, True):
+        want_g = linear_rows(x, packed_gate, gate_bias, Epilogue.SILU, round_once=round_once)
+        want_u = linear_rows(x, packed_up, up_bias, Epilogue.MUL, want_g, round_once=round_once)
+        got_g, got_u = torch.empty_like(want_g), torch.empty_like(want_u)
+        once = 16 if round_once else 0  # linear.c's EPI_ROUND_ONCE
+        status = library().baton_gated_rows(
+            x.data_ptr(), k, rows, k, packed_gate.data_ptr(), gate_bias.data_ptr(),
+            int(Epilogue.SILU) | once, got_g.data_ptr(), packed_up.data_ptr(), up_bias.data_ptr(),
+            int(Epilogue.MUL) | once, got_u.data_ptr(), n, int(dtype == torch.bfloat16),
+            int(dtype == torch.bfloat16), 2,
+        )  # fmt: skip
+        assert status == 0
+        assert torch.equal(got_g, want_g) and torch.equal(got_u, want_u)
+
+
+@pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("op", [Epilogue.SILU, Epilogue.GELU_TANH])
 def test_activation_epilogues_hold_over_the_whole_range(op):
     """linear.c's silu and gelu come from its own exp polynomial (vectorised), not libm's:
