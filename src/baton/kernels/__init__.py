@@ -187,23 +187,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
     ]  # fmt: skip
     lib.baton_gated_rows.restype = ctypes.c_int
     lib.baton_gated_rows.argtypes = [
-        ptr,
-        i64,
-        i32,
-        i32,
-        ptr,
-        ptr,
-        i32,
-        ptr,
-        ptr,
-        ptr,
-        i32,
-        ptr,
-        i32,
-        i32,
-        i32,
-        i32,
-    ]  # fmt: skip (layer.c calls it; tests too)
+        ptr, i64, i32, i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32
+    ]  # fmt: skip
     lib.baton_head_greedy.restype = ctypes.c_int
     lib.baton_head_greedy.argtypes = [
         ptr, i64, i32, i32, ptr, i32, ptr, i32, ptr, i32, i32, ptr, ptr, i32

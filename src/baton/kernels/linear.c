@@ -15,8 +15,8 @@
  * fp32 vectors; where the CPU multiplies bf16 pairs (AVX-512 BF16) bf16 rows times bf16
  * panels take the pair tiles instead (two panel rows, paired by a permute, per vdpbf16ps:
  * twice the multiply-adds per instruction, other sums). Panels are split over pool.c's
- * threads, a few tasks per thread, (a small step's calls: see there why not OpenMP's); a call below ~64 K
- * multiply-adds runs on one thread. Columns past n in the last panel are zeros and never
+ * threads, a few panels per task (a small step's calls: see there why not OpenMP's); a call
+ * below ~64 K multiply-adds runs on one thread. Columns past n in the last panel are zeros and never
  * stored.
  *
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
@@ -320,9 +320,9 @@ typedef struct Job {
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
     void *y;
-    int32_t per_task;      /* panels per task */
-    const struct Job *then; /* or NULL: a second matmul of the same rows and n, run panel by
-                               panel after this one (its epilogue may read this one's y) */
+    int32_t per_task; /* panels per task */
+    struct Job *then; /* or NULL: a second matmul of the same rows and n, run panel by panel
+                         after this one (its epilogue may read this one's y) */
 } Job;
 
 /* One task: output columns [blk * PANEL, +PANEL) of every row, from panel blk. */
@@ -359,7 +359,7 @@ static void some_blocks(void *ctx, int task, int worker) {
     const int stop = first + J->per_task < panels ? first + J->per_task : panels;
     for (int b = first; b < stop; b++) {
         one_block(ctx, b, worker);
-        if (J->then != NULL) one_block((void *)J->then, b, worker);
+        if (J->then != NULL) one_block(J->then, b, worker);
     }
 }
 
@@ -383,14 +383,10 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     const int64_t macs = (int64_t)m * n * k * (job->then != NULL ? 2 : 1);
     const int threads = macs < MIN_PARALLEL_MACS ? 1 : num_threads;
     const int panels = (n + PANEL - 1) / PANEL;
-    const int per_task = panels / (TASKS_PER_THREAD * threads) > 1
-                             ? panels / (TASKS_PER_THREAD * threads)
-                             : 1;
-    job->xf = xf, job->xb = xb, job->kp = kp, job->per_task = per_task;
-    if (job->then != NULL) { /* the same rows */
-        Job *then = (Job *)job->then;
-        then->xf = xf, then->xb = xb, then->kp = kp, then->per_task = per_task;
-    }
+    int per_task = panels / (TASKS_PER_THREAD * threads);
+    if (per_task < 1) per_task = 1;
+    for (Job *j = job; j != NULL; j = j->then) /* the same rows, the same tasks */
+        j->xf = xf, j->xb = xb, j->kp = kp, j->per_task = per_task;
     baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
@@ -414,8 +410,8 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
                      int32_t w_bf16, int32_t num_threads) {
-    const Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_bf16, up, up_bias, g, n, n, u,
-                        0, NULL};
+    Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_bf16, up, up_bias, g, n, n, u, 0,
+                  NULL};
     Job first = {NULL, NULL, m, k, 0, n, act, act_bf16, w_bf16, gate, gate_bias, NULL, 0, n, g,
                  0, &second};
     return run(&first, x, x_stride, num_threads);

@@ -86,6 +86,22 @@ ACTIVATIONS = {
 """``FrozenLinear``'s activation names -> the kernel's epilogue."""
 
 
+def takes(x: torch.Tensor, weight: PackedRows, bias: torch.Tensor | None) -> bool:
+    """Whether linear.c takes ``x`` ([..., k]: at most ``MAX_ROWS`` rows of k, contiguous,
+    no autograd) through ``weight`` and ``bias`` (its dtype, contiguous), kernels loaded
+    aside -- ``linear_rows``' checks, and those of the calls built on it
+    (``logits.head_greedy``)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        return False  # NOTE: called for every matmul of every step: cheapest checks first
+    if not (x.is_contiguous() and weight.is_cpu) or weight.k != k:
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+
+
 def linear_rows(
     x: torch.Tensor,
     weight: PackedRows,
@@ -97,18 +113,10 @@ def linear_rows(
     """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight: [n, k] packed,
     other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None.
     round_once: the epilogue on the fp32 result, one rounding (see ``ROUND_ONCE``)."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
-        return None  # NOTE: called for every matmul of every step: cheapest checks first
-    lib = library()
-    if lib is None or not (x.is_contiguous() and weight.is_cpu) or weight.k != k:
+    if not takes(x, weight, bias) or (lib := library()) is None:
         return None
-    if torch.is_grad_enabled() and x.requires_grad:
-        return None
-    n = weight.n
-    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
-        return None
+    k, n = x.shape[-1], weight.n
+    rows = x.numel() // k
     if other is not None:
         if other.dtype != x.dtype or other.shape[:-1] != x.shape[:-1] or other.shape[-1] != n:
             return None

@@ -40,6 +40,17 @@ static inline __attribute__((always_inline)) void argmax_row(const void *x, int6
     *best_value = m;
 }
 
+/* The row's log-sum-exp given its maximum m. */
+static inline __attribute__((always_inline)) float logsumexp_given(const void *x, int64_t at,
+                                                                    int64_t vocab,
+                                                                    const int is_bf16, float m) {
+    if (m == -INFINITY) return -INFINITY;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t e = 0; e < vocab; e++) sum += exp_nonpositive(to_f32(x, at + e, is_bf16) - m);
+    return m + logf(sum);
+}
+
 static inline __attribute__((always_inline)) float logsumexp_row(const void *x, int64_t at,
                                                                   int64_t vocab,
                                                                   const int is_bf16) {
@@ -49,11 +60,7 @@ static inline __attribute__((always_inline)) float logsumexp_row(const void *x, 
         const float v = to_f32(x, at + e, is_bf16);
         m = v > m ? v : m;
     }
-    if (m == -INFINITY) return -INFINITY;
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t e = 0; e < vocab; e++) sum += exp_nonpositive(to_f32(x, at + e, is_bf16) - m);
-    return m + logf(sum);
+    return logsumexp_given(x, at, vocab, is_bf16, m);
 }
 
 /* best[r], best_value[r]: argmax and maximum of row r (rows row_stride elements apart). */
@@ -91,12 +98,12 @@ static void greedy_row(void *ctx, int r, int worker) {
     const Greedy *G = ctx;
     const int64_t at = (int64_t)r * G->vocab;
     float best_value, lse;
-    if (G->is_bf16) {
+    if (G->is_bf16) { /* the argmax's maximum is the log-sum-exp's */
         argmax_row(G->scores, at, G->vocab, 1, &G->best[r], &best_value);
-        lse = logsumexp_row(G->scores, at, G->vocab, 1);
+        lse = logsumexp_given(G->scores, at, G->vocab, 1, best_value);
     } else {
         argmax_row(G->scores, at, G->vocab, 0, &G->best[r], &best_value);
-        lse = logsumexp_row(G->scores, at, G->vocab, 0);
+        lse = logsumexp_given(G->scores, at, G->vocab, 0, best_value);
     }
     G->logprob[r] = best_value - lse;
 }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from baton.kernels import DTYPES, library, small_step_threads
-from baton.kernels.linear import MAX_ROWS, ROUND_ONCE, Epilogue, PackedRows
+from baton.kernels.linear import ROUND_ONCE, Epilogue, PackedRows, takes
 
 
 def _usable(scores: torch.Tensor) -> bool:
@@ -73,14 +73,9 @@ def head_greedy(
     in one native call: the values of ``linear_rows``, ``argmax_rows`` and ``logsumexp_rows``
     in turn (max - lse in fp32), without their three calls' tensors. None when the kernel
     cannot take it."""
+    if x.dim() != 2 or not takes(x, weight, bias) or (lib := library()) is None:
+        return None
     rows, k = x.shape
-    if not 0 < rows <= MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
-        return None
-    lib = library()
-    if lib is None or not x.is_contiguous() or weight.k != k or not weight.is_cpu:
-        return None
-    if bias is not None and (bias.dtype != weight.dtype or not bias.is_contiguous()):
-        return None
     scores = torch.empty((rows, weight.n), dtype=x.dtype)
     best = torch.empty(rows, dtype=torch.int64)
     logprob = torch.empty(rows, dtype=torch.float32)
