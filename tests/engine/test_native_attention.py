@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -151,14 +152,84 @@ def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype, he
         assert torch.equal(attend(start), whole[start:]), start
 
 
+def _native_lists(call: kernel.PagedAttentionCall) -> dict[str, list]:
+    """The lists ``baton_paged_plan`` wrote, by field (units per segment, padding dropped)."""
+    a, batch = call.args, call.batch
+
+    def read(name: str, n: int) -> list[int]:
+        return list((ctypes.c_int32 * n).from_address(getattr(a, name))) if n else []
+
+    units, num_units = read("units", batch * a.max_units), read("num_units", batch)
+    found = {"units": [units[b * a.max_units :][: num_units[b]] for b in range(batch)]}
+    for name in ("key_base", "q_offset", "q_start", "q_count", "first"):
+        found[name] = read(name, batch)
+    for name in ("store_token", "store_unit", "store_row"):
+        found[name] = read(name, a.num_stores)
+    return found
+
+
+@pytest.mark.parametrize("kind", ["full", "sliding", "sliding-store-all", "ring"])
+@pytest.mark.parametrize("covers_own", [False, True])
+def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
+    """``baton_paged_plan`` from the pool's unit tables gives, for random steps of random
+    requests (floors, trimmed sliding pages, pages grown after the table was first read),
+    exactly the lists the torch path reads from the pool in Python; a unit not held fails."""
+    from baton.model.paged_attention import _lists
+
+    rng = random.Random(kind)
+    base = "sliding" if kind.startswith("sliding") else kind
+    pool, window = _pool(base, torch.float32, 1, 8)
+    pool.store_all = 8 if kind == "sliding-store-all" else 0
+    done = {f"r{i}": 0 for i in range(5)}
+    for _ in range(60):
+        picked = rng.sample(sorted(done), rng.randint(1, 4))
+        segs, offset = [], 0
+        for rid in picked:
+            n = rng.choice([1, 1, 5, 9])
+            start = done[rid]
+            pool.grow(rid, start, start + n)
+            pool.unit_table(rid)  # built now: grow and trim must keep it in step after
+            floor = rng.randint(0, start) if rng.random() < 0.3 else 0
+            segs.append(Segment(rid, offset, start, n, floor))
+            offset += n
+        call = kernel.PagedAttentionCall(
+            [pool.unit_table(s.request_id) for s in segs],
+            [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
+            pool.rows, window, pool.store_keep, isinstance(pool, RingPool), covers_own,
+        )  # fmt: skip
+        want = _lists(pool, segs, window, covers_own)
+        assert _native_lists(call) == {
+            "units": want.unit_lists,
+            "key_base": [0 if b is None else b for b in want.key_base],
+            "q_offset": [s.offset for s in segs],
+            "q_start": [s.start for s in segs],
+            "q_count": [s.num_tokens for s in segs],
+            "first": want.firsts,
+            "store_token": want.token_index,
+            "store_unit": want.write_units,
+            "store_row": want.write_rows,
+        }
+        for s in segs:  # committed, then some rejected as a verify step does
+            done[s.request_id] = s.start + s.num_tokens - rng.randint(0, s.num_tokens - 1)
+            pool.trim(s.request_id, done[s.request_id])
+        if rng.random() < 0.1:
+            rid = rng.choice(picked)
+            pool.free(rid)
+            done[rid] = 0
+    if base != "ring":  # a page the step needs and the request does not hold
+        pool.grow("late", 0, 3)
+        with pytest.raises(AssertionError, match="does not hold"):
+            kernel.PagedAttentionCall(
+                [pool.unit_table("late")], [(0, 3, 5, 0)], pool.rows, window, -1, False
+            )
+
+
 def test_for_layer_sets_the_fields_of_the_pool_and_layer_it_is_asked_for():
     """One plan serves every layer of its pool: the pool-wide fields are set once, set again
     for another storage or head shape, and after ``__call__`` (which sets them its own way)."""
     storage = torch.zeros((6, 3, 2, PAGE, 2, 16), dtype=torch.float32)
     other = torch.zeros((6, 2, 2, PAGE, 1, 32), dtype=torch.float32)
-    call = kernel.PagedAttentionCall(
-        [[0, 1]], [0], [0], [5], [1], [0], [0], [1], [1], PAGE, None, False
-    )
+    call = kernel.PagedAttentionCall([array("i", [0, 1])], [(0, 5, 1, 0)], PAGE, None, -1, False)
 
     def fields(storage, local, heads, head_dim):
         address, batch, keys, values = call.for_layer(storage, local, heads, head_dim, 0.5, None)

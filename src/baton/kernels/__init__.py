@@ -172,6 +172,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     lib.baton_paged_attention.restype = ctypes.c_int
     lib.baton_paged_attention.argtypes = [ptr, i32, i32]
+    lib.baton_paged_plan.restype = ctypes.c_int
+    lib.baton_paged_plan.argtypes = [ptr, i32, ptr, ptr, ptr, i32, i32, ptr, i64]
     rows = [ptr, i64, i64, i64, i64, ptr, i64]  # x, outer, outer/inner stride, weight
     lib.baton_rms_norm.restype = None
     lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32, i32]

@@ -37,18 +37,19 @@ typedef struct { /* field for field baton/kernels/chain.py ``_Chain`` */
 
 typedef struct { /* field for field baton/kernels/chain.py ``_ChainStep`` */
     void *hidden;          /* [batch, hidden] the first step's states (out: the last step's) */
-    const void *cos, *sin; /* [steps - 1, batch, head_dim] rotary tables, step-major */
+    const void *cos, *sin; /* [table_rows, head_dim] the rotary tables by position */
     void *k_pool, *v_pool; /* the draft layer's keys and values in its pool */
     const Args *attn;      /* the plan (see above) */
     const int32_t *floor;  /* [batch] no position below it is read (the ablation switch) */
     int64_t *tokens;       /* [batch, steps] out: the guesses */
-    /* The first step too, when first_attn is not NULL: the pending pairs (target states and
-     * the tokens after them), a plan of their segments, and each request's last pair's row. */
-    const void *first_hidden, *first_cos, *first_sin; /* [pairs, hidden], [pairs, head_dim] */
-    const int64_t *first_ids;                         /* [pairs] */
+    /* The first step too, when first_attn is not NULL: the pending pairs (target states, the
+     * tokens after them, their positions), a plan of their segments, each request's last
+     * pair's row. */
+    const void *first_hidden;                          /* [pairs, hidden] */
+    const int64_t *first_ids, *first_positions;        /* [pairs] */
     const Args *first_attn;
     const int32_t *last_rows; /* [batch] */
-    int32_t pairs, batch, steps, act_bf16, lanes, num_threads;
+    int32_t pairs, batch, steps, act_bf16, lanes, num_threads, table_rows;
 } ChainStep;
 
 /* x = decoder_layer(eh(cat(enorm(embed[ids]), hnorm(hidden)))) for n tokens of `segments`
@@ -102,21 +103,36 @@ static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t bat
     a->num_stores = batch;
 }
 
-/* 0, or nonzero when a kernel found no scratch memory. */
+/* A step's rotary rows: the tables' rows of `n` positions. */
+static void rotary_rows(const ChainStep *s, const int64_t *positions, int64_t n, size_t rot,
+                        char *cos, char *sin) {
+    baton_gather_rows(cos, s->cos, positions, n, rot);
+    baton_gather_rows(sin, s->sin, positions, n, rot);
+}
+
+/* 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
+ * a position is past the rotary tables. A guess's step of request r is at position (as its
+ * slot) its plan's first slot + the step: the rotary position one more (the pair's token). */
 int baton_draft_chain(const Chain *c, const ChainStep *s) {
     const int64_t b = s->batch, hid = c->hidden, vocab = c->vocab, d = c->layer->head_dim;
     const int64_t n = s->first_attn != NULL && s->pairs > b ? s->pairs : b; /* most rows */
+    for (int64_t r = 0; r < b; r++)
+        if (s->attn->q_start[r] + s->steps - 1 >= s->table_rows) return 2;
+    for (int64_t r = 0; s->first_attn != NULL && r < s->pairs; r++)
+        if (s->first_positions[r] < 0 || s->first_positions[r] >= s->table_rows) return 2;
     const int bf = s->act_bf16, nt = s->num_threads;
-    const size_t elem = bf ? 2 : 4, row = (size_t)hid * elem;
-    char *scratch = malloc((size_t)b * vocab * elem + 5 * n * row);
-    int64_t *best = malloc(sizeof(int64_t) * b);
+    const size_t elem = bf ? 2 : 4, row = (size_t)hid * elem, rot = (size_t)d * elem;
+    char *scratch = malloc((size_t)b * vocab * elem + 5 * n * row + 2 * n * rot);
+    int64_t *best = malloc(sizeof(int64_t) * 2 * b), *at = best + b;
     float *value = malloc(sizeof(float) * b);
     int32_t *lists = malloc(sizeof(int32_t) * 7 * b);
     int status = scratch == NULL || best == NULL || value == NULL || lists == NULL;
     char *scores = scratch, *x = scores + b * vocab * elem, *rest = x + n * row;
+    char *cos = rest + 4 * n * row, *sin = cos + n * rot;
     if (status == 0 && s->first_attn != NULL) { /* the pending pairs; each request's last */
-        status |= draft_step(c, s, s->first_hidden, s->first_ids, s->pairs, s->first_cos,
-                             s->first_sin, s->first_attn, (int32_t)b, rest, x);
+        rotary_rows(s, s->first_positions, s->pairs, rot, cos, sin);
+        status |= draft_step(c, s, s->first_hidden, s->first_ids, s->pairs, cos, sin,
+                             s->first_attn, (int32_t)b, rest, x);
         for (int r = 0; r < b; r++) memmove(x + r * row, x + s->last_rows[r] * row, row);
         baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
                        c->norm_offset, bf, s->lanes, nt);
@@ -130,9 +146,9 @@ int baton_draft_chain(const Chain *c, const ChainStep *s) {
         if (i == s->steps - 1) break;
         Args a;
         step_plan(s->attn, s->floor, i + 1, (int32_t)b, lists, &a);
-        const size_t table = (size_t)i * b * d * elem; /* step i + 1's rows of the tables */
-        status |= draft_step(c, s, s->hidden, best, b, (const char *)s->cos + table,
-                             (const char *)s->sin + table, &a, (int32_t)b, rest, x);
+        for (int r = 0; r < b; r++) at[r] = s->attn->q_start[r] + i + 1;
+        rotary_rows(s, at, b, rot, cos, sin);
+        status |= draft_step(c, s, s->hidden, best, b, cos, sin, &a, (int32_t)b, rest, x);
         baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
                        c->norm_offset, bf, s->lanes, nt);
     }

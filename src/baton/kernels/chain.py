@@ -9,6 +9,7 @@ whose per-step torch path stays the reference (tests compare guesses and the poo
 
 from __future__ import annotations
 
+import array
 import ctypes
 from dataclasses import dataclass
 
@@ -40,10 +41,10 @@ class _ChainStep(ctypes.Structure):
     _fields_ = [
         *((name, _ptr) for name in (
             "hidden", "cos", "sin", "k_pool", "v_pool", "attn", "floor", "tokens",
-            "first_hidden", "first_cos", "first_sin", "first_ids", "first_attn", "last_rows",
+            "first_hidden", "first_ids", "first_positions", "first_attn", "last_rows",
         )),
         *((name, _i32) for name in (
-            "pairs", "batch", "steps", "act_bf16", "lanes", "num_threads",
+            "pairs", "batch", "steps", "act_bf16", "lanes", "num_threads", "table_rows",
         )),
     ]  # fmt: skip
 
@@ -51,14 +52,13 @@ class _ChainStep(ctypes.Structure):
 @dataclass
 class FirstStep:
     """The chain's first draft step, on each request's pending pairs: their target states
-    [pairs, hidden] and tokens [pairs] (int64), the rotary tables of their positions
-    ([1, pairs, 1, head_dim]), the backend's ``native_layer`` of their segments, and each
-    request's last pair's index (the state its first guess reads)."""
+    [pairs, hidden], tokens and rotary positions ([pairs] each), the backend's
+    ``native_layer`` of their segments, and each request's last pair's index (the state its
+    first guess reads)."""
 
     hidden: torch.Tensor
-    token_ids: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    token_ids: list[int]
+    positions: list[int]
     attention: tuple[int, int, int, int]
     last_rows: list[int]
 
@@ -130,40 +130,45 @@ class NativeChain:
         self,
         batch: int,
         steps: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         attention: tuple[int, int, int, int],
         floors: list[int],
         hidden: torch.Tensor | None = None,
         first: FirstStep | None = None,
-    ) -> list[list[int]]:
+    ) -> list[list[int]] | None:
         """Each of ``batch`` requests' ``steps`` guesses (the scratch slots' keys and values
         stored): from ``hidden`` ([batch, hidden], the first draft step's final-normed
-        states), or running the first step here (``first``: exactly one of the two). cos,
-        sin: the rotary tables of the scratch slots' positions, step-major ([1, (steps - 1)
-        * batch, 1, head_dim]); attention: the backend's ``native_layer`` of a plan of
-        segments of ``steps - 1`` tokens (``PagedAttention(..., one_at_a_time=True)``);
-        floors: per request its lowest readable slot."""
+        states), or running the first step here (``first``: exactly one of the two). tables:
+        the rotary cos and sin by position ([rows, head_dim] contiguous, the activations'
+        dtype; a scratch slot's position is the slot + 1); attention: the backend's
+        ``native_layer`` of a plan of segments of ``steps - 1`` tokens
+        (``PagedAttention(..., one_at_a_time=True)``); floors: per request its lowest
+        readable slot. None, with nothing computed or stored, when a position is past the
+        tables."""
         assert 0 < batch <= self.max_rows and steps >= 2 and (hidden is None) != (first is None)
         state = torch.empty((batch, self._hidden), dtype=self.dtype)
         if hidden is not None:
             assert hidden.shape == state.shape and hidden.dtype == self.dtype
             state.copy_(hidden)
         tokens = torch.empty((batch, steps), dtype=torch.int64)
-        keep = [torch.tensor(floors, dtype=torch.int32), cos.contiguous(), sin.contiguous()]
+        cos, sin = tables
+        assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
+        keep = [array.array("i", floors)]
         step = _ChainStep()
-        step.hidden, step.cos, step.sin = state.data_ptr(), keep[1].data_ptr(), keep[2].data_ptr()
+        step.hidden, step.cos, step.sin = state.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.table_rows = cos.shape[0]
         step.attn, _, step.k_pool, step.v_pool = attention
-        step.floor, step.tokens = keep[0].data_ptr(), tokens.data_ptr()
+        step.floor, step.tokens = keep[0].buffer_info()[0], tokens.data_ptr()
         if first is not None:
             assert first.hidden.dtype == self.dtype and len(first.last_rows) == batch
+            first_hidden = first.hidden.contiguous()
             keep += [
-                first.hidden.contiguous(), first.cos.contiguous(), first.sin.contiguous(),
-                first.token_ids.to(torch.int64).contiguous(),
-                torch.tensor(first.last_rows, dtype=torch.int32),
+                first_hidden, array.array("q", first.token_ids),
+                array.array("q", first.positions), array.array("i", first.last_rows),
             ]  # fmt: skip
-            step.first_hidden, step.first_cos, step.first_sin, step.first_ids, step.last_rows = (
-                t.data_ptr() for t in keep[3:]
+            step.first_hidden = first_hidden.data_ptr()
+            step.first_ids, step.first_positions, step.last_rows = (
+                a.buffer_info()[0] for a in keep[2:]
             )
             step.first_attn = first.attention[0]
             step.pairs = first.hidden.shape[0]
@@ -171,6 +176,8 @@ class NativeChain:
         step.act_bf16, step.lanes = DTYPES[self.dtype], torch_lanes()
         step.num_threads = small_step_threads()
         status = library().baton_draft_chain(self._chain_ref, ctypes.byref(step))
+        if status == 2:
+            return None
         if status != 0:
             raise MemoryError(f"draft chain kernel: no scratch memory (status {status})")
         return tokens.tolist()

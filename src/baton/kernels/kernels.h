@@ -36,6 +36,10 @@ typedef struct {
 /* pooled: run on pool.c's threads (a small step's call) instead of OpenMP's. */
 int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, int pooled);
 int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads);
+/* A plan's index lists from the segments' unit tables (paged_attention.c). */
+int baton_paged_plan(Args *a, int32_t batch, const int64_t *tables, const int32_t *table_lens,
+                     const int32_t *segs, int32_t keep, int32_t covers_own, int32_t *buffer,
+                     int64_t capacity);
 
 void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                     int64_t inner_stride, const void *weight, int64_t weight_inner_stride,

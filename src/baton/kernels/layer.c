@@ -74,25 +74,33 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
     const int64_t *ids;             /* [tokens] */
     const void *embed, *norm;       /* [vocab, hidden], [hidden]: the activations' dtype */
     void *out;                      /* [tokens, hidden] the final-normed states */
-    const void *cos, *sin;          /* [tokens, head_dim] */
+    const void *cos, *sin;          /* [table_rows, head_dim] rotary tables by position */
+    const int64_t *positions;       /* [tokens] */
     const StackLayer *layers;
     float eps, offset;              /* the final norm's */
-    int32_t num_layers, tokens, hidden, act_bf16, lanes, num_threads;
+    int32_t num_layers, tokens, hidden, act_bf16, lanes, num_threads, table_rows;
 } Stack;
 
-/* A small step's whole model but the head: embedding rows, every layer (as
- * baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer. 0, or
- * nonzero when a kernel found no scratch memory. */
+/* A small step's whole model but the head: embedding rows, the positions' rotary rows, every
+ * layer (as baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer.
+ * 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
+ * a position is past the tables. */
 int baton_decoder_stack(const Stack *s) {
     const int64_t t = s->tokens, hid = s->hidden;
-    const size_t row = (size_t)hid * (s->act_bf16 ? 2 : 4);
-    char *x = malloc((size_t)t * row);
+    for (int64_t i = 0; i < t; i++)
+        if (s->positions[i] < 0 || s->positions[i] >= s->table_rows) return 2;
+    const size_t elem = s->act_bf16 ? 2 : 4, row = (size_t)hid * elem;
+    const size_t rot = (size_t)s->layers[0].layer->head_dim * elem;
+    char *x = malloc((size_t)t * (row + 2 * rot));
     if (x == NULL) return 1;
+    char *cos = x + t * row, *sin = cos + t * rot;
     baton_gather_rows(x, s->embed, s->ids, t, row);
+    baton_gather_rows(cos, s->cos, s->positions, t, rot);
+    baton_gather_rows(sin, s->sin, s->positions, t, rot);
     int status = 0;
     for (int i = 0; i < s->num_layers && status == 0; i++) {
         const StackLayer *l = &s->layers[i];
-        const Step step = {x, s->cos, s->sin, l->k_pool, l->v_pool, l->attn, s->tokens, l->batch,
+        const Step step = {x, cos, sin, l->k_pool, l->v_pool, l->attn, s->tokens, l->batch,
                            s->act_bf16, s->lanes, s->num_threads};
         status |= baton_decoder_layer(l->layer, &step);
     }

@@ -64,10 +64,12 @@ class _StackLayer(ctypes.Structure):
 class _Stack(ctypes.Structure):
     # Field for field the ``Stack`` struct of layer.c.
     _fields_ = [
-        *((name, _ptr) for name in ("ids", "embed", "norm", "out", "cos", "sin", "layers")),
+        *((name, _ptr) for name in (
+            "ids", "embed", "norm", "out", "cos", "sin", "positions", "layers",
+        )),
         ("eps", _f32), ("offset", _f32),
         *((name, _i32) for name in (
-            "num_layers", "tokens", "hidden", "act_bf16", "lanes", "num_threads",
+            "num_layers", "tokens", "hidden", "act_bf16", "lanes", "num_threads", "table_rows",
         )),
     ]  # fmt: skip
 
@@ -204,22 +206,29 @@ class NativeStack:
     def __call__(
         self,
         input_ids: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        tables: tuple[torch.Tensor, torch.Tensor],
         attention: list[tuple[int, int, int, int]],
-    ) -> torch.Tensor:
-        """input_ids: [1, T] (T <= ``max_tokens``), cos/sin: [1, T, 1, head_dim] contiguous,
-        attention: per layer the backend's ``native_layer`` -> final-normed [1, T, hidden]
-        (every layer's keys and values stored in its pool)."""
+    ) -> torch.Tensor | None:
+        """input_ids, positions: [1, T] (T <= ``max_tokens``), tables: the rotary cos and sin
+        by position ([rows, head_dim] contiguous, the activations' dtype), attention: per
+        layer the backend's ``native_layer`` -> final-normed [1, T, hidden] (every layer's
+        keys and values stored in its pool); None, with nothing computed or stored, when a
+        position is past the tables."""
         ids = input_ids.to(torch.int64).contiguous()
+        at = positions.to(torch.int64).contiguous()
         out = torch.empty((*ids.shape, self._embed.shape[1]), dtype=self.dtype)
         for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
             entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
-        stack = self._stack
-        stack.ids, stack.out, stack.cos, stack.sin = (t.data_ptr() for t in (ids, out, cos, sin))
+        stack, (cos, sin) = self._stack, tables
+        assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
+        stack.ids, stack.out, stack.positions = ids.data_ptr(), out.data_ptr(), at.data_ptr()
+        stack.cos, stack.sin, stack.table_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         stack.tokens, stack.act_bf16, stack.lanes = ids.numel(), DTYPES[self.dtype], torch_lanes()
         stack.num_threads = small_step_threads()
         status = library().baton_decoder_stack(ctypes.byref(stack))
+        if status == 2:
+            return None
         if status != 0:
             raise MemoryError(f"decoder stack kernel: no scratch memory (status {status})")
         return out

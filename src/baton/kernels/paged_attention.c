@@ -537,3 +537,74 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
 int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
     return baton_paged_attention_on(a, batch, num_threads, 0);
 }
+
+/* The index lists of a batch plan (paged_attention.py ``PagedAttentionCall``) from each
+ * segment's unit table: tables[b] -> the request's units by logical index (-1: none held),
+ * table_lens[b] of them; segs [batch, 4]: per segment the step token of its first query,
+ * that query's position, its queries, its floor (no lower position is read). The context
+ * read is [first, start) -- [first, start + count) with covers_own -- first = max(floor,
+ * start - window + 1, 0) capped at start: on pages the units covering it and key_base the
+ * position of the first one's row 0; a ring's one unit (key_base 0). Stored: the segment's
+ * positions from max(start, end - keep) (keep < 0: all) at (unit, row) of position p: pages
+ * table[p / rows], p % rows; a ring table[0], p % rows. Uses a's rows, window and is_ring;
+ * sets its list pointers (into `buffer`, `capacity` int32s, in the layout those fields
+ * describe), max_units and num_stores. 0; -1: the buffer is too small; -2: a unit the plan
+ * needs is not in the table. */
+int baton_paged_plan(Args *a, int32_t batch, const int64_t *tables, const int32_t *table_lens,
+                     const int32_t *segs, int32_t keep, int32_t covers_own, int32_t *buffer,
+                     int64_t capacity) {
+    const int rows = a->rows;
+    int max_units = 0;
+    int64_t num_stores = 0;
+    for (int b = 0; b < batch; b++) {
+        const int start = segs[4 * b + 1], count = segs[4 * b + 2], end = start + count;
+        const int lo = a->window > 0 && start - a->window + 1 > 0 ? start - a->window + 1 : 0;
+        const int first = segs[4 * b + 3] > lo ? segs[4 * b + 3] : lo;
+        const int read_end = covers_own ? end : start, from = first < start ? first : start;
+        const int units = a->is_ring ? 1 : from < read_end ? (read_end - 1) / rows - from / rows + 1 : 0;
+        max_units = units > max_units ? units : max_units;
+        num_stores += keep >= 0 && end - keep > start ? keep : count;
+    }
+    if ((int64_t)batch * (max_units + 6) + 3 * num_stores > capacity) return -1;
+    int32_t *units = buffer, *num_units = units + (int64_t)batch * max_units;
+    int32_t *key_base = num_units + batch, *q_offset = key_base + batch;
+    int32_t *q_start = q_offset + batch, *q_count = q_start + batch, *firsts = q_count + batch;
+    int32_t *store_token = firsts + batch, *store_unit = store_token + num_stores;
+    int32_t *store_row = store_unit + num_stores;
+    for (int b = 0, n = 0; b < batch; b++) {
+        const int32_t *table = (const int32_t *)(intptr_t)tables[b];
+        const int len = table_lens[b];
+        const int offset = segs[4 * b], start = segs[4 * b + 1], count = segs[4 * b + 2];
+        const int end = start + count;
+        const int lo = a->window > 0 && start - a->window + 1 > 0 ? start - a->window + 1 : 0;
+        const int floor_lo = segs[4 * b + 3] > lo ? segs[4 * b + 3] : lo;
+        const int first = floor_lo < start ? floor_lo : start, read_end = covers_own ? end : start;
+        int32_t *row_units = units + (int64_t)b * max_units;
+        int held = 0;
+        if (a->is_ring) {
+            if (len < 1 || table[0] < 0) return -2;
+            row_units[held++] = table[0];
+            key_base[b] = 0;
+        } else {
+            key_base[b] = first / rows * rows;
+            for (int p = first / rows; first < read_end && p <= (read_end - 1) / rows; p++) {
+                if (p >= len || table[p] < 0) return -2;
+                row_units[held++] = table[p];
+            }
+        }
+        for (int u = held; u < max_units; u++) row_units[u] = 0;
+        num_units[b] = held, q_offset[b] = offset, q_start[b] = start, q_count[b] = count;
+        firsts[b] = first;
+        for (int p = keep >= 0 && end - keep > start ? end - keep : start; p < end; p++, n++) {
+            const int logical = a->is_ring ? 0 : p / rows;
+            if (logical >= len || table[logical] < 0) return -2;
+            store_token[n] = offset + p - start;
+            store_unit[n] = table[logical], store_row[n] = p % rows;
+        }
+    }
+    a->units = units, a->num_units = num_units, a->key_base = key_base, a->q_offset = q_offset;
+    a->q_start = q_start, a->q_count = q_count, a->first = firsts;
+    a->store_token = store_token, a->store_unit = store_unit, a->store_row = store_row;
+    a->max_units = max_units, a->num_stores = (int32_t)num_stores;
+    return 0;
+}

@@ -1,8 +1,9 @@
 """Python side of ``paged_attention.c``: one call attends a batch of short segments.
 
-``PagedAttentionCall`` is built once per pool and forward from the batch plan's index lists
-(int32 tensors it keeps alive) and run once per layer with that layer's q, output and pool
-storage. Who calls it: ``baton.model.paged_attention``, whose torch path is the reference.
+``PagedAttentionCall`` is built once per pool and forward from the segments and their
+requests' unit tables (natively: the index lists in one int32 buffer it keeps alive) and run
+once per layer with that layer's q, output and pool storage. Who calls it:
+``baton.model.paged_attention``, whose torch path is the reference.
 """
 
 from __future__ import annotations
@@ -59,59 +60,50 @@ class _Args(ctypes.Structure):
     ]
 
 
-_LIST_FIELDS = ("units", "num_units", "key_base", "q_offset", "q_start", "q_count", "first",
-                "store_token", "store_unit", "store_row")  # fmt: skip
-"""The ``Args`` pointers into the call's one buffer, in the order the lists are in it."""
-
-
 class PagedAttentionCall:
-    """The segments' index lists, ready for the kernel.
+    """A batch plan's index lists, ready for the kernel, built natively
+    (``baton_paged_plan``) from each segment's unit table.
 
-    unit_lists: per segment the units holding its context in order; key_base: per segment
-    the position held by row 0 of its first unit (pages; ignored when ``is_ring``); q_offset,
-    q_start, num_queries, first: per segment the step token of its first query (its queries
-    are consecutive), that query's position, its queries, its lowest visible position;
-    store_token, store_unit, store_row: where each kept row of the step's K/V goes.
+    tables: per segment its request's units by logical index (-1: none held; a ring: its
+    one unit), an int32 ``array``; segments: per segment (step token of its first query,
+    that query's position, queries, floor: no lower position is read); rows: a unit's rows;
+    window: the layer's (None: full attention); keep: of a segment's positions [start, end)
+    those from max(start, end - keep) are stored (-1: all); covers_own: the units read cover
+    the segment's own positions too (``baton.kernels.chain``'s steps read them from the
+    pool). What the lists hold is ``baton_paged_plan``'s comment; the torch path of
+    ``baton.model.paged_attention`` computes the same from the pool in Python.
     """
 
     def __init__(
         self,
-        unit_lists: list[list[int]],
-        key_base: list[int],
-        q_offset: list[int],
-        q_start: list[int],
-        num_queries: list[int],
-        first: list[int],
-        store_token: list[int],
-        store_unit: list[int],
-        store_row: list[int],
+        tables: list[array.array],
+        segments: list[tuple[int, int, int, int]],
         rows: int,
         window: int | None,
+        keep: int,
         is_ring: bool,
+        covers_own: bool = False,
     ) -> None:
-        max_units = max(map(len, unit_lists))
-        num_units = [len(u) for u in unit_lists]
-        # One int32 buffer holds every list, built in one go (NOTE: array's C loop, not
-        # torch.tensor's per-element conversion: a tenth of the time); the struct points
-        # into it. Units first: [B, max_units] row-major, padded with unit 0.
-        values: list[int] = []
-        for units in unit_lists:
-            values += units
-            values += [0] * (max_units - len(units))
-        lists = (num_units, key_base, q_offset, q_start, num_queries, first, store_token,
-                 store_unit, store_row)  # fmt: skip
-        starts = [0]
-        for values_of in lists:
-            starts.append(len(values))
-            values += values_of
-        self._keep = keep = array.array("i", values)  # never resized: the pointers stay valid
-        base = keep.buffer_info()[0]
+        addresses, lengths = array.array("q"), array.array("i")
+        for table in tables:
+            address, length = table.buffer_info()
+            addresses.append(address)
+            lengths.append(length)
+        flat = array.array("i", [v for segment in segments for v in segment])
+        batch = len(tables)
+        stores = sum(count for _, _, count, _ in segments)
+        capacity = batch * (max(lengths) + 6) + 3 * stores
+        self._keep = keep_alive = array.array("i", bytes(4 * capacity))  # the lists' buffer
         args = _Args()
-        for name, at in zip(_LIST_FIELDS, starts, strict=True):
-            setattr(args, name, base + 4 * at)
-        self.batch = len(num_units)
-        args.max_units, args.rows, args.num_stores = max_units, rows, len(store_token)
-        args.window, args.is_ring = window or 0, int(is_ring)
+        args.rows, args.window, args.is_ring = rows, window or 0, int(is_ring)
+        status = library().baton_paged_plan(
+            ctypes.byref(args), batch, addresses.buffer_info()[0], lengths.buffer_info()[0],
+            flat.buffer_info()[0], keep, int(covers_own), keep_alive.buffer_info()[0], capacity,
+        )  # fmt: skip
+        if status == -2:
+            raise AssertionError(f"a plan needs a unit its request does not hold: {segments}")
+        assert status == 0, status
+        self.batch = batch
         self.args = args
         self._address = ctypes.addressof(args)
         self._layer_storage: torch.Tensor | None = None  # ``for_layer``'s last pool

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Callable
 
 import torch
@@ -150,6 +151,18 @@ class StatePool(ABC):
         None for a ring: its row r holds the newest position p < end with p % rows == r."""
 
     @abstractmethod
+    def unit_table(self, request_id: str) -> array:
+        """The request's units by logical index, -1 where it holds none (a ring: its one
+        unit), as the native plan reads them (``baton.kernels.paged_attention``); a paged
+        pool keeps it in step with its table instead of rebuilding it per step."""
+
+    @property
+    @abstractmethod
+    def store_keep(self) -> int:
+        """``_store_from``'s rule as a number: of [start, end) the positions from
+        max(start, end - store_keep) are stored (-1: all of them)."""
+
+    @abstractmethod
     def _store_from(self, start: int, end: int) -> int:
         """First position of [start, end) worth storing."""
 
@@ -236,6 +249,8 @@ class PagedPool(StatePool):
         self.store_all = store_all
         self.tables: dict[str, dict[int, int]] = {}
         """request -> {logical page index: page id}, in logical order."""
+        self._unit_tables: dict[str, array] = {}
+        """request -> ``unit_table``, built on first use; changed with ``tables``."""
         self.cached: dict[bytes, int] = {}
         """Prefix cache: content key -> page id (a complete page, held or evictable)."""
         self.page_key: dict[int, bytes] = {}
@@ -259,8 +274,22 @@ class PagedPool(StatePool):
             )
         return min(math.ceil(num_tokens / self.page_size), peak)
 
+    @property
+    def store_keep(self) -> int:
+        return -1 if self.keep is None or self.store_all else self.keep
+
     def _store_from(self, start: int, end: int) -> int:
         return start if self.keep is None or self.store_all else max(start, end - self.keep)
+
+    def unit_table(self, request_id: str) -> array:
+        found = self._unit_tables.get(request_id)
+        if found is None:
+            table = self.tables[request_id]
+            found = array("i", [-1]) * (max(table, default=-1) + 1)
+            for logical, page in table.items():
+                found[logical] = page
+            self._unit_tables[request_id] = found
+        return found
 
     def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
         return self._store_from(start, end) == start  # pages are never overwritten
@@ -279,8 +308,12 @@ class PagedPool(StatePool):
         table = self.tables.setdefault(request_id, {})
         self.num_tokens.setdefault(request_id, start)
         missing = [p for p in self._needed_pages(request_id, start, end) if p not in table]
+        found = self._unit_tables.get(request_id)
         for logical, page in zip(missing, self.blocks.allocate(len(missing)), strict=True):
             table[logical] = page
+            if found is not None:
+                found.extend([-1] * (logical + 1 - len(found)))
+                found[logical] = page
 
     def trim(self, request_id: str, num_computed: int) -> None:
         if request_id in self.num_tokens:
@@ -290,6 +323,9 @@ class PagedPool(StatePool):
         table = self.tables[request_id]
         first_needed = self.first_kept_page(num_computed)
         stale = [p for p in table if p < first_needed]
+        found = self._unit_tables.get(request_id)
+        for p in stale if found is not None else ():
+            found[p] = -1
         if self.store_all:  # offered to the cache first (``register``), then freed
             self.retired.setdefault(request_id, {}).update({p: table.pop(p) for p in stale})
         else:
@@ -297,6 +333,7 @@ class PagedPool(StatePool):
 
     def free(self, request_id: str) -> None:
         table = self.tables.pop(request_id, {})
+        self._unit_tables.pop(request_id, None)
         self.blocks.free(list(table.values()))
         self.num_tokens.pop(request_id, None)
         self.num_registered.pop(request_id, None)
@@ -321,6 +358,7 @@ class PagedPool(StatePool):
         for page in pages.values():
             self.blocks.share(page)
         self.tables[request_id] = dict(pages)
+        self._unit_tables.pop(request_id, None)
         self.num_tokens[request_id] = num_tokens
         self.num_registered[request_id] = num_tokens // self.page_size
 

@@ -7,6 +7,8 @@ overwritten in place, so nothing of it can be restored by the prefix cache
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 
 from baton.memory.allocator import StorageAllocator
@@ -42,8 +44,15 @@ class RingPool(StatePool):
         self.window = window
         self.rings: dict[str, int] = {}
 
+    @property
+    def store_keep(self) -> int:
+        return self.rows
+
     def _store_from(self, start: int, end: int) -> int:
         return max(start, end - self.rows)
+
+    def unit_table(self, request_id: str) -> array:
+        return array("i", [self.rings[request_id]])
 
     def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
         # Writing overwrites positions < end - rows; the first query sees from start - W + 1.

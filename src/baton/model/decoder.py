@@ -193,8 +193,12 @@ class CausalLM(nn.Module):
             if args is None:
                 return None
             attention.append(args)
-        cos, sin = self.model.rotary_emb(positions, stack.dtype)
-        return stack(input_ids, cos.contiguous(), sin.contiguous(), attention)
+        rotary = self.model.rotary_emb
+        out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention)
+        if out is None:  # a position past the tables: grown, then the same call
+            tables = rotary.tables(int(positions.max()) + 1, stack.dtype)
+            out = stack(input_ids, positions, tables, attention)
+        return out
 
     def fuse_projections(self) -> CausalLM:
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``

@@ -280,10 +280,10 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(rope, head_dim)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _table(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [n >= num_positions, head_dim], computed in fp32 and cast to ``dtype``
-        -- the activations' dtype -- as transformers does (elementwise: a row is what the
-        position alone would give)."""
+    def tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [n >= num_positions, head_dim] by position, computed in fp32 and cast to
+        ``dtype`` -- the activations' dtype -- as transformers does (elementwise: a row is
+        what the position alone would give); native kernels look rows up themselves."""
         table = self._tables.get(dtype)
         if table is None or table[0].shape[0] < num_positions:
             n = max(num_positions, 2 * table[0].shape[0] if table is not None else 1024)
@@ -297,20 +297,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [...] int -> cos, sin: [..., 1, head_dim] (the 1 broadcasts over
         heads), once per forward instead of once per layer."""
-        cos, sin = self._table(int(positions.max()) + 1 if positions.numel() else 0, dtype)
+        cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 0, dtype)
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
-
-    def of_positions(
-        self, positions: list[int], dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` of ``torch.tensor([positions])``, from a Python list: where the
-        positions are one run (a batch-1 draft step's are) the rows are a view of the
-        tables -- no index op (a few microseconds, twice per proposal)."""
-        cos, sin = self._table(max(positions, default=-1) + 1, dtype)
-        run = consecutive(positions)
-        if run is None:
-            return self(torch.tensor([positions], dtype=torch.long), dtype)
-        return cos[None, run, None], sin[None, run, None]  # [1, n, 1, head_dim]
 
 
 def consecutive(rows: list[int]) -> slice | None:

@@ -49,10 +49,9 @@ class Segment:
 
 
 @dataclass
-class _BatchPlan:
-    """Index lists of the batched path for one pool and one forward."""
+class _Lists:
+    """The torch path's index lists of a batch plan (``_lists``)."""
 
-    segments: list[Segment]
     unit_lists: list[list[int]]
     """Per segment, the units holding its context (pages in order, or its ring)."""
     key_base: list[int | None]
@@ -62,11 +61,20 @@ class _BatchPlan:
     token_index: list[int]  # [T] the segments' stored tokens in the flattened step
     write_units: list[int]  # [T] where each goes
     write_rows: list[int]  # [T]
+
+
+@dataclass
+class _BatchPlan:
+    """One pool's batched segments in one forward: the kernel's plan, or the torch path's."""
+
+    segments: list[Segment]
     dense: bool
     """The segments are the whole step, back to back, all of one length (a decode or
     verify step): queries, keys and outputs are views of the step's rows, no gathers."""
     native: PagedAttentionCall | None
-    """The same lists for the C kernel, which reads the pool in place (None: torch only)."""
+    """The plan of the C kernel, which reads the pool in place (None: torch only)."""
+    lists: _Lists | None = None
+    """The torch path's lists (None with ``native``)."""
     gathered: tuple | None = None
     """The torch path's tensors (``_gather_plan``), built on its first use."""
     counted: bool = False
@@ -76,6 +84,29 @@ class _BatchPlan:
 def _first_visible(seg: Segment, window: int | None) -> int:
     first = 0 if window is None else max(0, seg.start - window + 1)
     return min(max(first, seg.floor), seg.start)
+
+
+def _lists(pool: StatePool, segs: list[Segment], window: int | None, covers_own: bool) -> _Lists:
+    """What the segments read and store, from the pool's tables: per segment the units
+    covering [first visible, start) -- [.., start + n) with ``covers_own`` -- and the step's
+    rows worth storing (a ring or a sliding pool keeps a tail only), where they go. The
+    native plan (``PagedAttentionCall``) holds the same lists."""
+    firsts = [_first_visible(s, window) for s in segs]
+    unit_lists, key_base = [], []
+    for seg, first in zip(segs, firsts, strict=True):
+        end = seg.start + seg.num_tokens if covers_own else seg.start
+        units, base = pool.read_units(seg.request_id, first, end)
+        unit_lists.append(units)
+        key_base.append(base)
+    token_index, write_units, write_rows = [], [], []
+    for seg in segs:
+        end = seg.start + seg.num_tokens
+        store = pool._store_from(seg.start, end)
+        units, rows = pool.slot_lists(seg.request_id, store, end)
+        write_units += units
+        write_rows += rows
+        token_index += range(seg.offset + store - seg.start, seg.offset + seg.num_tokens)
+    return _Lists(unit_lists, key_base, firsts, token_index, write_units, write_rows)
 
 
 class PagedAttention:
@@ -126,55 +157,23 @@ class PagedAttention:
     def _build(
         self, pool: StatePool, segs: list[Segment], window: int | None, native: bool
     ) -> _BatchPlan:
-        # Per segment only Python lists; tensors once for the whole batch.
-        firsts = [_first_visible(s, window) for s in segs]
-        # The kernel reads the pool before the step's K/V are stored; the torch path after.
-        unit_lists, key_base = [], []
-        covers_own = self.one_at_a_time or not native
-        for seg, first in zip(segs, firsts, strict=True):
-            end = seg.start + seg.num_tokens if covers_own else seg.start
-            units, base = pool.read_units(seg.request_id, first, end)
-            unit_lists.append(units)
-            key_base.append(base)
         num_queries = max(s.num_tokens for s in segs)
-        token_index, write_units, write_rows = [], [], []
-        for seg in segs:  # what is worth storing: a ring or a sliding pool keeps a tail only
-            end = seg.start + seg.num_tokens
-            store = pool._store_from(seg.start, end)
-            units, rows = pool.slot_lists(seg.request_id, store, end)
-            write_units += units
-            write_rows += rows
-            token_index += range(seg.offset + store - seg.start, seg.offset + seg.num_tokens)
         dense = all(
             s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
         ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
-        call = None
-        if native:
-            call = PagedAttentionCall(
-                unit_lists,
-                [0 if b is None else b for b in key_base],
-                [s.offset for s in segs],
-                [s.start for s in segs],
-                [s.num_tokens for s in segs],
-                firsts,
-                token_index,
-                write_units,
-                write_rows,
-                pool.rows,
-                window,
-                is_ring=isinstance(pool, RingPool),
-            )
-        return _BatchPlan(
-            segs,
-            unit_lists,
-            key_base,
-            firsts,
-            token_index,
-            write_units,
-            write_rows,
-            dense,
-            call,
+        if not native:  # the torch path writes first, then reads its own positions too
+            return _BatchPlan(segs, dense, None, _lists(pool, segs, window, covers_own=True))
+        # The kernel reads the pool before the step's K/V are stored (a chain's steps after).
+        call = PagedAttentionCall(
+            [pool.unit_table(s.request_id) for s in segs],
+            [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
+            pool.rows,
+            window,
+            pool.store_keep,
+            is_ring=isinstance(pool, RingPool),
+            covers_own=self.one_at_a_time,
         )
+        return _BatchPlan(segs, dense, call)
 
     @staticmethod
     def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
@@ -185,13 +184,13 @@ class PagedAttention:
         the mask keeps exactly the visible rows."""
         if plan.gathered is not None:
             return plan.gathered
-        segs, rows = plan.segments, pool.rows
-        num_units = max(len(u) for u in plan.unit_lists)
-        read_units = torch.tensor([u + [0] * (num_units - len(u)) for u in plan.unit_lists])
+        segs, rows, lists = plan.segments, pool.rows, plan.lists
+        num_units = max(len(u) for u in lists.unit_lists)
+        read_units = torch.tensor([u + [0] * (num_units - len(u)) for u in lists.unit_lists])
         row = torch.arange(num_units * rows)
         key_pos = torch.full((len(segs), num_units * rows), -1, dtype=torch.long)
         for b, (seg, units, base) in enumerate(
-            zip(segs, plan.unit_lists, plan.key_base, strict=True)
+            zip(segs, lists.unit_lists, lists.key_base, strict=True)
         ):
             n = len(units) * rows
             if base is not None:
@@ -209,16 +208,16 @@ class PagedAttention:
         q_valid = torch.arange(num_queries)[None, :] < num_tokens[:, None]  # [B, Q]
         q_pos = torch.tensor([s.start for s in segs])[:, None] + torch.arange(num_queries)
         keys, queries = key_pos[:, None, :], q_pos[:, :, None]  # [B, 1, L], [B, Q, 1]
-        visible = (keys <= queries) & (keys >= torch.tensor(plan.firsts)[:, None, None])
+        visible = (keys <= queries) & (keys >= torch.tensor(lists.firsts)[:, None, None])
         if window is not None:
             visible &= keys > queries - window
         visible &= q_valid[:, :, None]
         visible[:, :, 0] |= ~q_valid  # padded queries: anything but NaN
         bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
         store = (
-            torch.tensor(plan.token_index, dtype=torch.long),
-            torch.tensor(plan.write_units, dtype=torch.long),
-            torch.tensor(plan.write_rows, dtype=torch.long),
+            torch.tensor(lists.token_index, dtype=torch.long),
+            torch.tensor(lists.write_units, dtype=torch.long),
+            torch.tensor(lists.write_rows, dtype=torch.long),
         )
         plan.gathered = (*store, read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
         return plan.gathered

@@ -205,26 +205,29 @@ class DraftProposer:
             attention = self.draft.layer.native_attention(backends[-1])
             if attention is None:
                 return None
-            cos, sin = self.draft.rotary_emb.of_positions(positions, hidden.dtype)
             last = [seg.offset + seg.num_tokens - 1 for seg in segments]
-            first = FirstStep(hidden, torch.tensor(ids), cos, sin, attention, last)
+            first = FirstStep(hidden, ids, positions, attention, last)
         else:
             state = torch.cat(self._run(entries))
-        segments, positions = [], []
+        segments = []
         floors = [self.context_floor.get(rid, 0) for rid in request_ids]
         for b, (rid, floor) in enumerate(zip(request_ids, floors, strict=True)):
             # Scratch slots L .. L+steps-2, as ``_chain`` grows them one by one.
             self.cache.grow(rid, slots[rid], slots[rid] + steps - 1)
             segments.append(Segment(rid, b * (steps - 1), slots[rid], steps - 1, floor))
-        for step in range(steps - 1):  # step-major, as the kernel reads the tables
-            positions.extend(slots[rid] + 1 + step for rid in request_ids)
         backends.append(PagedAttention(self.cache, segments, one_at_a_time=True))
         attention = self.draft.layer.native_attention(backends[-1])
         if attention is None:  # the pool's storage is not the kernel's (then neither was it
             assert first is None  # for the first step's plan)
             return self._chain(request_ids, slots, list(state[:, None]))
-        cos, sin = self.draft.rotary_emb.of_positions(positions, chain.dtype)
-        guesses = chain(len(request_ids), steps, cos, sin, attention, floors, state, first)
+        rotary, batch = self.draft.rotary_emb, len(request_ids)
+        guesses = chain(
+            batch, steps, rotary.tables(0, chain.dtype), attention, floors, state, first
+        )
+        if guesses is None:  # a position past the tables (a scratch slot's is the slot + 1)
+            last = max(slots[rid] + steps for rid in request_ids)
+            tables = rotary.tables(max(last, *(first.positions if first else [])) + 1, chain.dtype)
+            guesses = chain(batch, steps, tables, attention, floors, state, first)
         del backends  # the plans' index lists were read until here
         self.num_draft_forwards += steps if first is not None else steps - 1
         return dict(zip(request_ids, guesses, strict=True))
