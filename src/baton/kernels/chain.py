@@ -53,7 +53,7 @@ class _ChainStep(ctypes.Structure):
 class FirstStep:
     """The chain's first draft step, on each request's pending pairs: their target states
     [pairs, hidden], tokens and rotary positions ([pairs] each), the backend's
-    ``native_layer`` of their segments, and each request's last pair's index (the state its
+    ``native_args`` of their segments, and each request's last pair's index (the state its
     first guess reads)."""
 
     hidden: torch.Tensor
@@ -141,7 +141,7 @@ class NativeChain:
         states), or running the first step here (``first``: exactly one of the two). tables:
         the rotary cos and sin by position ([rows, head_dim] contiguous, the activations'
         dtype; a scratch slot's position is the slot + 1); attention: the backend's
-        ``native_layer`` of a plan of segments of ``steps - 1`` tokens
+        ``native_args`` of a plan of segments of ``steps - 1`` tokens
         (``PagedAttention(..., one_at_a_time=True)``); floors: per request its lowest
         readable slot. None, with nothing computed or stored, when a position is past the
         tables."""

@@ -150,7 +150,7 @@ class NativeLayer:
     ) -> torch.Tensor:
         """x: [1, T, hidden] (T <= ``MAX_TOKENS``), cos/sin: [1, T, 1, head_dim] contiguous,
         attention: (args address, segments, pool keys address, pool values address) from
-        the backend's ``native_layer`` -> the layer's output [1, T, hidden] (the step's keys
+        the backend's ``native_args`` -> the layer's output [1, T, hidden] (the step's keys
         and values stored in the pool)."""
         out = x.contiguous().clone()
         step = _Step()
@@ -212,7 +212,7 @@ class NativeStack:
     ) -> torch.Tensor | None:
         """input_ids, positions: [1, T] (T <= ``max_tokens``), tables: the rotary cos and sin
         by position ([rows, head_dim] contiguous, the activations' dtype), attention: per
-        layer the backend's ``native_layer`` -> final-normed [1, T, hidden] (every layer's
+        layer the backend's ``native_args`` -> final-normed [1, T, hidden] (every layer's
         keys and values stored in its pool); None, with nothing computed or stored, when a
         position is past the tables."""
         ids = input_ids.to(torch.int64).contiguous()

@@ -21,6 +21,15 @@ from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
 
 
+def native_attention(
+    attn: AttentionBackend, layers: list[tuple[int, int | None, int, int, float, float | None]]
+) -> list[tuple[int, int, int, int]] | None:
+    """The backend's ``native_args`` for these layers (their ``attention_spec``), or None
+    where it has none."""
+    native_args = getattr(attn, "native_args", None)
+    return None if native_args is None else native_args(layers)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; Gemma2 adds post-norms on both branches."""
 
@@ -94,14 +103,18 @@ class DecoderLayer(nn.Module):
         )
         return self.mlp(self.post_attention_layernorm(x), residual=x)
 
-    def native_attention(self, attn: AttentionBackend) -> tuple[int, int, int, int] | None:
-        """The backend's ``native_layer`` arguments for this layer's attention (what its
-        native call, a ``NativeStack`` or a draft chain reads), or None where it has none."""
-        native_layer = getattr(attn, "native_layer", None)
-        if native_layer is None:
-            return None
+    @property
+    def attention_spec(self) -> tuple[int, int | None, int, int, float, float | None]:
+        """What a backend's ``native_args`` asks of a layer: (layer id, window, heads,
+        head_dim, scale, softcap)."""
         a = self.self_attn
-        return native_layer(self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap)
+        return self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap
+
+    def native_attention(self, attn: AttentionBackend) -> tuple[int, int, int, int] | None:
+        """The backend's ``native_args`` for this layer's attention (what its native call or
+        a draft chain reads), or None where it has none."""
+        found = native_attention(attn, [self.attention_spec])
+        return None if found is None else found[0]
 
     def _forward_native(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
@@ -157,6 +170,7 @@ class CausalLM(nn.Module):
         self._head: FrozenLinear | None = None
         self._stack: NativeStack | None = None
         """Every layer and the final norm as one native call for small steps, or None."""
+        self._attention_specs = [layer.attention_spec for layer in self.model.layers]
 
     def forward(
         self,
@@ -187,12 +201,9 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor | None:  # fmt: skip
         """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
         without a Python call per layer), or None where the backend does not allow it."""
-        attention = []
-        for layer in self.model.layers:
-            args = layer.native_attention(attn)
-            if args is None:
-                return None
-            attention.append(args)
+        attention = native_attention(attn, self._attention_specs)
+        if attention is None:
+            return None
         rotary = self.model.rotary_emb
         out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention)
         if out is None:  # a position past the tables: grown, then the same call

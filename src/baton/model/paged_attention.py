@@ -78,7 +78,7 @@ class _BatchPlan:
     gathered: tuple | None = None
     """The torch path's tensors (``_gather_plan``), built on its first use."""
     counted: bool = False
-    """``native_layer`` counted the segments' tokens as stored (once for all layers)."""
+    """``native_args`` counted the segments' tokens as stored (once for all layers)."""
 
 
 def _first_visible(seg: Segment, window: int | None) -> int:
@@ -119,7 +119,7 @@ class PagedAttention:
         native_layers: bool = True,
         one_at_a_time: bool = False,
     ) -> None:
-        """``native_layers``: layers may attend through ``native_layer`` (a step computing
+        """``native_layers``: layers may attend through ``native_args`` (a step computing
         no prompt token: a prompt's keys and values are then computed by one path whatever
         the step's size, so a prefix-cache hit restores the bytes a cold run writes).
         ``one_at_a_time``: for ``baton.kernels.chain``, which computes each segment's tokens
@@ -222,23 +222,27 @@ class PagedAttention:
         plan.gathered = (*store, read_units, torch.tensor(q_index), q_valid, bias[:, None, None])
         return plan.gathered
 
-    def native_layer(
-        self, layer_id: int, window: int | None, heads: int, head_dim: int, scale: float,
-        softcap: float | None,
-    ) -> tuple[int, int, int, int] | None:  # fmt: skip
-        """For a layer that attends natively (``baton.kernels.layer``): the kernel's
-        arguments for this layer's pool (``PagedAttentionCall.for_layer``), counting the
-        step's tokens as stored -- or None when the pool has no native plan."""
+    def native_args(
+        self, layers: list[tuple[int, int | None, int, int, float, float | None]]
+    ) -> list[tuple[int, int, int, int]] | None:
+        """For layers that attend natively (``baton.kernels.layer``), each given as (layer id,
+        window, heads, head_dim, scale, softcap): per layer the kernel's arguments for its
+        pool (``PagedAttentionCall.for_layer``), the step's tokens counted as stored -- or
+        None when a layer's pool has no native plan."""
         if not self.native_layers:
             return None
-        pool, local = self.cache.layer_map[layer_id]
-        plan, others = self._plan(pool, window)
-        if plan is None or plan.native is None or others:
-            return None
-        if not plan.counted:  # every layer of the pool asks; the count is the same
-            self._count(pool, plan)
-            plan.counted = True
-        return plan.native.for_layer(pool.storage, local, heads, head_dim, scale, softcap)
+        found, layer_map = [], self.cache.layer_map
+        for layer_id, window, heads, head_dim, scale, softcap in layers:
+            pool, local = layer_map[layer_id]
+            plan, others = self._plan(pool, window)
+            if plan is None or plan.native is None or others:
+                return None
+            if not plan.counted:  # every layer of the pool asks; the count is the same
+                self._count(pool, plan)
+                plan.counted = True
+            args = plan.native.for_layer(pool.storage, local, heads, head_dim, scale, softcap)
+            found.append(args)
+        return found
 
     def attend(self, layer_id, q, k, v, window, scale, softcap):
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
