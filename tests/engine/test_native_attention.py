@@ -181,6 +181,7 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
     pool, window = _pool(base, torch.float32, 1, 8)
     pool.store_all = 8 if kind == "sliding-store-all" else 0
     done = {f"r{i}": 0 for i in range(5)}
+    call = kernel.PagedAttentionCall()  # planned again and again, as a pool's is
     for _ in range(60):
         picked = rng.sample(sorted(done), rng.randint(1, 4))
         segs, offset = [], 0
@@ -192,7 +193,7 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
             floor = rng.randint(0, start) if rng.random() < 0.3 else 0
             segs.append(Segment(rid, offset, start, n, floor))
             offset += n
-        call = kernel.PagedAttentionCall(
+        call.plan(
             [pool.unit_table(s.request_id) for s in segs],
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
             pool.rows, window, pool.store_keep, isinstance(pool, RingPool), covers_own,
@@ -219,9 +220,7 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
     if base != "ring":  # a page the step needs and the request does not hold
         pool.grow("late", 0, 3)
         with pytest.raises(AssertionError, match="does not hold"):
-            kernel.PagedAttentionCall(
-                [pool.unit_table("late")], [(0, 3, 5, 0)], pool.rows, window, -1, False
-            )
+            call.plan([pool.unit_table("late")], [(0, 3, 5, 0)], pool.rows, window, -1, False)
 
 
 def test_for_layer_sets_the_fields_of_the_pool_and_layer_it_is_asked_for():
@@ -229,7 +228,8 @@ def test_for_layer_sets_the_fields_of_the_pool_and_layer_it_is_asked_for():
     for another storage or head shape, and after ``__call__`` (which sets them its own way)."""
     storage = torch.zeros((6, 3, 2, PAGE, 2, 16), dtype=torch.float32)
     other = torch.zeros((6, 2, 2, PAGE, 1, 32), dtype=torch.float32)
-    call = kernel.PagedAttentionCall([array("i", [0, 1])], [(0, 5, 1, 0)], PAGE, None, -1, False)
+    call = kernel.PagedAttentionCall()
+    call.plan([array("i", [0, 1])], [(0, 5, 1, 0)], PAGE, None, -1, False)
 
     def fields(storage, local, heads, head_dim):
         address, batch, keys, values = call.for_layer(storage, local, heads, head_dim, 0.5, None)

@@ -177,6 +177,7 @@ class NativeStack:
         self._layers = layers
         self._embed, self._norm = embed.detach().contiguous(), norm.detach().contiguous()
         self._entries = (_StackLayer * len(layers))()
+        self._attention: list[tuple[int, int, int, int]] = []  # what the entries hold
         for entry, layer in zip(self._entries, layers, strict=True):
             entry.layer = ctypes.addressof(layer._layer)
         stack = self._stack = _Stack()
@@ -218,8 +219,10 @@ class NativeStack:
         ids = input_ids.to(torch.int64).contiguous()
         at = positions.to(torch.int64).contiguous()
         out = torch.empty((*ids.shape, self._embed.shape[1]), dtype=self.dtype)
-        for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
-            entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
+        if attention != self._attention:  # a pool's plan keeps its address step after step
+            for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
+                entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
+            self._attention = attention
         stack, (cos, sin) = self._stack, tables
         assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
         stack.ids, stack.out, stack.positions = ids.data_ptr(), out.data_ptr(), at.data_ptr()

@@ -1,7 +1,7 @@
 """Python side of ``paged_attention.c``: one call attends a batch of short segments.
 
-``PagedAttentionCall`` is built once per pool and forward from the segments and their
-requests' unit tables (natively: the index lists in one int32 buffer it keeps alive) and run
+A ``PagedAttentionCall`` per pool (and kind of plan) is planned once per forward from the
+segments and their requests' unit tables (natively, into one int32 buffer it keeps) and run
 once per layer with that layer's q, output and pool storage. Who calls it:
 ``baton.model.paged_attention``, whose torch path is the reference.
 """
@@ -61,20 +61,23 @@ class _Args(ctypes.Structure):
 
 
 class PagedAttentionCall:
-    """A batch plan's index lists, ready for the kernel, built natively
-    (``baton_paged_plan``) from each segment's unit table.
-
-    tables: per segment its request's units by logical index (-1: none held; a ring: its
-    one unit), an int32 ``array``; segments: per segment (step token of its first query,
-    that query's position, queries, floor: no lower position is read); rows: a unit's rows;
-    window: the layer's (None: full attention); keep: of a segment's positions [start, end)
-    those from max(start, end - keep) are stored (-1: all); covers_own: the units read cover
-    the segment's own positions too (``baton.kernels.chain``'s steps read them from the
-    pool). What the lists hold is ``baton_paged_plan``'s comment; the torch path of
-    ``baton.model.paged_attention`` computes the same from the pool in Python.
+    """A pool's batch plan for the kernel, rebuilt in place step after step (``plan``): the
+    index lists in one int32 buffer, the ``Args`` struct pointing into it, and the fields
+    ``for_layer`` set, which stay as long as the pool and the heads do.
     """
 
-    def __init__(
+    def __init__(self) -> None:
+        self.args = _Args()
+        self._address = ctypes.addressof(self.args)
+        self._buffer = array.array("i")
+        self.batch = 0
+        self.generation = 0
+        """How many plans this call has held: a plan is valid while it is the latest."""
+        self._layer_storage: torch.Tensor | None = None  # ``for_layer``'s last pool
+        self._layer_fields: tuple = ()
+        self._layer_strides = (0, 0)
+
+    def plan(
         self,
         tables: list[array.array],
         segments: list[tuple[int, int, int, int]],
@@ -83,7 +86,17 @@ class PagedAttentionCall:
         keep: int,
         is_ring: bool,
         covers_own: bool = False,
-    ) -> None:
+    ) -> int:
+        """Build the lists natively (``baton_paged_plan``) from each segment's unit table;
+        returns the plan's ``generation``. tables: per segment its request's units by
+        logical index (-1: none held; a ring: its one unit), an int32 ``array``; segments:
+        per segment (step token of its first query, that query's position, queries, floor:
+        no lower position is read); rows: a unit's rows; window: the layer's (None: full
+        attention); keep: of a segment's positions [start, end) those from max(start, end -
+        keep) are stored (-1: all); covers_own: the units read cover the segment's own
+        positions too (``baton.kernels.chain``'s steps read them from the pool). What the
+        lists hold is ``baton_paged_plan``'s comment; the torch path of
+        ``baton.model.paged_attention`` computes the same from the pool in Python."""
         addresses, lengths = array.array("q"), array.array("i")
         for table in tables:
             address, length = table.buffer_info()
@@ -91,24 +104,22 @@ class PagedAttentionCall:
             lengths.append(length)
         flat = array.array("i", [v for segment in segments for v in segment])
         batch = len(tables)
-        stores = sum(count for _, _, count, _ in segments)
-        capacity = batch * (max(lengths) + 6) + 3 * stores
-        self._keep = keep_alive = array.array("i", bytes(4 * capacity))  # the lists' buffer
-        args = _Args()
+        capacity = batch * (max(lengths) + 6) + 3 * sum(count for _, _, count, _ in segments)
+        if capacity > len(self._buffer):  # grown, never shrunk (the plan points into it)
+            self._buffer = array.array("i", bytes(4 * max(capacity, 2 * len(self._buffer))))
+        args = self.args
         args.rows, args.window, args.is_ring = rows, window or 0, int(is_ring)
+        buffer, size = self._buffer.buffer_info()
         status = library().baton_paged_plan(
-            ctypes.byref(args), batch, addresses.buffer_info()[0], lengths.buffer_info()[0],
-            flat.buffer_info()[0], keep, int(covers_own), keep_alive.buffer_info()[0], capacity,
+            self._address, batch, addresses.buffer_info()[0], lengths.buffer_info()[0],
+            flat.buffer_info()[0], keep, int(covers_own), buffer, size,
         )  # fmt: skip
+        self.generation += 1  # the old plan is gone even if this one failed
         if status == -2:
             raise AssertionError(f"a plan needs a unit its request does not hold: {segments}")
         assert status == 0, status
         self.batch = batch
-        self.args = args
-        self._address = ctypes.addressof(args)
-        self._layer_storage: torch.Tensor | None = None  # ``for_layer``'s last pool
-        self._layer_fields: tuple = ()
-        self._layer_strides = (0, 0)
+        return self.generation
 
     @staticmethod
     def supports(storage: torch.Tensor) -> bool:

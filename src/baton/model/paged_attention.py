@@ -22,6 +22,7 @@ are computed once per forward and shared by all of its layers.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -72,13 +73,27 @@ class _BatchPlan:
     """The segments are the whole step, back to back, all of one length (a decode or
     verify step): queries, keys and outputs are views of the step's rows, no gathers."""
     native: PagedAttentionCall | None
-    """The plan of the C kernel, which reads the pool in place (None: torch only)."""
+    """The pool's call of the C kernel, which reads the pool in place (None: torch only),
+    holding this plan while its generation is ``generation``."""
+    generation: int = 0
     lists: _Lists | None = None
     """The torch path's lists (None with ``native``)."""
     gathered: tuple | None = None
     """The torch path's tensors (``_gather_plan``), built on its first use."""
     counted: bool = False
     """``native_args`` counted the segments' tokens as stored (once for all layers)."""
+
+
+_CALLS: weakref.WeakKeyDictionary[StatePool, dict[bool, PagedAttentionCall]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per pool, its kernel calls by ``one_at_a_time``: planned again by every forward (a
+proposal's first draft step and its chain hold one plan each on the draft's pool)."""
+
+
+def _check(plan: _BatchPlan) -> None:
+    if plan.native.generation != plan.generation:
+        raise AssertionError("a later forward planned this pool's kernel call over this one's")
 
 
 def _first_visible(seg: Segment, window: int | None) -> int:
@@ -162,9 +177,15 @@ class PagedAttention:
             s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
         ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
         if not native:  # the torch path writes first, then reads its own positions too
-            return _BatchPlan(segs, dense, None, _lists(pool, segs, window, covers_own=True))
+            return _BatchPlan(segs, dense, None, lists=_lists(pool, segs, window, covers_own=True))
         # The kernel reads the pool before the step's K/V are stored (a chain's steps after).
-        call = PagedAttentionCall(
+        calls = _CALLS.get(pool)
+        if calls is None:
+            calls = _CALLS[pool] = {}
+        call = calls.get(self.one_at_a_time)
+        if call is None:
+            call = calls[self.one_at_a_time] = PagedAttentionCall()
+        generation = call.plan(
             [pool.unit_table(s.request_id) for s in segs],
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
             pool.rows,
@@ -173,7 +194,7 @@ class PagedAttention:
             is_ring=isinstance(pool, RingPool),
             covers_own=self.one_at_a_time,
         )
-        return _BatchPlan(segs, dense, call)
+        return _BatchPlan(segs, dense, call, generation=generation)
 
     @staticmethod
     def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
@@ -237,6 +258,7 @@ class PagedAttention:
             plan, others = self._plan(pool, window)
             if plan is None or plan.native is None or others:
                 return None
+            _check(plan)
             if not plan.counted:  # every layer of the pool asks; the count is the same
                 self._count(pool, plan)
                 plan.counted = True
@@ -260,6 +282,7 @@ class PagedAttention:
     def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap, window):
         """Attend and store the segments' K/V; into ``out``, or returned when ``plan.dense``."""
         if plan.native is not None:  # reads the pool, then stores the step's K/V in it
+            _check(plan)
             result = torch.empty_like(q) if plan.dense else out
             plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
             self._count(pool, plan)
