@@ -155,3 +155,39 @@ def test_write_many_stores_what_write_stores(kind):
     pools[1].write_many(1, spans, k, v)
     assert torch.equal(pools[0].storage, pools[1].storage)
     assert pools[0].num_tokens == pools[1].num_tokens
+
+
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 9)), max_size=40))
+def test_state_group_grows_what_its_pools_would(steps):
+    """``StateGroup.grow`` after ``can_grow`` skips the pools when nothing is new, and the
+    pools then hold what growing each of them directly holds; the registry's later
+    components are seen too."""
+    from baton.memory.cache import StateGroup
+
+    def paged(registry):
+        args = (1, 4, torch.float32, registry)
+        return [
+            PagedPool("t.full", (0,), 64, 4, *args),
+            PagedPool("t.swa", (1,), 64, 4, *args, window=6),
+        ]
+
+    def ring(registry):
+        return RingPool("d.ring", (0,), 4, 6, 1, 4, torch.float32, registry, slack=2)
+
+    grouped, direct = StateRegistry(), StateRegistry()
+    group, alone = StateGroup(grouped), [*paged(direct), ring(direct)]
+    mine = paged(grouped)
+    assert group.can_grow("warm", 0, 1)  # the owners taken before the ring registers
+    mine.append(ring(grouped))
+    done = {f"r{i}": 0 for i in range(3)}
+    for which, n in steps:
+        rid = f"r{which}"
+        start, end = done[rid], done[rid] + n
+        assert group.can_grow(rid, start, end)
+        group.grow(rid, start, end)
+        for pool in alone:
+            pool.grow(rid, start, end)
+        done[rid] = end
+        for ours, theirs in zip(mine, alone, strict=True):
+            assert ours.units_held(rid) == theirs.units_held(rid)
+            assert ours.num_tokens.get(rid) == theirs.num_tokens.get(rid)

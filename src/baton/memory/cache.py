@@ -102,7 +102,7 @@ class ModelCache:
 
 class StateGroup:
     """The scheduler's ``Memory``: every registered component holding computed state (all but
-    the handoff record, ``PushPhase.LAST``), iterated from the registry at each call.
+    the handoff record, ``PushPhase.LAST``), taken from the registry (again when it grows).
     Trimming covers components with ``token_lag`` 0 only: a trailing one (the draft's) is
     trimmed by the model that writes it, at its own committed end. ``free`` here is the
     scheduler's preemption (the request lives on); a request's end frees through
@@ -112,27 +112,46 @@ class StateGroup:
         self.registry = registry
         self.prefix = prefix
         """The prefix cache, None when prefix caching is off."""
+        self._seen = -1  # registry size the lists below were taken at
+        self._owner_list: list[UnitOwner] = []
+        self._trimmed: list[UnitOwner] = []
+        self._held: tuple[str, int, int] | None = None  # see ``can_grow``
 
     def restore_prefix(self, request_id: str, token_ids: list[int]) -> int:
         return self.prefix.restore(request_id, token_ids) if self.prefix is not None else 0
 
     def _owners(self) -> list[UnitOwner]:
-        return [c.owner for c in self.registry if c.push is not PushPhase.LAST and c.owner]
+        """The owners of every component but the handoff record's -- taken from the registry
+        again when it has grown (components only ever register): the scheduler asks several
+        times per request and step."""
+        if len(self.registry) != self._seen:
+            computed = [c for c in self.registry if c.push is not PushPhase.LAST and c.owner]
+            self._owner_list = [c.owner for c in computed]
+            self._trimmed = [c.owner for c in computed if c.token_lag == 0]
+            self._seen = len(self.registry)
+        return self._owner_list
 
     def can_grow(self, request_id: str, start: int, end: int) -> bool:
-        return all(
-            o.num_new_units(request_id, start, end) <= o.num_free_units for o in self._owners()
-        )
+        owners = self._owners()
+        counts = [o.num_new_units(request_id, start, end) for o in owners]
+        # Most steps need no new unit anywhere: the ``grow`` that follows is then nothing.
+        self._held = (request_id, start, end) if not any(counts) else None
+        return all(n <= o.num_free_units for n, o in zip(counts, owners, strict=True))
 
     def grow(self, request_id: str, start: int, end: int) -> None:
+        if self._held == (request_id, start, end):  # ``can_grow`` found every unit held
+            self._held = None
+            return
         for owner in self._owners():
             owner.grow(request_id, start, end)
 
     def trim(self, request_id: str, num_computed: int) -> None:
-        for c in self.registry:
-            if c.push is not PushPhase.LAST and c.token_lag == 0 and c.owner is not None:
-                c.owner.trim(request_id, num_computed)
+        self._owners()
+        self._held = None
+        for owner in self._trimmed:
+            owner.trim(request_id, num_computed)
 
     def free(self, request_id: str) -> None:
+        self._held = None
         for owner in self._owners():
             owner.free(request_id)

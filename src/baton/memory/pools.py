@@ -302,12 +302,14 @@ class PagedPool(StatePool):
 
     def num_new_units(self, request_id: str, start: int, end: int) -> int:
         table = self.tables.get(request_id, {})
-        return sum(1 for p in self._needed_pages(request_id, start, end) if p not in table)
+        return len([p for p in self._needed_pages(request_id, start, end) if p not in table])
 
     def grow(self, request_id: str, start: int, end: int) -> None:
         table = self.tables.setdefault(request_id, {})
         self.num_tokens.setdefault(request_id, start)
         missing = [p for p in self._needed_pages(request_id, start, end) if p not in table]
+        if not missing:  # most steps: the page the step writes is held already
+            return
         found = self._unit_tables.get(request_id)
         for logical, page in zip(missing, self.blocks.allocate(len(missing)), strict=True):
             table[logical] = page

@@ -77,7 +77,8 @@ class UnitOwner(Protocol):
     def num_free_units(self) -> int: ...
 
     def num_new_units(self, request_id: str, start: int, end: int) -> int:
-        """Units ``grow`` would allocate for positions [start, end)."""
+        """Units ``grow`` would allocate for positions [start, end); with none, ``grow``
+        changes nothing (the scheduler's memory then skips it)."""
 
     def grow(self, request_id: str, start: int, end: int) -> None:
         """Allocate what positions [start, end) need (the caller checked the room)."""
