@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
+from baton.kernels import library
 from baton.memory.state import ComponentKind, PushPhase
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
@@ -105,12 +106,14 @@ def test_a_hit_equals_a_cold_run(spec_dir, mode, temperature, speculative):
         assert out.metrics.num_cached_tokens == hit, (shared, mode)
         assert out.outputs[0].token_ids == expected.outputs[0].token_ids, shared
         assert out.metrics.accepted_lengths == expected.metrics.accepted_lengths, shared
-        # The state a hit restores is the state a cold run computed, byte for byte.
+        # The state a hit restores is the state a cold run computed, byte for byte -- where
+        # the native attention kernel runs (its sums do not depend on how a step splits the
+        # prompt; the torch path's, SDPA's, do: without a compiler only tokens are equal).
         _held(warm, second, params, f"held-{i}")
         _held(cold, second, params, f"held-{i}")
         got, want = readable_bytes(warm, f"held-{i}"), readable_bytes(cold, f"held-{i}")
         assert set(got) == set(want)
-        for name in want:
+        for name in want if library() is not None else ():
             assert torch.equal(got[name], want[name]), (shared, name)
         warm.handoff.release(f"held-{i}")
         cold.handoff.release(f"held-{i}")
