@@ -85,9 +85,8 @@ static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t bat
     int32_t *store_unit = lists + 5 * batch, *store_row = lists + 6 * batch;
     for (int b = 0; b < batch; b++) {
         const int pos = plan->q_start[b] + i - 1;
-        int lo = plan->window > 0 && pos - plan->window + 1 > 0 ? pos - plan->window + 1 : 0;
-        lo = lo > floor[b] ? lo : floor[b];
-        q_offset[b] = b, q_start[b] = pos, q_count[b] = 1, first[b] = lo < pos ? lo : pos;
+        q_offset[b] = b, q_start[b] = pos, q_count[b] = 1;
+        first[b] = baton_first_visible(pos, plan->window, floor[b]);
         store_token[b] = b;
         const int32_t *units = plan->units + (int64_t)b * plan->max_units;
         if (plan->is_ring) {
@@ -103,23 +102,14 @@ static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t bat
     a->num_stores = batch;
 }
 
-/* A step's rotary rows: the tables' rows of `n` positions. */
-static void rotary_rows(const ChainStep *s, const int64_t *positions, int64_t n, size_t rot,
-                        char *cos, char *sin) {
-    baton_gather_rows(cos, s->cos, positions, n, rot);
-    baton_gather_rows(sin, s->sin, positions, n, rot);
-}
-
 /* 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
  * a position is past the rotary tables. A guess's step of request r is at position (as its
  * slot) its plan's first slot + the step: the rotary position one more (the pair's token). */
 int baton_draft_chain(const Chain *c, const ChainStep *s) {
     const int64_t b = s->batch, hid = c->hidden, vocab = c->vocab, d = c->layer->head_dim;
     const int64_t n = s->first_attn != NULL && s->pairs > b ? s->pairs : b; /* most rows */
-    for (int64_t r = 0; r < b; r++)
+    for (int64_t r = 0; r < b; r++) /* the guesses' steps: checked before anything is stored */
         if (s->attn->q_start[r] + s->steps - 1 >= s->table_rows) return 2;
-    for (int64_t r = 0; s->first_attn != NULL && r < s->pairs; r++)
-        if (s->first_positions[r] < 0 || s->first_positions[r] >= s->table_rows) return 2;
     const int bf = s->act_bf16, nt = s->num_threads;
     const size_t elem = bf ? 2 : 4, row = (size_t)hid * elem, rot = (size_t)d * elem;
     char *scratch = malloc((size_t)b * vocab * elem + 5 * n * row + 2 * n * rot);
@@ -129,8 +119,10 @@ int baton_draft_chain(const Chain *c, const ChainStep *s) {
     int status = scratch == NULL || best == NULL || value == NULL || lists == NULL;
     char *scores = scratch, *x = scores + b * vocab * elem, *rest = x + n * row;
     char *cos = rest + 4 * n * row, *sin = cos + n * rot;
+    if (status == 0 && s->first_attn != NULL) /* 2: a pair's position past the tables */
+        status = baton_rotary_rows(cos, sin, s->cos, s->sin, s->table_rows, s->first_positions,
+                                   s->pairs, rot);
     if (status == 0 && s->first_attn != NULL) { /* the pending pairs; each request's last */
-        rotary_rows(s, s->first_positions, s->pairs, rot, cos, sin);
         status |= draft_step(c, s, s->first_hidden, s->first_ids, s->pairs, cos, sin,
                              s->first_attn, (int32_t)b, rest, x);
         for (int r = 0; r < b; r++) memmove(x + r * row, x + s->last_rows[r] * row, row);
@@ -147,7 +139,7 @@ int baton_draft_chain(const Chain *c, const ChainStep *s) {
         Args a;
         step_plan(s->attn, s->floor, i + 1, (int32_t)b, lists, &a);
         for (int r = 0; r < b; r++) at[r] = s->attn->q_start[r] + i + 1;
-        rotary_rows(s, at, b, rot, cos, sin);
+        baton_rotary_rows(cos, sin, s->cos, s->sin, s->table_rows, at, b, rot); /* checked */
         status |= draft_step(c, s, s->hidden, best, b, cos, sin, &a, (int32_t)b, rest, x);
         baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
                        c->norm_offset, bf, s->lanes, nt);

@@ -101,6 +101,27 @@ static inline void baton_gather_rows(void *dst, const void *table, const int64_t
         memcpy((char *)dst + r * row_bytes, (const char *)table + ids[r] * row_bytes, row_bytes);
 }
 
+/* The rotary cos and sin rows of n positions from tables of table_rows rows by position (the
+ * activations' dtype, row_bytes each): 0, or 2 with nothing written when a position is past
+ * them. */
+static inline int baton_rotary_rows(void *cos, void *sin, const void *cos_table,
+                                    const void *sin_table, int64_t table_rows,
+                                    const int64_t *positions, int64_t n, size_t row_bytes) {
+    for (int64_t r = 0; r < n; r++)
+        if (positions[r] < 0 || positions[r] >= table_rows) return 2;
+    baton_gather_rows(cos, cos_table, positions, n, row_bytes);
+    baton_gather_rows(sin, sin_table, positions, n, row_bytes);
+    return 0;
+}
+
+/* The lowest position a query at `start` reads: start - window + 1 (window 0: none), not
+ * below 0 or `floor`, never above `start` itself. */
+static inline int baton_first_visible(int start, int window, int floor) {
+    int lo = window > 0 && start - window + 1 > 0 ? start - window + 1 : 0;
+    lo = lo > floor ? lo : floor;
+    return lo < start ? lo : start;
+}
+
 /* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
  * worker in [0, threads) tells a task's thread (scratch memory). */
 typedef void (*baton_task)(void *ctx, int task, int worker);

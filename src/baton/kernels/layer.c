@@ -87,17 +87,17 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
  * a position is past the tables. */
 int baton_decoder_stack(const Stack *s) {
     const int64_t t = s->tokens, hid = s->hidden;
-    for (int64_t i = 0; i < t; i++)
-        if (s->positions[i] < 0 || s->positions[i] >= s->table_rows) return 2;
     const size_t elem = s->act_bf16 ? 2 : 4, row = (size_t)hid * elem;
     const size_t rot = (size_t)s->layers[0].layer->head_dim * elem;
     char *x = malloc((size_t)t * (row + 2 * rot));
     if (x == NULL) return 1;
     char *cos = x + t * row, *sin = cos + t * rot;
+    int status = baton_rotary_rows(cos, sin, s->cos, s->sin, s->table_rows, s->positions, t, rot);
+    if (status != 0) {
+        free(x);
+        return status;
+    }
     baton_gather_rows(x, s->embed, s->ids, t, row);
-    baton_gather_rows(cos, s->cos, s->positions, t, rot);
-    baton_gather_rows(sin, s->sin, s->positions, t, rot);
-    int status = 0;
     for (int i = 0; i < s->num_layers && status == 0; i++) {
         const StackLayer *l = &s->layers[i];
         const Step step = {x, cos, sin, l->k_pool, l->v_pool, l->attn, s->tokens, l->batch,

@@ -538,6 +538,19 @@ int baton_paged_attention(const Args *a, int32_t batch, int32_t num_threads) {
     return baton_paged_attention_on(a, batch, num_threads, 0);
 }
 
+typedef struct { /* a plan's segment: its lowest visible position, the pages read, stores */
+    int first, first_page, num_pages, store_from, end;
+} Span;
+
+static inline Span plan_span(const Args *a, const int32_t *seg, int keep, int covers_own) {
+    const int start = seg[1], end = start + seg[2], read_end = covers_own ? end : start;
+    const int first = baton_first_visible(start, a->window, seg[3]);
+    const int pages = first < read_end ? (read_end - 1) / a->rows - first / a->rows + 1 : 0;
+    const Span span = {first, first / a->rows, pages,
+                       keep >= 0 && end - keep > start ? end - keep : start, end};
+    return span;
+}
+
 /* The index lists of a batch plan (paged_attention.py ``PagedAttentionCall``) from each
  * segment's unit table: tables[b] -> the request's units by logical index (-1: none held),
  * table_lens[b] of them; segs [batch, 4]: per segment the step token of its first query,
@@ -557,13 +570,10 @@ int baton_paged_plan(Args *a, int32_t batch, const int64_t *tables, const int32_
     int max_units = 0;
     int64_t num_stores = 0;
     for (int b = 0; b < batch; b++) {
-        const int start = segs[4 * b + 1], count = segs[4 * b + 2], end = start + count;
-        const int lo = a->window > 0 && start - a->window + 1 > 0 ? start - a->window + 1 : 0;
-        const int first = segs[4 * b + 3] > lo ? segs[4 * b + 3] : lo;
-        const int read_end = covers_own ? end : start, from = first < start ? first : start;
-        const int units = a->is_ring ? 1 : from < read_end ? (read_end - 1) / rows - from / rows + 1 : 0;
+        const Span sp = plan_span(a, segs + 4 * b, keep, covers_own);
+        const int units = a->is_ring ? 1 : sp.num_pages;
         max_units = units > max_units ? units : max_units;
-        num_stores += keep >= 0 && end - keep > start ? keep : count;
+        num_stores += sp.end - sp.store_from;
     }
     if ((int64_t)batch * (max_units + 6) + 3 * num_stores > capacity) return -1;
     int32_t *units = buffer, *num_units = units + (int64_t)batch * max_units;
@@ -572,13 +582,9 @@ int baton_paged_plan(Args *a, int32_t batch, const int64_t *tables, const int32_
     int32_t *store_token = firsts + batch, *store_unit = store_token + num_stores;
     int32_t *store_row = store_unit + num_stores;
     for (int b = 0, n = 0; b < batch; b++) {
-        const int32_t *table = (const int32_t *)(intptr_t)tables[b];
+        const int32_t *table = (const int32_t *)(intptr_t)tables[b], *seg = segs + 4 * b;
         const int len = table_lens[b];
-        const int offset = segs[4 * b], start = segs[4 * b + 1], count = segs[4 * b + 2];
-        const int end = start + count;
-        const int lo = a->window > 0 && start - a->window + 1 > 0 ? start - a->window + 1 : 0;
-        const int floor_lo = segs[4 * b + 3] > lo ? segs[4 * b + 3] : lo;
-        const int first = floor_lo < start ? floor_lo : start, read_end = covers_own ? end : start;
+        const Span sp = plan_span(a, seg, keep, covers_own);
         int32_t *row_units = units + (int64_t)b * max_units;
         int held = 0;
         if (a->is_ring) {
@@ -586,19 +592,19 @@ int baton_paged_plan(Args *a, int32_t batch, const int64_t *tables, const int32_
             row_units[held++] = table[0];
             key_base[b] = 0;
         } else {
-            key_base[b] = first / rows * rows;
-            for (int p = first / rows; first < read_end && p <= (read_end - 1) / rows; p++) {
+            key_base[b] = sp.first_page * rows;
+            for (int p = sp.first_page; p < sp.first_page + sp.num_pages; p++) {
                 if (p >= len || table[p] < 0) return -2;
                 row_units[held++] = table[p];
             }
         }
         for (int u = held; u < max_units; u++) row_units[u] = 0;
-        num_units[b] = held, q_offset[b] = offset, q_start[b] = start, q_count[b] = count;
-        firsts[b] = first;
-        for (int p = keep >= 0 && end - keep > start ? end - keep : start; p < end; p++, n++) {
+        num_units[b] = held, q_offset[b] = seg[0], q_start[b] = seg[1], q_count[b] = seg[2];
+        firsts[b] = sp.first;
+        for (int p = sp.store_from; p < sp.end; p++, n++) {
             const int logical = a->is_ring ? 0 : p / rows;
             if (logical >= len || table[logical] < 0) return -2;
-            store_token[n] = offset + p - start;
+            store_token[n] = seg[0] + p - seg[1];
             store_unit[n] = table[logical], store_row[n] = p % rows;
         }
     }

@@ -120,16 +120,16 @@ class StateGroup:
     def restore_prefix(self, request_id: str, token_ids: list[int]) -> int:
         return self.prefix.restore(request_id, token_ids) if self.prefix is not None else 0
 
-    def _owners(self) -> list[UnitOwner]:
-        """The owners of every component but the handoff record's -- taken from the registry
-        again when it has grown (components only ever register): the scheduler asks several
-        times per request and step."""
+    def _owners(self, trimmed: bool = False) -> list[UnitOwner]:
+        """The owners of every component but the handoff record's (``trimmed``: those with
+        no token lag) -- taken from the registry again when it has grown (components only
+        ever register): the scheduler asks several times per request and step."""
         if len(self.registry) != self._seen:
             computed = [c for c in self.registry if c.push is not PushPhase.LAST and c.owner]
             self._owner_list = [c.owner for c in computed]
             self._trimmed = [c.owner for c in computed if c.token_lag == 0]
             self._seen = len(self.registry)
-        return self._owner_list
+        return self._trimmed if trimmed else self._owner_list
 
     def can_grow(self, request_id: str, start: int, end: int) -> bool:
         owners = self._owners()
@@ -146,9 +146,8 @@ class StateGroup:
             owner.grow(request_id, start, end)
 
     def trim(self, request_id: str, num_computed: int) -> None:
-        self._owners()
         self._held = None
-        for owner in self._trimmed:
+        for owner in self._owners(trimmed=True):
             owner.trim(request_id, num_computed)
 
     def free(self, request_id: str) -> None:

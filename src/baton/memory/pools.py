@@ -159,12 +159,13 @@ class StatePool(ABC):
     @property
     @abstractmethod
     def store_keep(self) -> int:
-        """``_store_from``'s rule as a number: of [start, end) the positions from
-        max(start, end - store_keep) are stored (-1: all of them)."""
+        """Which positions a step stores: of [start, end) those from max(start, end -
+        store_keep) (-1: all of them); the native plan reads the same number."""
 
-    @abstractmethod
     def _store_from(self, start: int, end: int) -> int:
         """First position of [start, end) worth storing."""
+        keep = self.store_keep
+        return start if keep < 0 else max(start, end - keep)
 
     @abstractmethod
     def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
@@ -277,9 +278,6 @@ class PagedPool(StatePool):
     @property
     def store_keep(self) -> int:
         return -1 if self.keep is None or self.store_all else self.keep
-
-    def _store_from(self, start: int, end: int) -> int:
-        return start if self.keep is None or self.store_all else max(start, end - self.keep)
 
     def unit_table(self, request_id: str) -> array:
         found = self._unit_tables.get(request_id)

@@ -48,9 +48,6 @@ class RingPool(StatePool):
     def store_keep(self) -> int:
         return self.rows
 
-    def _store_from(self, start: int, end: int) -> int:
-        return max(start, end - self.rows)
-
     def unit_table(self, request_id: str) -> array:
         return array("i", [self.rings[request_id]])
 

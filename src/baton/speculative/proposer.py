@@ -198,11 +198,10 @@ class DraftProposer:
             return None
         if entries[0][2].dtype != chain.dtype:
             return None
-        first, state, backends = None, None, []  # backends own the plans until the call
+        first, state = None, None
         if sum(len(e[3]) for e in entries) <= chain.max_rows:
             segments, hidden, ids, positions = self._inputs(entries)
-            backends.append(PagedAttention(self.cache, segments))
-            attention = self.draft.layer.native_attention(backends[-1])
+            attention = self.draft.layer.native_attention(PagedAttention(self.cache, segments))
             if attention is None:
                 return None
             last = [seg.offset + seg.num_tokens - 1 for seg in segments]
@@ -215,8 +214,10 @@ class DraftProposer:
             # Scratch slots L .. L+steps-2, as ``_chain`` grows them one by one.
             self.cache.grow(rid, slots[rid], slots[rid] + steps - 1)
             segments.append(Segment(rid, b * (steps - 1), slots[rid], steps - 1, floor))
-        backends.append(PagedAttention(self.cache, segments, one_at_a_time=True))
-        attention = self.draft.layer.native_attention(backends[-1])
+        # NOTE: the draft pool keeps each kind of plan (the first step's, the chain's) alive.
+        attention = self.draft.layer.native_attention(
+            PagedAttention(self.cache, segments, one_at_a_time=True)
+        )
         if attention is None:  # the pool's storage is not the kernel's (then neither was it
             assert first is None  # for the first step's plan)
             return self._chain(request_ids, slots, list(state[:, None]))
@@ -225,10 +226,12 @@ class DraftProposer:
             batch, steps, rotary.tables(0, chain.dtype), attention, floors, state, first
         )
         if guesses is None:  # a position past the tables (a scratch slot's is the slot + 1)
-            last = max(slots[rid] + steps for rid in request_ids)
-            tables = rotary.tables(max(last, *(first.positions if first else [])) + 1, chain.dtype)
-            guesses = chain(batch, steps, tables, attention, floors, state, first)
-        del backends  # the plans' index lists were read until here
+            needed = max(slots[rid] + steps for rid in request_ids)  # the last slot's + 1
+            if first is not None:
+                needed = max(needed, max(first.positions) + 1)
+            guesses = chain(
+                batch, steps, rotary.tables(needed, chain.dtype), attention, floors, state, first
+            )
         self.num_draft_forwards += steps if first is not None else steps - 1
         return dict(zip(request_ids, guesses, strict=True))
 
