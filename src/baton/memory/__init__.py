@@ -7,7 +7,8 @@ the bookkeeping half.
 """
 
 from baton.memory.block_pool import BlockPool
-from baton.memory.pools import PagedPool, StatePool
+from baton.memory.paged_pool import PagedPool
+from baton.memory.pools import StatePool
 from baton.memory.ring_pool import RingPool
 from baton.memory.state import StateComponent, StateRegistry, UnitRange
 

@@ -18,7 +18,8 @@ import torch
 from baton.config import CacheConfig, SchedulerConfig
 from baton.memory.allocator import StorageAllocator
 from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
-from baton.memory.pools import PagedPool, StatePool
+from baton.memory.paged_pool import PagedPool
+from baton.memory.pools import StatePool
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.ring_pool import RingPool
 from baton.memory.state import PushPhase, StateRegistry, UnitOwner
