@@ -179,7 +179,11 @@ PROMPTS = [
 ]
 
 
-def _generate(dtype: str, mode: str, calls: list[int]):
+MANY_PROMPTS = [f"{p} {i}" for i in range(4) for p in PROMPTS[:2]] + PROMPTS[1:]
+"""10 requests: verify steps of up to 50 rows, the draft's first step on up to 50 pairs."""
+
+
+def _generate(dtype: str, mode: str, calls: list, prompts: list[str] = PROMPTS):
     llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
     matmul = model_layers.linear_rows
@@ -191,6 +195,8 @@ def _generate(dtype: str, mode: str, calls: list[int]):
 
     def counted_layer(self, *args):
         calls.append("layer")
+        if isinstance(self, native_layer.NativeStack):
+            calls.append(("stack tokens", args[0].numel()))
         return layer_calls[type(self)](self, *args)
 
     def counted_matmul(*args):
@@ -201,7 +207,7 @@ def _generate(dtype: str, mode: str, calls: list[int]):
         for cls in layer_calls:
             mp.setattr(cls, "__call__", counted_layer)
         mp.setattr(model_layers, "linear_rows", counted_matmul)
-        outs = llm.generate(PROMPTS, params)
+        outs = llm.generate(prompts, params)
     return [
         (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths) for o in outs
     ]
@@ -218,29 +224,40 @@ def _first_difference(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "mode", "onednn"),
+    ("dtype", "mode", "onednn", "prompts"),
     [
-        ("float32", "paged", False),
-        ("float32", "ring", False),
-        ("bfloat16", "paged", False),
-        ("bfloat16", "paged", True),
+        ("float32", "paged", False, PROMPTS),
+        ("float32", "ring", False, PROMPTS),
+        ("bfloat16", "paged", False, PROMPTS),
+        ("bfloat16", "paged", True, PROMPTS),
+        ("float32", "paged", False, MANY_PROMPTS),
+        ("bfloat16", "paged", True, MANY_PROMPTS),
     ],
-)
-def test_generation_with_the_fused_layer_equals_the_torch_layers(dtype, mode, onednn, monkeypatch):
+    ids=["float32-paged", "float32-ring", "bfloat16-paged", "bfloat16-paged-onednn",
+         "float32-paged-batch10", "bfloat16-paged-onednn-batch10"],
+)  # fmt: skip
+def test_generation_with_the_fused_layer_equals_the_torch_layers(
+    dtype, mode, onednn, prompts, monkeypatch
+):
     # onednn: bf16 weights packed for oneDNN too, as an AVX-512-BF16 CPU does (the torch
     # layers then run oneDNN's packed matmuls, small steps still the fused layer); without
     # it, unpacked bf16 weights on every CPU: the path a CPU without oneDNN bf16 runs.
+    # batch10: verify steps past 32 rows (up to 50) in the stack, as MTP batches of 7-12.
     if onednn and not platform.current().native_bf16:
         pytest.skip(f"oneDNN has no bf16 path on this CPU ({platform.current().summary()})")
     if not onednn:
         monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
-    fused_calls: list[str] = []
-    fused = _generate(dtype, mode, fused_calls)
+    fused_calls: list = []
+    fused = _generate(dtype, mode, fused_calls, prompts)
     monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")
-    torch_calls: list[str] = []
-    reference = _generate(dtype, mode, torch_calls)
+    torch_calls: list = []
+    reference = _generate(dtype, mode, torch_calls, prompts)
     # The switch works, and both native parts ran (the head's and the draft's matmuls).
-    assert set(fused_calls) == {"layer", "matmul"} and not torch_calls
+    stack_steps = [n for c in fused_calls if isinstance(c, tuple) for n in c[1:]]
+    assert {c for c in fused_calls if isinstance(c, str)} == {"layer", "matmul"}
+    assert not torch_calls
+    if prompts is MANY_PROMPTS:  # the stack took verify steps of more than 32 rows
+        assert max(stack_steps) > 32, stack_steps
     assert any(a for _, _, a in fused)  # the draft was verified, its layer fused too
     if dtype == "float32":
         assert [t for t, _, _ in fused] == [t for t, _, _ in reference]

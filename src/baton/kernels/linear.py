@@ -17,21 +17,26 @@ import torch
 
 from baton.kernels import DTYPES, library, small_step_threads
 
-MAX_ROWS = 32
-"""Up to this many rows (a verification step of 8 requests with 3 draft tokens each) the
+MAX_ROWS = 64
+"""Up to this many rows (a verification step of 12 requests with 4 draft tokens each) the
 panels beat BLAS's fp32 matmul here: 4096x256 at 32 rows 0.88 vs 1.48 ms, a batch-32 decode
-step 17-20 vs 22-25 ms (``benchmarks/step_cost.py``)."""
+step 17-20 vs 22-25 ms (``benchmarks/step_cost.py``). From 32 to 64 (a Zen 5, fp32 steps of
+the bundled model, the limit switched every 10 steps in one process): plain decode of 48
+requests 1.52x the tokens per second (6 of 6 blocks faster), an MTP batch of 8 (40 rows)
+1.07x; with the AVX2 kernels forced (``BATON_CPU_ISA=avx2``) plain 40 / 64 requests 1.32x
+/ 1.16x, MTP 8 a tie (0.94-1.00x)."""
 
 
-MAX_ROWS_BESIDE_ONEDNN = 32
+MAX_ROWS_BESIDE_ONEDNN = 64
 """Where oneDNN computes bf16 (AVX-512-BF16), the panels take calls of at most this many
-rows. Measured on a Zen 5 (in-process A/Bs, bf16 steps of the bundled model): with the
-bf16-pair tiles and linear.c's vectorised silu and few tasks per thread, a stack of 32 rows
-against 16 (oneDNN op by op above): plain decode of 24 / 28 requests 3.55 vs 3.73, 4.27 vs
-4.70 ms per step, of 32 4.74 / 5.60 vs 4.58 / 5.59 (a tie); MTP verify steps of 4 requests
-(20 rows) 3.73 / 4.02 vs 4.83 / 4.69 ms, of 6 (30 rows) 4.66 / 5.36 vs 5.24 / 5.62; 40 rows
-(8 requests) a tie at 48. Before those two changes the crossover was at 16 (32 requests
-4.11 / 4.52 vs 3.56 / 3.46 ms), with the widened fp32 tiles at 12."""
+rows. Measured on a Zen 5 (bf16 steps of the bundled model, the limit switched every 10
+steps in one process): 64 against 32 (oneDNN op by op above): an MTP batch of 8 requests
+(40-row verify steps, the draft's first step on 40 pairs in one call) 1.71-1.77x the tokens
+per second, 11-12 of 12 blocks faster; of 12 (60 rows) 1.37x; plain decode of 48 / 64
+requests 1.22-1.28x / 1.16x. Above 64 oneDNN wins: 128 against 64 for plain 96 / 128
+requests 0.80x / 0.77x (an MTP batch of 16, 80 rows, a tie at 1.04x). Earlier sessions
+found 32 a tie with 16 for plain batches of 32, and (before the plans, the pair tiles'
+tasks and the draft's first step moved into C) 40 rows a tie at 48."""
 
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
