@@ -145,6 +145,54 @@ def test_every_level_gives_the_same_bits(dtype, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, first, strict=True)), level
 
 
+@pytest.mark.parametrize(("k", "n"), [(67, 160), (256, 768), (64, 33), (768, 256)])
+def test_two_panels_at_once_give_the_one_panel_bits(k, n):
+    """Where bf16 rows times bf16 panels take the pair tiles (AVX-512 BF16), a task takes two
+    adjacent panels at once for 2 rows or more (each broadcast of a row's pair feeding both):
+    each output's sum is still the one-panel tile's, in its order -- the same bits for 1 to
+    64 rows, odd and even panel counts, a partial last panel, the gated pair of matmuls."""
+    import ctypes
+
+    lib = library()
+    if lib is None or not platform.current().native_bf16:
+        pytest.skip(f"no bf16 pair tiles on this CPU ({platform.current().summary()})")
+    switch = ctypes.c_int32.in_dll(lib, "baton_linear_panels_at_once")
+    g = torch.Generator().manual_seed(k * n)
+    weight = PackedRows((torch.randn(n, k, generator=g) / k**0.5).bfloat16())
+    up = PackedRows((torch.randn(n, k, generator=g) / k**0.5).bfloat16())
+    x = torch.randn(1, MAX_ROWS, k, generator=g).bfloat16()
+    other = torch.randn(1, MAX_ROWS, n, generator=g).bfloat16()
+
+    def gated(m):  # layer.c's gate-then-up region over the same panels
+        g_out, u_out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
+        status = lib.baton_gated_rows(
+            x.data_ptr(), k, m, k, weight.data_ptr(), None, int(Epilogue.SILU),
+            g_out.data_ptr(), up.data_ptr(), None, int(Epilogue.MUL), u_out.data_ptr(), n, 1,
+            1, 2,
+        )  # fmt: skip
+        assert status == 0
+        return torch.cat([g_out, u_out])
+
+    def results():
+        out = []
+        for m in (1, 2, 3, 5, 6, 7, 13, 40, MAX_ROWS):
+            out.append(linear_rows(x[:, :m], weight, None))
+            out.append(linear_rows(x[:, :m], weight, None, Epilogue.ADD, other[:, :m]))
+            out.append(gated(m))
+        return out
+
+    try:
+        switch.value = 1
+        one = results()
+        switch.value = 2
+        two = results()
+    finally:
+        switch.value = 2
+    assert all(a is not None for a in one)
+    for i, (a, b) in enumerate(zip(one, two, strict=True)):
+        assert torch.equal(a, b), i
+
+
 def test_linear_rows_declines_what_it_cannot_take():
     w = PackedRows(torch.randn(8, 16))
     assert linear_rows(torch.randn(MAX_ROWS + 1, 16), w, None) is None

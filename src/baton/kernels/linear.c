@@ -14,7 +14,8 @@
  * 0..7 at even positions, 8..15 at odd ones) so that a shift and a mask widen them to two
  * fp32 vectors; where the CPU multiplies bf16 pairs (AVX-512 BF16) bf16 rows times bf16
  * panels take the pair tiles instead (two panel rows, paired by a permute, per vdpbf16ps:
- * twice the multiply-adds per instruction, other sums). Panels are split over pool.c's
+ * twice the multiply-adds per instruction, other sums; for 2 rows or more two panels at
+ * once, each broadcast feeding both). Panels are split over pool.c's
  * threads, a few panels per task (a small step's calls: see there why not OpenMP's); a call
  * below ~64 K multiply-adds runs on one thread. Columns past n in the last panel are zeros and never
  * stored.
@@ -236,6 +237,56 @@ static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, t
             _mm512_storeu_ps(out + r * 16, sum);                                              \
         }                                                                                     \
     }
+/* The pair tile over two adjacent panels at once (p and p + second): each broadcast of a
+ * row's pair feeds two multiply-adds (one broadcast and one panel load per multiply-add held
+ * the one-panel tile of 4-6 rows to ~1.4 vdpbf16ps per cycle on a Zen 5); every output's sum
+ * is the one-panel tile's, in its order: the same bits. */
+#define DEFINE_PAIR_TILE2(R, U)                                                               \
+    static void pair_tile2_##R(const uint16_t *xb, int k, int kp, const void *p,              \
+                               int64_t second, float *out, float *out2) {                     \
+        const __m512i pair_at = _mm512_loadu_si512(PAIR_AT);                                  \
+        const uint16_t *w = p, *w2 = (const uint16_t *)p + second;                            \
+        __m512 acc[U][R], acc2[U][R];                                                         \
+        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = acc2[u][r] = _mm512_setzero_ps(); \
+        const int pairs = k / 2;                                                              \
+        int j = 0;                                                                            \
+        for (; j + U <= pairs; j += U)                                                        \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
+                const __m512i v = _mm512_permutexvar_epi16(                                   \
+                    pair_at, _mm512_loadu_si512(w + 32 * (int64_t)(j + u)));                  \
+                const __m512i v2 = _mm512_permutexvar_epi16(                                  \
+                    pair_at, _mm512_loadu_si512(w2 + 32 * (int64_t)(j + u)));                 \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                         \
+                    const __m512bh xr = (__m512bh)_mm512_set1_epi32(                          \
+                        *(const int32_t *)(xb + (int64_t)r * kp + 2 * (j + u)));              \
+                    acc[u][r] = _mm512_dpbf16_ps(acc[u][r], xr, (__m512bh)v);                 \
+                    acc2[u][r] = _mm512_dpbf16_ps(acc2[u][r], xr, (__m512bh)v2);              \
+                }                                                                             \
+            }                                                                                 \
+        for (; j < (k + 1) / 2; j++) {                                                        \
+            const int full = 2 * j + 1 < k;                                                   \
+            const __m512i v = _mm512_permutexvar_epi16(pair_at,                               \
+                full ? _mm512_loadu_si512(w + 32 * (int64_t)j)                                \
+                     : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 32 * (int64_t)j)))); \
+            const __m512i v2 = _mm512_permutexvar_epi16(pair_at,                              \
+                full ? _mm512_loadu_si512(w2 + 32 * (int64_t)j)                               \
+                     : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w2 + 32 * (int64_t)j)))); \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                             \
+                const __m512bh xr = (__m512bh)_mm512_set1_epi32(                              \
+                    *(const int32_t *)(xb + (int64_t)r * kp + 2 * j));                        \
+                acc[0][r] = _mm512_dpbf16_ps(acc[0][r], xr, (__m512bh)v);                     \
+                acc2[0][r] = _mm512_dpbf16_ps(acc2[0][r], xr, (__m512bh)v2);                  \
+            }                                                                                 \
+        }                                                                                     \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            __m512 sum = acc[0][r], sum2 = acc2[0][r];                                        \
+            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
+                sum = _mm512_add_ps(sum, acc[u][r]), sum2 = _mm512_add_ps(sum2, acc2[u][r]);  \
+            _mm512_storeu_ps(out + r * 16, sum);                                              \
+            _mm512_storeu_ps(out2 + r * 16, sum2);                                            \
+        }                                                                                     \
+    }
 /* Element 2c of a permuted pair of panel rows: column c of row i (position 2 (c % 8) +
  * c / 8), element 2c + 1: of row i + 1 (16 further): the lanes then hold the columns in
  * order. */
@@ -249,6 +300,16 @@ DEFINE_PAIR_TILE(3, 4)
 DEFINE_PAIR_TILE(4, 2)
 DEFINE_PAIR_TILE(5, 2)
 DEFINE_PAIR_TILE(6, 2)
+DEFINE_PAIR_TILE2(1, 8)
+DEFINE_PAIR_TILE2(2, 4)
+DEFINE_PAIR_TILE2(3, 4)
+DEFINE_PAIR_TILE2(4, 2)
+DEFINE_PAIR_TILE2(5, 2)
+DEFINE_PAIR_TILE2(6, 2)
+typedef void (*pair_tile2_fn)(const uint16_t *, int, int, const void *, int64_t, float *, float *);
+static const pair_tile2_fn PAIR_TILES2[GROUP + 1] = {NULL,         pair_tile2_1, pair_tile2_2,
+                                                     pair_tile2_3, pair_tile2_4, pair_tile2_5,
+                                                     pair_tile2_6};
 typedef void (*pair_tile_fn)(const uint16_t *, int, int, const void *, float *);
 static const pair_tile_fn PAIR_TILES[GROUP + 1] = {NULL,         pair_tile_1, pair_tile_2,
                                                    pair_tile_3, pair_tile_4, pair_tile_5,
@@ -349,6 +410,32 @@ static void one_block(void *ctx, int blk, int worker) {
     }
 }
 
+/* Panels a task's pair tiles take at once: 2, or 1 (tests compare the two bit for bit). */
+int32_t baton_linear_panels_at_once = 2;
+
+#if HAVE_PAIRS
+/* Panels blk and blk + 1 (both full: columns < n) with the two-panel pair tile. */
+static void two_blocks(const Job *J, int blk) {
+    const int m = J->m, k = J->k;
+    float block[GROUP * PANEL], block2[GROUP * PANEL];
+    const int begin = blk * PANEL;
+    const int64_t panel_elems = (int64_t)PANEL * k;
+    const void *panel = (const uint16_t *)J->w + (size_t)blk * panel_elems;
+    for (int g = 0; g < m; g += GROUP) {
+        const int rows = m - g < GROUP ? m - g : GROUP;
+        PAIR_TILES2[rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, panel_elems, block, block2);
+        for (int r = 0; r < rows; r++) {
+            const int64_t row = g + r;
+            finish(block + r * PANEL, begin, PANEL, J->bias, J->w_bf16, J->op, J->other,
+                   row * J->other_stride + begin, J->y, row * J->y_stride + begin, J->act_bf16);
+            finish(block2 + r * PANEL, begin + PANEL, PANEL, J->bias, J->w_bf16, J->op, J->other,
+                   row * J->other_stride + begin + PANEL, J->y, row * J->y_stride + begin + PANEL,
+                   J->act_bf16);
+        }
+    }
+}
+#endif
+
 /* One task: panels [task * per_task, +per_task). A task per panel made the threads take
  * turns at pool.c's shared word 16-48 times per call (each a cache line moving between the
  * cores) in calls of a few microseconds: ~4 tasks per thread still balance a helper that
@@ -357,7 +444,15 @@ static void some_blocks(void *ctx, int task, int worker) {
     const Job *J = ctx;
     const int panels = (J->n + PANEL - 1) / PANEL, first = task * J->per_task;
     const int stop = first + J->per_task < panels ? first + J->per_task : panels;
-    for (int b = first; b < stop; b++) {
+    int b = first;
+#if HAVE_PAIRS
+    if (J->xb != NULL && J->m >= 2 && baton_linear_panels_at_once == 2) /* one row: no gain */
+        for (; b + 1 < stop && (b + 2) * PANEL <= J->n; b += 2) {
+            two_blocks(J, b);
+            if (J->then != NULL) two_blocks(J->then, b);
+        }
+#endif
+    for (; b < stop; b++) {
         one_block(ctx, b, worker);
         if (J->then != NULL) one_block(J->then, b, worker);
     }
