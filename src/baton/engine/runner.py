@@ -1,17 +1,16 @@
 """ModelRunner: a scheduled batch -> model inputs -> forward -> committed tokens.
 
 Flattens the step's chunks into one token row, builds the ``PagedAttention`` segments,
-runs the target model (one forward; two where prompt chunks share the step with decode or
-verify chunks: the prompt's op by op, the others' in the native stack) and commits tokens
-for every chunk that reaches the end of its known tokens: one sampled token, or -- for a
-speculative chunk -- the verified prefix of the draft's chain plus one. With a draft, it
-also runs the draft over the prompt pairs of every prefill chunk (the draft's prompt state)
-and hands the proposer its next pending pairs. Counts the tokens it computed, prompt tokens
-separately (a PD decode worker must compute none). Two shortcuts, each with the general
-path beside it: the last layer runs past attention only for the rows something reads
-(``_rows_read``: a prefill chunk's tail), and plain-greedy rows take the argmax /
-log-sum-exp kernels instead of fp32 logits and the sampler (``_plain_greedy``), with the
-head in the same native call where it takes linear.c (``_greedy_head``).
+runs the target model and commits tokens for every chunk that reaches the end of its known
+tokens: one sampled token, or -- for a speculative chunk -- the verified prefix of the
+draft's chain plus one. With a draft, it also runs the draft over the prompt pairs of every
+prefill chunk (the draft's prompt state) and hands the proposer its next pending pairs.
+Counts the tokens it computed, prompt tokens separately (a PD decode worker must compute
+none). Two shortcuts, each with the general path beside it: the last layer runs past
+attention only for the rows something reads (``_rows_read``: a prefill chunk's tail), and
+plain-greedy rows take the argmax / log-sum-exp kernels instead of fp32 logits and the
+sampler (``_plain_greedy``), with the head in the same native call where it takes linear.c
+(``_greedy_head``).
 """
 
 from __future__ import annotations
@@ -83,12 +82,22 @@ class ModelRunner:
                 0, min(chunk.end, request.num_prompt_tokens) - chunk.start
             )
         self.num_computed_tokens += len(input_ids)
-        prompt = [c.start < c.request.num_prompt_tokens for c in batch.chunks]
-        computes_prompt = any(prompt)
-        if computes_prompt and not all(prompt):  # prompt chunks beside decode / verify ones
-            hidden = self._forward_apart(batch.chunks, prompt, segments, input_ids, positions)
-        else:
-            hidden = self._forward(batch.chunks, segments, input_ids, positions, computes_prompt)
+        rows = self._rows_read(batch.chunks, segments, len(input_ids))
+        # A prompt's keys and values (and the draft's) come out the same whatever the step's
+        # size, so that a prefix-cache hit restores the bytes a cold run writes: no fused
+        # layer, and matmuls in blocks of rows (layers.step_invariant_rows).
+        computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
+        with step_invariant_rows(computes_prompt):
+            hidden = self.model(
+                torch.tensor([input_ids]),
+                torch.tensor([positions]),
+                PagedAttention(self.cache, segments, native_layers=not computes_prompt),
+                rows,
+            )[0]  # [N, H], or [len(rows), H]
+        if rows is not None:  # back in place: the rows nothing reads stay zero
+            full = hidden.new_zeros((len(input_ids), hidden.shape[-1]))
+            full[rows] = hidden
+            hidden = full
         result = StepResult()
         # After a prompt's matmuls (OpenMP's threads), small native calls run inline: see
         # kernels.inline_small_calls. The same bits either way.
@@ -101,54 +110,6 @@ class ModelRunner:
                 with step_invariant_rows(computes_prompt):
                     self._feed_draft(batch.chunks, segments, hidden, result)
         return result
-
-    def _forward(self, chunks, segments, input_ids, positions, computes_prompt: bool):
-        """The target's final hidden states [N, H] of the step's tokens (rows nothing reads
-        stay zero). A prompt's keys and values (and the draft's) come out the same whatever
-        the step's size, so that a prefix-cache hit restores the bytes a cold run writes: a
-        forward computing prompt tokens takes no fused layer, and its matmuls run in blocks
-        of rows (layers.step_invariant_rows)."""
-        rows = self._rows_read(chunks, segments, len(input_ids))
-        with step_invariant_rows(computes_prompt):
-            hidden = self.model(
-                torch.tensor([input_ids]),
-                torch.tensor([positions]),
-                PagedAttention(self.cache, segments, native_layers=not computes_prompt),
-                rows,
-            )[0]  # [N, H], or [len(rows), H]
-        if rows is not None:  # back in place: the rows nothing reads stay zero
-            full = hidden.new_zeros((len(input_ids), hidden.shape[-1]))
-            full[rows] = hidden
-            hidden = full
-        return hidden
-
-    def _forward_apart(self, chunks, prompt, segments, input_ids, positions) -> torch.Tensor:
-        """``_forward`` for a step with prompt chunks beside decode or verify chunks: two
-        forwards, the prompt chunks' (op by op, step-invariant) and the others' (the native
-        stack, as a step without prompt chunks takes) -- otherwise every verify row of a
-        serving step that admits a prompt went op by op. Requests' segments are independent,
-        so each chunk's hidden states and stored keys and values are those of a step of its
-        kind alone; they go back in the step's order."""
-        hidden = None
-        for kind in (False, True):
-            picked = [i for i, is_prompt in enumerate(prompt) if is_prompt == kind]
-            part_segments, part_ids, part_positions, at = [], [], [], []
-            for i in picked:
-                seg = segments[i]
-                span = range(seg.offset, seg.offset + seg.num_tokens)
-                part_segments.append(
-                    Segment(seg.request_id, len(part_ids), seg.start, seg.num_tokens, seg.floor)
-                )
-                part_ids.extend(input_ids[j] for j in span)
-                part_positions.extend(positions[j] for j in span)
-                at.extend(span)
-            part = self._forward(
-                [chunks[i] for i in picked], part_segments, part_ids, part_positions, kind
-            )
-            if hidden is None:
-                hidden = part.new_zeros((len(input_ids), part.shape[-1]))
-            hidden[at] = part
-        return hidden
 
     def _rows_read(self, chunks, segments, num_tokens: int) -> torch.Tensor | None:
         """The step's rows whose final hidden states are read: every row of a verified chain,
