@@ -203,89 +203,56 @@ static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, t
  * w[c, 2j+1], twice the multiply-adds per instruction of the widened fp32 tiles. xb: the rows
  * in bf16, kp (k rounded up to even) apart, zero-padded. Two panel rows i, i+1 (adjacent)
  * are one 64-byte load, their columns paired by one permute; an odd k's last row pairs with
- * zeros. NOTE: other bits than the fp32 tiles (pairs summed in the instruction's order). */
-#define DEFINE_PAIR_TILE(R, U)                                                                \
-    static void pair_tile_##R(const uint16_t *xb, int k, int kp, const void *p, float *out) { \
+ * zeros. NOTE: other bits than the fp32 tiles (pairs summed in the instruction's order).
+ * P (1 or 2) adjacent panels at once (the second at p + second, its outputs at out2): each
+ * broadcast of a row's pair then feeds P multiply-adds (one broadcast and one panel load per
+ * multiply-add held the one-panel tile of 4-6 rows to ~1.4 vdpbf16ps per cycle on a Zen 5);
+ * every output's sum is the one-panel tile's, in its order. */
+#define DEFINE_PAIR_TILE(NAME, R, U, P)                                                       \
+    static void NAME(const uint16_t *xb, int k, int kp, const void *p, int64_t second,        \
+                     float *out, float *out2) {                                               \
         const __m512i pair_at = _mm512_loadu_si512(PAIR_AT);                                  \
-        const uint16_t *w = p;                                                                \
-        __m512 acc[U][R];                                                                     \
-        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_setzero_ps(); \
+        const uint16_t *w[2] = {p, (const uint16_t *)p + second};                             \
+        float *outs[2] = {out, out2};                                                         \
+        __m512 acc[P][U][R], v[P];                                                            \
+        _Pragma("GCC unroll 2") for (int q = 0; q < P; q++)                                   \
+            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                               \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                           \
+                    acc[q][u][r] = _mm512_setzero_ps();                                       \
         const int pairs = k / 2;                                                              \
         int j = 0;                                                                            \
         for (; j + U <= pairs; j += U)                                                        \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
-                const __m512i v = _mm512_permutexvar_epi16(                                   \
-                    pair_at, _mm512_loadu_si512(w + 32 * (int64_t)(j + u)));                  \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_dpbf16_ps( \
-                    acc[u][r], (__m512bh)_mm512_set1_epi32(                                   \
-                        *(const int32_t *)(xb + (int64_t)r * kp + 2 * (j + u))), (__m512bh)v); \
-            }                                                                                 \
-        for (; j < (k + 1) / 2; j++) {                                                        \
-            const __m512i v = _mm512_permutexvar_epi16(pair_at,                               \
-                2 * j + 1 < k ? _mm512_loadu_si512(w + 32 * (int64_t)j)                       \
-                              : _mm512_zextsi256_si512(_mm256_loadu_si256(                    \
-                                    (const __m256i *)(w + 32 * (int64_t)j))));                \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[0][r] = _mm512_dpbf16_ps( \
-                acc[0][r], (__m512bh)_mm512_set1_epi32(                                       \
-                    *(const int32_t *)(xb + (int64_t)r * kp + 2 * j)), (__m512bh)v);          \
-        }                                                                                     \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
-            __m512 sum = acc[0][r];                                                           \
-            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
-                sum = _mm512_add_ps(sum, acc[u][r]);                                          \
-            _mm512_storeu_ps(out + r * 16, sum);                                              \
-        }                                                                                     \
-    }
-/* The pair tile over two adjacent panels at once (p and p + second): each broadcast of a
- * row's pair feeds two multiply-adds (one broadcast and one panel load per multiply-add held
- * the one-panel tile of 4-6 rows to ~1.4 vdpbf16ps per cycle on a Zen 5); every output's sum
- * is the one-panel tile's, in its order: the same bits. */
-#define DEFINE_PAIR_TILE2(R, U)                                                               \
-    static void pair_tile2_##R(const uint16_t *xb, int k, int kp, const void *p,              \
-                               int64_t second, float *out, float *out2) {                     \
-        const __m512i pair_at = _mm512_loadu_si512(PAIR_AT);                                  \
-        const uint16_t *w = p, *w2 = (const uint16_t *)p + second;                            \
-        __m512 acc[U][R], acc2[U][R];                                                         \
-        _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = acc2[u][r] = _mm512_setzero_ps(); \
-        const int pairs = k / 2;                                                              \
-        int j = 0;                                                                            \
-        for (; j + U <= pairs; j += U)                                                        \
-            _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
-                const __m512i v = _mm512_permutexvar_epi16(                                   \
-                    pair_at, _mm512_loadu_si512(w + 32 * (int64_t)(j + u)));                  \
-                const __m512i v2 = _mm512_permutexvar_epi16(                                  \
-                    pair_at, _mm512_loadu_si512(w2 + 32 * (int64_t)(j + u)));                 \
+                _Pragma("GCC unroll 2") for (int q = 0; q < P; q++) v[q] = (__m512)           \
+                    _mm512_permutexvar_epi16(pair_at,                                         \
+                                             _mm512_loadu_si512(w[q] + 32 * (int64_t)(j + u))); \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                         \
                     const __m512bh xr = (__m512bh)_mm512_set1_epi32(                          \
                         *(const int32_t *)(xb + (int64_t)r * kp + 2 * (j + u)));              \
-                    acc[u][r] = _mm512_dpbf16_ps(acc[u][r], xr, (__m512bh)v);                 \
-                    acc2[u][r] = _mm512_dpbf16_ps(acc2[u][r], xr, (__m512bh)v2);              \
+                    _Pragma("GCC unroll 2") for (int q = 0; q < P; q++) acc[q][u][r] =        \
+                        _mm512_dpbf16_ps(acc[q][u][r], xr, (__m512bh)v[q]);                   \
                 }                                                                             \
             }                                                                                 \
         for (; j < (k + 1) / 2; j++) {                                                        \
-            const int full = 2 * j + 1 < k;                                                   \
-            const __m512i v = _mm512_permutexvar_epi16(pair_at,                               \
-                full ? _mm512_loadu_si512(w + 32 * (int64_t)j)                                \
-                     : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w + 32 * (int64_t)j)))); \
-            const __m512i v2 = _mm512_permutexvar_epi16(pair_at,                              \
-                full ? _mm512_loadu_si512(w2 + 32 * (int64_t)j)                               \
-                     : _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(w2 + 32 * (int64_t)j)))); \
+            _Pragma("GCC unroll 2") for (int q = 0; q < P; q++) v[q] = (__m512)               \
+                _mm512_permutexvar_epi16(pair_at,                                             \
+                    2 * j + 1 < k ? _mm512_loadu_si512(w[q] + 32 * (int64_t)j)                \
+                                  : _mm512_zextsi256_si512(_mm256_loadu_si256(                \
+                                        (const __m256i *)(w[q] + 32 * (int64_t)j))));         \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                             \
                 const __m512bh xr = (__m512bh)_mm512_set1_epi32(                              \
                     *(const int32_t *)(xb + (int64_t)r * kp + 2 * j));                        \
-                acc[0][r] = _mm512_dpbf16_ps(acc[0][r], xr, (__m512bh)v);                     \
-                acc2[0][r] = _mm512_dpbf16_ps(acc2[0][r], xr, (__m512bh)v2);                  \
+                _Pragma("GCC unroll 2") for (int q = 0; q < P; q++) acc[q][0][r] =            \
+                    _mm512_dpbf16_ps(acc[q][0][r], xr, (__m512bh)v[q]);                       \
             }                                                                                 \
         }                                                                                     \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
-            __m512 sum = acc[0][r], sum2 = acc2[0][r];                                        \
-            _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
-                sum = _mm512_add_ps(sum, acc[u][r]), sum2 = _mm512_add_ps(sum2, acc2[u][r]);  \
-            _mm512_storeu_ps(out + r * 16, sum);                                              \
-            _mm512_storeu_ps(out2 + r * 16, sum2);                                            \
-        }                                                                                     \
+        _Pragma("GCC unroll 2") for (int q = 0; q < P; q++)                                   \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                             \
+                __m512 sum = acc[q][0][r];                                                    \
+                _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                           \
+                    sum = _mm512_add_ps(sum, acc[q][u][r]);                                   \
+                _mm512_storeu_ps(outs[q] + r * 16, sum);                                      \
+            }                                                                                 \
     }
 /* Element 2c of a permuted pair of panel rows: column c of row i (position 2 (c % 8) +
  * c / 8), element 2c + 1: of row i + 1 (16 further): the lanes then hold the columns in
@@ -294,26 +261,22 @@ static const uint16_t PAIR_AT[32] = {0, 16, 2, 18, 4,  20, 6,  22, 8,  24, 10,
                                      26, 12, 28, 14, 30, 1, 17, 3,  19, 5,  21,
                                      7,  23, 9,  25, 11, 27, 13, 29, 15, 31};
 /* 8 to 12 independent sums in flight: a vdpbf16ps waits on its accumulator's last. */
-DEFINE_PAIR_TILE(1, 8)
-DEFINE_PAIR_TILE(2, 4)
-DEFINE_PAIR_TILE(3, 4)
-DEFINE_PAIR_TILE(4, 2)
-DEFINE_PAIR_TILE(5, 2)
-DEFINE_PAIR_TILE(6, 2)
-DEFINE_PAIR_TILE2(1, 8)
-DEFINE_PAIR_TILE2(2, 4)
-DEFINE_PAIR_TILE2(3, 4)
-DEFINE_PAIR_TILE2(4, 2)
-DEFINE_PAIR_TILE2(5, 2)
-DEFINE_PAIR_TILE2(6, 2)
-typedef void (*pair_tile2_fn)(const uint16_t *, int, int, const void *, int64_t, float *, float *);
-static const pair_tile2_fn PAIR_TILES2[GROUP + 1] = {NULL,         pair_tile2_1, pair_tile2_2,
-                                                     pair_tile2_3, pair_tile2_4, pair_tile2_5,
-                                                     pair_tile2_6};
-typedef void (*pair_tile_fn)(const uint16_t *, int, int, const void *, float *);
-static const pair_tile_fn PAIR_TILES[GROUP + 1] = {NULL,         pair_tile_1, pair_tile_2,
-                                                   pair_tile_3, pair_tile_4, pair_tile_5,
-                                                   pair_tile_6};
+DEFINE_PAIR_TILE(pair_tile_1, 1, 8, 1)
+DEFINE_PAIR_TILE(pair_tile_2, 2, 4, 1)
+DEFINE_PAIR_TILE(pair_tile_3, 3, 4, 1)
+DEFINE_PAIR_TILE(pair_tile_4, 4, 2, 1)
+DEFINE_PAIR_TILE(pair_tile_5, 5, 2, 1)
+DEFINE_PAIR_TILE(pair_tile_6, 6, 2, 1)
+DEFINE_PAIR_TILE(pair_tile2_1, 1, 8, 2) /* a group's last row */
+DEFINE_PAIR_TILE(pair_tile2_2, 2, 4, 2)
+DEFINE_PAIR_TILE(pair_tile2_3, 3, 4, 2)
+DEFINE_PAIR_TILE(pair_tile2_4, 4, 2, 2)
+DEFINE_PAIR_TILE(pair_tile2_5, 5, 2, 2)
+DEFINE_PAIR_TILE(pair_tile2_6, 6, 2, 2)
+typedef void (*pair_tile_fn)(const uint16_t *, int, int, const void *, int64_t, float *, float *);
+static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][rows] */
+    {NULL, pair_tile_1, pair_tile_2, pair_tile_3, pair_tile_4, pair_tile_5, pair_tile_6},
+    {NULL, pair_tile2_1, pair_tile2_2, pair_tile2_3, pair_tile2_4, pair_tile2_5, pair_tile2_6}};
 #else
 #define HAVE_PAIRS 0
 #endif
@@ -398,7 +361,7 @@ static void one_block(void *ctx, int blk, int worker) {
         const int rows = m - g < GROUP ? m - g : GROUP;
 #if HAVE_PAIRS
         if (J->xb != NULL)
-            PAIR_TILES[rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, block);
+            PAIR_TILES[0][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, 0, block, NULL);
         else
 #endif
             TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block);
@@ -423,7 +386,8 @@ static void two_blocks(const Job *J, int blk) {
     const void *panel = (const uint16_t *)J->w + (size_t)blk * panel_elems;
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
-        PAIR_TILES2[rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, panel_elems, block, block2);
+        PAIR_TILES[1][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, panel_elems, block,
+                            block2);
         for (int r = 0; r < rows; r++) {
             const int64_t row = g + r;
             finish(block + r * PANEL, begin, PANEL, J->bias, J->w_bf16, J->op, J->other,
