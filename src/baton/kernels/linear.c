@@ -349,56 +349,36 @@ typedef struct Job {
                          after this one (its epilogue may read this one's y) */
 } Job;
 
-/* One task: output columns [blk * PANEL, +PANEL) of every row, from panel blk. */
-static void one_block(void *ctx, int blk, int worker) {
-    (void)worker;
-    const Job *J = ctx;
+/* Output columns [blk * PANEL, +count * PANEL) of every row, from panels blk.. (count: 1,
+ * or 2 with the pair tiles, both panels full). */
+static void some_panels(const Job *J, int blk, int count) {
     const int m = J->m, k = J->k, n = J->n;
-    float block[GROUP * PANEL]; /* the group's rows' outputs */
-    const int begin = blk * PANEL, stop = begin + PANEL < n ? begin + PANEL : n;
-    const void *panel = (const char *)J->w + (size_t)blk * PANEL * k * (J->w_bf16 ? 2 : 4);
+    float block[2][GROUP * PANEL]; /* the group's rows' outputs, per panel */
+    const int64_t panel_elems = (int64_t)PANEL * k;
+    const void *panel = (const char *)J->w + (size_t)(blk * panel_elems) * (J->w_bf16 ? 2 : 4);
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
 #if HAVE_PAIRS
         if (J->xb != NULL)
-            PAIR_TILES[0][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, 0, block, NULL);
+            PAIR_TILES[count - 1][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel,
+                                        panel_elems, block[0], block[1]);
         else
 #endif
-            TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block);
-        for (int r = 0; r < rows; r++) {
-            const int64_t row = g + r;
-            finish(block + r * PANEL, begin, stop - begin, J->bias, J->w_bf16, J->op, J->other,
-                   row * J->other_stride + begin, J->y, row * J->y_stride + begin, J->act_bf16);
+            TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block[0]);
+        for (int q = 0; q < count; q++) {
+            const int begin = (blk + q) * PANEL, stop = begin + PANEL < n ? begin + PANEL : n;
+            for (int r = 0; r < rows; r++) {
+                const int64_t row = g + r;
+                finish(block[q] + r * PANEL, begin, stop - begin, J->bias, J->w_bf16, J->op,
+                       J->other, row * J->other_stride + begin, J->y, row * J->y_stride + begin,
+                       J->act_bf16);
+            }
         }
     }
 }
 
 /* Panels a task's pair tiles take at once: 2, or 1 (tests compare the two bit for bit). */
 int32_t baton_linear_panels_at_once = 2;
-
-#if HAVE_PAIRS
-/* Panels blk and blk + 1 (both full: columns < n) with the two-panel pair tile. */
-static void two_blocks(const Job *J, int blk) {
-    const int m = J->m, k = J->k;
-    float block[GROUP * PANEL], block2[GROUP * PANEL];
-    const int begin = blk * PANEL;
-    const int64_t panel_elems = (int64_t)PANEL * k;
-    const void *panel = (const uint16_t *)J->w + (size_t)blk * panel_elems;
-    for (int g = 0; g < m; g += GROUP) {
-        const int rows = m - g < GROUP ? m - g : GROUP;
-        PAIR_TILES[1][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel, panel_elems, block,
-                            block2);
-        for (int r = 0; r < rows; r++) {
-            const int64_t row = g + r;
-            finish(block + r * PANEL, begin, PANEL, J->bias, J->w_bf16, J->op, J->other,
-                   row * J->other_stride + begin, J->y, row * J->y_stride + begin, J->act_bf16);
-            finish(block2 + r * PANEL, begin + PANEL, PANEL, J->bias, J->w_bf16, J->op, J->other,
-                   row * J->other_stride + begin + PANEL, J->y, row * J->y_stride + begin + PANEL,
-                   J->act_bf16);
-        }
-    }
-}
-#endif
 
 /* One task: panels [task * per_task, +per_task). A task per panel made the threads take
  * turns at pool.c's shared word 16-48 times per call (each a cache line moving between the
@@ -408,17 +388,14 @@ static void some_blocks(void *ctx, int task, int worker) {
     const Job *J = ctx;
     const int panels = (J->n + PANEL - 1) / PANEL, first = task * J->per_task;
     const int stop = first + J->per_task < panels ? first + J->per_task : panels;
-    int b = first;
-#if HAVE_PAIRS
-    if (J->xb != NULL && J->m >= 2 && baton_linear_panels_at_once == 2) /* one row: no gain */
-        for (; b + 1 < stop && (b + 2) * PANEL <= J->n; b += 2) {
-            two_blocks(J, b);
-            if (J->then != NULL) two_blocks(J->then, b);
-        }
-#endif
-    for (; b < stop; b++) {
-        one_block(ctx, b, worker);
-        if (J->then != NULL) one_block(J->then, b, worker);
+    (void)worker;
+    /* Two panels at once for the pair tiles of 2 rows or more (one row: no gain). */
+    const int pairs = HAVE_PAIRS && J->xb != NULL && J->m >= 2 && baton_linear_panels_at_once == 2;
+    for (int b = first; b < stop;) {
+        const int count = pairs && b + 1 < stop && (b + 2) * PANEL <= J->n ? 2 : 1;
+        some_panels(J, b, count);
+        if (J->then != NULL) some_panels(J->then, b, count);
+        b += count;
     }
 }
 
