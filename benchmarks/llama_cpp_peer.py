@@ -31,7 +31,10 @@ Measured in one run, the CPU printed first (``benchmarks/common.py``):
    defaults otherwise (f16 K/V cache, flash attention ``auto``, its weight repacking).
 2. baton offline, batch 1 (``benchmarks/offline.py``'s ``bench_batch1``: a 128-token prompt,
    128 new tokens, greedy, ``ignore_eos``), plain and with its MTP draft, and a 512-token
-   prefill; ratios baton / llama.cpp.
+   prefill; ratios baton / llama.cpp. Then the two in turns (``paired_rounds`` rounds of
+   one llama-bench tg128 @ d128 repetition, baton's plain and MTP batch-1 decode once each):
+   the median of the per-round ratios, steadier than ratios of figures taken minutes apart
+   on a host whose speed moves ~2x within minutes.
 3. Serving: ``llama-server`` (continuous batching, ``--parallel 8``) and ``baton serve``
    (colocated, defaults: MTP draft on), one after the other, each driven by ``baton bench``
    at concurrency 1 and 8 (128-token prompts, 128 output tokens, ``ignore_eos``, greedy; the
@@ -55,6 +58,7 @@ import os
 import shlex
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -216,6 +220,47 @@ def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
     return result
 
 
+def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: dict) -> dict:
+    """llama-bench's tg @ depth (one repetition) and baton's batch-1 decode-only (plain and
+    MTP, one run each) in turns, ``paired_rounds`` times: each round's tok/s and ratios, and
+    the medians of the ratios (a slow phase of the host then slows both sides of a round)."""
+    import gc
+
+    import offline
+    import torch
+
+    torch.set_num_threads(threads)
+    args = argparse.Namespace(dtype=dtype, threads=threads)
+    n_new, n_prompt = sizes["new_tokens"], sizes["prompt_tokens"]
+    prompt = offline.token_stream(MODEL, 4096, n_prompt)[0][:n_prompt]
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-o", "json"]
+    cmd += ["-r", "1", "-p", "0", "-n", str(sizes["tg_tokens"]), "-d", str(sizes["tg_depth"])]
+    rounds = []
+    with torch.inference_mode():
+        llms = {
+            name: offline.new_llm(
+                MODEL, args, n_prompt + n_new, speculative=spec, enable_prefix_caching=False
+            )
+            for name, spec in (("plain", False), ("mtp", True))
+        }
+        for _ in range(sizes["paired_rounds"]):
+            row = {"llama_tg": json.loads(run(cmd, capture_output=True, text=True).stdout)[0]}
+            row["llama_tg"] = row["llama_tg"]["avg_ts"]
+            for name, llm in llms.items():
+                bench = offline.bench_batch1(llm, None, prompt, n_new, 1)
+                row[name] = bench["baton_decode_only_tokens_per_s"]
+            rounds.append(row)
+        del llms
+        gc.collect()
+    return {
+        "rounds": rounds,
+        "median_ratio": {
+            name: statistics.median(r[name] / r["llama_tg"] for r in rounds)
+            for name in ("plain", "mtp")
+        },
+    }
+
+
 # -- 3. serving ----------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as s:
@@ -352,11 +397,12 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
 FULL = dict(
     pp_tokens=512, tg_tokens=128, tg_depth=128, bench_repeats=5, prompt_tokens=128,
     new_tokens=128, repeats=3, concurrency=(1, 8), serve_prompt_tokens=128,
-    serve_output_tokens=128, cell_seconds=25.0,
+    serve_output_tokens=128, cell_seconds=25.0, paired_rounds=7,
 )  # fmt: skip
 QUICK = FULL | dict(
     pp_tokens=64, tg_tokens=16, tg_depth=32, bench_repeats=1, prompt_tokens=32, new_tokens=16,
     repeats=1, serve_prompt_tokens=32, serve_output_tokens=16, cell_seconds=3.0,
+    paired_rounds=2,
 )  # fmt: skip
 """Development sizes: the numbers mean nothing."""
 
@@ -373,6 +419,9 @@ def ratios(r: dict, sizes: dict) -> dict:
             out[f"batch1_{mode}_decode_vs_tg"] = b1[mode]["baton_decode_only_tokens_per_s"] / tg
         pp = bench[f"pp{sizes['pp_tokens']}"]["tokens_per_s"]
         out["prefill_vs_pp"] = b1[f"prefill{sizes['pp_tokens']}_tokens_per_s"] / pp
+    if paired := r.get("paired_batch1"):
+        for mode, ratio in paired["median_ratio"].items():
+            out[f"batch1_{mode}_decode_vs_tg_paired"] = ratio
     serve = r.get("serving")
     if serve:
         for c, ours in serve["baton"].items():
@@ -409,6 +458,11 @@ def print_report(r: dict, sizes: dict) -> None:
             m = b1[mode]
             print(f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
                   f"{m['baton_decode_only_tokens_per_s']:.1f} decode only")  # fmt: skip
+    if p := r.get("paired_batch1"):
+        print(f"in turns, {len(p['rounds'])} rounds (tok/s): llama-bench tg{sizes['tg_tokens']}"
+              f"@d{d} / baton plain / baton mtp decode only: " + "; ".join(
+                  f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x['mtp']:.0f}" for x in p["rounds"]
+              ))  # fmt: skip
     if s := r.get("serving"):
         print(f"serving ({s['threads']} threads, {sizes['serve_prompt_tokens']}-token prompts, "
               f"{sizes['serve_output_tokens']} output tokens; ms; tokenizer check: "
@@ -480,8 +534,11 @@ def main() -> int:
         r["llama_bench"] = {
             t: llama_bench(bin_dir, g, args.threads, sizes) for t, g in ggufs.items()
         }
+    gguf = ggufs.get("bf16" if dtype == "bfloat16" else "f32")  # baton's dtype's
     if not args.skip_baton:
         r["baton_batch1"] = baton_batch1(args.threads, dtype, sizes)
+        if not args.skip_llama_bench and gguf is not None:
+            r["paired_batch1"] = paired_batch1(bin_dir, gguf, args.threads, dtype, sizes)
     if not args.skip_serving:
         gguf = ggufs["bf16" if dtype == "bfloat16" else "f32"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
