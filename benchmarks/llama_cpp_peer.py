@@ -168,18 +168,24 @@ def convert(src: Path, model_dir: Path, outtype: str) -> Path:
 
 
 # -- 1. llama-bench ------------------------------------------------------------------------------
+def llama_bench_rows(bin_dir: Path, gguf: Path, threads: int, repeats: int, extra: list[str]):
+    """llama-bench's JSON rows of one GGUF for the tests ``extra`` asks for."""
+    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-o", "json"]
+    cmd += ["-r", str(repeats), *extra]
+    return json.loads(run(cmd, capture_output=True, text=True).stdout)
+
+
+def tg_at_depth(sizes: dict) -> list[str]:
+    """llama-bench's arguments for tg after a context (what baton's decode figure has)."""
+    return ["-p", "0", "-n", str(sizes["tg_tokens"]), "-d", str(sizes["tg_depth"])]
+
+
 def llama_bench(bin_dir: Path, gguf: Path, threads: int, sizes: dict) -> dict:
     """pp/tg tok/s (mean and stddev over the repetitions) of one GGUF."""
-    common = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-o", "json"]
-    common += ["-r", str(sizes["bench_repeats"])]
     pp, tg = sizes["pp_tokens"], sizes["tg_tokens"]
     rows = []
-    for extra in (
-        ["-p", str(pp), "-n", str(tg)],
-        ["-p", "0", "-n", str(tg), "-d", str(sizes["tg_depth"])],
-    ):
-        out = run([*common, *extra], capture_output=True, text=True).stdout
-        rows += json.loads(out)
+    for extra in (["-p", str(pp), "-n", str(tg)], tg_at_depth(sizes)):
+        rows += llama_bench_rows(bin_dir, gguf, threads, sizes["bench_repeats"], extra)
     result = {"build_commit": rows[0].get("build_commit"), "cpu_info": rows[0].get("cpu_info")}
     for row in rows:
         kind = f"pp{row['n_prompt']}" if row["n_gen"] == 0 else f"tg{row['n_gen']}"
@@ -233,8 +239,6 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
     args = argparse.Namespace(dtype=dtype, threads=threads)
     n_new, n_prompt = sizes["new_tokens"], sizes["prompt_tokens"]
     prompt = offline.token_stream(MODEL, 4096, n_prompt)[0][:n_prompt]
-    cmd = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-o", "json"]
-    cmd += ["-r", "1", "-p", "0", "-n", str(sizes["tg_tokens"]), "-d", str(sizes["tg_depth"])]
     rounds = []
     with torch.inference_mode():
         llms = {
@@ -244,8 +248,8 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
             for name, spec in (("plain", False), ("mtp", True))
         }
         for _ in range(sizes["paired_rounds"]):
-            row = {"llama_tg": json.loads(run(cmd, capture_output=True, text=True).stdout)[0]}
-            row["llama_tg"] = row["llama_tg"]["avg_ts"]
+            (tg,) = llama_bench_rows(bin_dir, gguf, threads, 1, tg_at_depth(sizes))
+            row = {"llama_tg": tg["avg_ts"]}
             for name, llm in llms.items():
                 bench = offline.bench_batch1(llm, None, prompt, n_new, 1)
                 row[name] = bench["baton_decode_only_tokens_per_s"]
