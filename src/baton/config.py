@@ -173,6 +173,12 @@ class EngineConfig:
     ``engine/keep_warm.py``); 0 (the default): never. It costs about one core while warm;
     on the 2-core VMs here it cut the tail of a first token after 250 ms gaps (p90 16.9 ->
     6.6 ms, p50 6.4 -> 5.1)."""
+    release_openmp_threads: bool = True
+    """After a step that computed prompt tokens, when every running request decodes next,
+    release torch's OpenMP worker threads (``baton.kernels.openmp``): they spin for
+    milliseconds after a parallel region, on the core the decode steps' native calls share
+    (the 7 decode steps after a prompt step ran 1.50x the steady step time, 1.19-1.31x
+    released; a next prompt step starts them again)."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None

@@ -30,6 +30,7 @@ from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
 from baton.engine.tracks import HeldRequest, Track
+from baton.kernels import openmp
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
@@ -355,6 +356,7 @@ class LLMEngine:
         states = {
             c.request.request_id: self.tracks[c.request.request_id].sampling for c in batch.chunks
         }
+        computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
         result = self.runner.execute(batch, states)
         rejected = {rid: c.num_rejected for rid, c in result.committed.items()}
         self.scheduler.commit(batch, rejected)
@@ -373,7 +375,20 @@ class LLMEngine:
         for chunk in batch.chunks:  # prompt chunks that sampled nothing
             if chunk.request.request_id not in result.committed:
                 self._offer_pages(chunk.request)
+        if computes_prompt and self.config.release_openmp_threads and self._decodes_next():
+            openmp.release_threads()  # its spinning worker would slow the decode steps
         return outputs
+
+    def _decodes_next(self) -> bool:
+        """Whether the next step decodes and computes no prompt token: requests run, none
+        waits, every running one has its prompt computed (a PD prefill worker's finished
+        prompts are held, not running: nothing decodes there)."""
+        running = self.scheduler.running
+        return (
+            bool(running)
+            and not self.scheduler.waiting
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running)
+        )
 
     def append(self, track: Track, committed: Committed, now: float) -> None:
         """Append committed tokens to ``track`` (stop conditions checked as they come)."""

@@ -124,6 +124,11 @@ static inline int baton_first_visible(int start, int window, int floor) {
 
 /* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
  * worker in [0, threads) tells a task's thread (scratch memory). */
+/* Whether a loop runs in an OpenMP parallel region: a `#pragma omp parallel for ... if (c)`
+ * with c false still calls GOMP_parallel (~0.3 us; a batch-1 MTP decode step made 57 such
+ * calls), so the callers test this and take a plain loop otherwise. */
+#define WIDE(cond, threads) ((threads) > 1 && (cond))
+
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 

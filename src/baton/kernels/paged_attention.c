@@ -473,6 +473,22 @@ static void one_tile(void *ctx, int t, int worker) {
         one_task(a, b, g, t0, t1, scratch, J->stride, a->head_dim);
 }
 
+/* Store the step's K/V row `n` (every kv head) in the pool. */
+static inline void store_token(const Args *a, int n) {
+    const size_t size = a->is_bf16 ? 2 : 4, row_bytes = (size_t)a->head_dim * size;
+    const int64_t t = a->store_token[n];
+    for (int g = 0; g < a->kv_heads; g++) {
+        const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
+                           (int64_t)a->store_row[n] * a->row_stride + (int64_t)g * a->head_stride;
+        memcpy((char *)a->k + at * size,
+               (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size,
+               row_bytes);
+        memcpy((char *)a->v + at * size,
+               (const char *)a->fresh_v + (t * a->fv_token_stride + g * a->fv_head_stride) * size,
+               row_bytes);
+    }
+}
+
 /* Returns 0, or -1 when a size is beyond this kernel or memory is short (the caller then
  * takes the torch path). pooled: the tasks run on pool.c's threads (a small step's call from
  * layer.c), else on OpenMP's (torch's). */
@@ -509,28 +525,21 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
     const Job job = {a, tiles, buffers, per_thread, tile, stride};
     if (pooled) {
         baton_parallel(one_tile, (void *)&job, tasks, num_threads);
-    } else {
+    } else if (WIDE(tasks > 1, num_threads)) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) one_tile((void *)&job, t, omp_get_thread_num());
+    } else {
+        for (int t = 0; t < tasks; t++) one_tile((void *)&job, t, 0);
     }
     free(tiles);
     free(buffers);
     /* Then the step's K/V go into the pool (after every read: a ring row may be both). */
-    const size_t row_bytes = (size_t)a->head_dim * (a->is_bf16 ? 2 : 4);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (a->num_stores > 256)
-    for (int n = 0; n < a->num_stores; n++)
-        for (int g = 0; g < a->kv_heads; g++) {
-            const int64_t t = a->store_token[n];
-            const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
-                               (int64_t)a->store_row[n] * a->row_stride + (int64_t)g * a->head_stride;
-            const size_t size = a->is_bf16 ? 2 : 4;
-            memcpy((char *)a->k + at * size,
-                   (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size,
-                   row_bytes);
-            memcpy((char *)a->v + at * size,
-                   (const char *)a->fresh_v + (t * a->fv_token_stride + g * a->fv_head_stride) * size,
-                   row_bytes);
-        }
+    if (WIDE(a->num_stores > 256, num_threads)) {
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+        for (int n = 0; n < a->num_stores; n++) store_token(a, n);
+    } else {
+        for (int n = 0; n < a->num_stores; n++) store_token(a, n);
+    }
     return 0;
 }
 
