@@ -35,10 +35,11 @@ Measured in one run, the CPU printed first (``benchmarks/common.py``):
    one llama-bench tg128 @ d128 repetition, baton's plain and MTP batch-1 decode once each):
    the median of the per-round ratios, steadier than ratios of figures taken minutes apart
    on a host whose speed moves ~2x within minutes.
-3. Serving: ``llama-server`` (continuous batching, ``--parallel 8``) and ``baton serve``
-   (colocated, defaults: MTP draft on), one after the other, each driven by ``baton bench``
-   at concurrency 1 and 8 (128-token prompts, 128 output tokens, ``ignore_eos``, greedy; the
-   request count sized from a warm-up for about ``--cell-seconds`` per cell): output tok/s,
+3. Serving: ``llama-server`` (continuous batching, started per concurrency with that many
+   slots) and ``baton serve`` (colocated, defaults: MTP draft on), one after the other, each
+   driven by ``baton bench`` at concurrency 1, 8 and 32 (128-token prompts, 128 output
+   tokens, ``ignore_eos``, greedy; the request count sized from a warm-up for about
+   ``--cell-seconds`` per cell): output tok/s,
    TTFT p50, TPOT p50, chunk ITL p50/p99 (with MTP one chunk may carry several tokens), and
    ratios baton / llama-server.
 
@@ -366,32 +367,39 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
 
 def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: float,
             log_dir: Path) -> dict:  # fmt: skip
-    """llama-server, then baton serve (never both at once), each through ``bench_cells``."""
-    slots = max(sizes["concurrency"])
+    """llama-server, then baton serve (never both at once), each through ``bench_cells``.
+    llama-server is started for each concurrency with as many slots (its best configuration
+    there: 32 slots served 8 clients at 2,116 tok/s where 8 slots had served 2,599-3,563 in
+    earlier runs); baton serve once, with its defaults, for every concurrency."""
     ctx_per_slot = 2 * (sizes["serve_prompt_tokens"] + sizes["serve_output_tokens"])
-    servers = {
-        "llama_server": [
+
+    def llama_server(slots: int) -> list[str]:
+        return [
             str(bin_dir / "llama-server"), "-m", str(gguf), "--alias", MODEL.name,
             "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
             "--cont-batching", "-c", str(slots * ctx_per_slot), "--metrics",
-        ],
-        "baton": [
-            sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL),
-            "--threads", str(threads),
-        ],
-    }  # fmt: skip
+        ]  # fmt: skip
+
+    baton = [
+        sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL),
+        "--threads", str(threads),
+    ]  # fmt: skip
+    runs = [("llama_server", llama_server(c), (c,)) for c in sizes["concurrency"]]
+    runs.append(("baton", baton, tuple(sizes["concurrency"])))
     result: dict = {"gguf": gguf.name, "threads": threads, "commands": {}}
-    for name, cmd in servers.items():
+    for name, cmd, concurrency in runs:
         port = free_port()
         cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
-        result["commands"][name] = shlex.join(cmd)
+        key = name if name == "baton" else f"{name}_c{concurrency[0]}"
+        result["commands"][key] = shlex.join(cmd)
         url = f"http://127.0.0.1:{port}"
-        print(f"serving: {name}", flush=True)
-        proc = start_server(cmd, log_dir / f"llama_cpp_peer.{name}.log", url)
+        print(f"serving: {key}", flush=True)
+        proc = start_server(cmd, log_dir / f"llama_cpp_peer.{key}.log", url)
         try:
-            if name == "llama_server":
+            if name == "llama_server" and "tokenizer_check" not in result:
                 result["tokenizer_check"] = tokenizer_check(url)
-            result[name] = bench_cells(url, sizes, cell_seconds)
+            cells = bench_cells(url, sizes | {"concurrency": concurrency}, cell_seconds)
+            result.setdefault(name, {}).update(cells)
         finally:
             stop_server(proc)
     return result
@@ -400,7 +408,7 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
 # -- report --------------------------------------------------------------------------------------
 FULL = dict(
     pp_tokens=512, tg_tokens=128, tg_depth=128, bench_repeats=5, prompt_tokens=128,
-    new_tokens=128, repeats=3, concurrency=(1, 8), serve_prompt_tokens=128,
+    new_tokens=128, repeats=3, concurrency=(1, 8, 32), serve_prompt_tokens=128,
     serve_output_tokens=128, cell_seconds=25.0, paired_rounds=7,
 )  # fmt: skip
 QUICK = FULL | dict(
