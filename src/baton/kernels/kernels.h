@@ -124,10 +124,19 @@ static inline int baton_first_visible(int start, int window, int floor) {
 
 /* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
  * worker in [0, threads) tells a task's thread (scratch memory). */
-/* Whether a loop runs in an OpenMP parallel region: a `#pragma omp parallel for ... if (c)`
- * with c false still calls GOMP_parallel (~0.3 us; a batch-1 MTP decode step made 57 such
- * calls), so the callers test this and take a plain loop otherwise. */
-#define WIDE(cond, threads) ((threads) > 1 && (cond))
+/* for (int64_t i = 0; i < n; i++) { body } -- in an OpenMP parallel region over the
+ * caller's `num_threads` threads where `wide` holds (and there are two or more), else as a
+ * plain loop: a `#pragma omp parallel for ... if (wide)` with `wide` false still calls
+ * GOMP_parallel (~0.3 us; a batch-1 MTP decode step made 57 such calls). */
+#define PARALLEL_FOR(i, n, wide, ...)                                                         \
+    do {                                                                                      \
+        if (num_threads > 1 && (wide)) {                                                      \
+            _Pragma("omp parallel for num_threads(num_threads) schedule(static)")             \
+            for (int64_t i = 0; i < (n); i++) { __VA_ARGS__; }                                \
+        } else {                                                                              \
+            for (int64_t i = 0; i < (n); i++) { __VA_ARGS__; }                                \
+        }                                                                                     \
+    } while (0)
 
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);

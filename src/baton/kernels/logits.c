@@ -66,31 +66,21 @@ static inline __attribute__((always_inline)) float logsumexp_row(const void *x, 
 /* best[r], best_value[r]: argmax and maximum of row r (rows row_stride elements apart). */
 void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
                        int is_bf16, int64_t *best, float *best_value, int num_threads) {
-#define ARGMAX_ROW(r) /* a constant dtype: branch-free loops */                             \
-    (is_bf16 ? argmax_row(x, (r) * row_stride, vocab, 1, &best[r], &best_value[r])            \
-             : argmax_row(x, (r) * row_stride, vocab, 0, &best[r], &best_value[r]))
-    if (WIDE(rows * vocab > 65536, num_threads)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t r = 0; r < rows; r++) ARGMAX_ROW(r);
-    } else {
-        for (int64_t r = 0; r < rows; r++) ARGMAX_ROW(r);
-    }
-#undef ARGMAX_ROW
+    PARALLEL_FOR(r, rows, rows * vocab > 65536, {
+        if (is_bf16) /* a constant dtype: branch-free loops */
+            argmax_row(x, r * row_stride, vocab, 1, &best[r], &best_value[r]);
+        else
+            argmax_row(x, r * row_stride, vocab, 0, &best[r], &best_value[r]);
+    });
 }
 
 /* out[i] = log-sum-exp of row row_ids[i]. */
 void baton_logsumexp_rows(const void *x, const int64_t *row_ids, int64_t n, int64_t vocab,
                           int64_t row_stride, int is_bf16, float *out, int num_threads) {
-#define LSE_ROW(i)                                                                            \
-    (out[i] = is_bf16 ? logsumexp_row(x, row_ids[i] * row_stride, vocab, 1)                   \
-                      : logsumexp_row(x, row_ids[i] * row_stride, vocab, 0))
-    if (WIDE(n * vocab > 65536, num_threads)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t i = 0; i < n; i++) LSE_ROW(i);
-    } else {
-        for (int64_t i = 0; i < n; i++) LSE_ROW(i);
-    }
-#undef LSE_ROW
+    PARALLEL_FOR(i, n, n * vocab > 65536, {
+        const int64_t at = row_ids[i] * row_stride;
+        out[i] = is_bf16 ? logsumexp_row(x, at, vocab, 1) : logsumexp_row(x, at, vocab, 0);
+    });
 }
 
 typedef struct {

@@ -122,25 +122,17 @@ void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t 
                     void *out, int dim, float eps, float offset, int is_bf16, int lanes,
                     int num_threads) {
     if (dim > 4096) return; /* the caller checks; never here */
-#define NORM_ROW(r)                                                                           \
-    do {                                                                                      \
-        const int64_t at = ((r) / inner) * outer_stride + ((r) % inner) * inner_stride;      \
-        const int64_t w_at = ((r) % inner) * weight_inner_stride;                             \
-        /* constant dtypes and offsets: branch-free loops */                                  \
-        if (is_bf16 && offset == 0.0f)                                                        \
-            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, lanes, NULL, out, (r) * dim);    \
-        else if (is_bf16)                                                                     \
-            norm_row(x, at, weight, w_at, dim, eps, offset, 1, lanes, NULL, out, (r) * dim);  \
-        else                                                                                  \
-            norm_row(x, at, weight, w_at, dim, eps, offset, 0, lanes, NULL, out, (r) * dim);  \
-    } while (0)
-    if (WIDE(outer * inner * dim > 32768, num_threads)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t r = 0; r < outer * inner; r++) NORM_ROW(r);
-    } else {
-        for (int64_t r = 0; r < outer * inner; r++) NORM_ROW(r);
-    }
-#undef NORM_ROW
+    PARALLEL_FOR(r, outer * inner, outer * inner * dim > 32768, {
+        const int64_t at = (r / inner) * outer_stride + (r % inner) * inner_stride;
+        const int64_t w_at = (r % inner) * weight_inner_stride;
+        /* constant dtypes and offsets: branch-free loops */
+        if (is_bf16 && offset == 0.0f)
+            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, lanes, NULL, out, r * dim);
+        else if (is_bf16)
+            norm_row(x, at, weight, w_at, dim, eps, offset, 1, lanes, NULL, out, r * dim);
+        else
+            norm_row(x, at, weight, w_at, dim, eps, offset, 0, lanes, NULL, out, r * dim);
+    });
 }
 
 /* One head: normed, times its weight row, rotated (constant sizes unroll at the call). */
@@ -171,23 +163,17 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
                            const void *cos, const void *sin, int64_t table_stride, void *out,
                            int dim, float eps, int is_bf16, int lanes, int num_threads) {
     if (dim > 4096 || dim % 2) return; /* the caller checks; never here */
-#define NORM_ROTARY_TOKEN(o)                                                                  \
-    for (int64_t i = 0; i < inner; i++) {                                                     \
-        const int64_t at = (o) * outer_stride + i * inner_stride, w_at = i * weight_inner_stride; \
-        const int64_t t = (o) * table_stride, out_at = ((o) * inner + i) * dim;              \
-        if (is_bf16 && dim == 64)                                                             \
-            norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1, lanes); \
-        else if (is_bf16 && dim == 128)                                                       \
-            norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1, lanes); \
-        else                                                                                  \
-            norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16, \
-                            lanes);                                                           \
-    }
-    if (WIDE(outer * inner * dim > 32768, num_threads)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int64_t o = 0; o < outer; o++) NORM_ROTARY_TOKEN(o)
-    } else {
-        for (int64_t o = 0; o < outer; o++) NORM_ROTARY_TOKEN(o)
-    }
-#undef NORM_ROTARY_TOKEN
+    PARALLEL_FOR(o, outer, outer * inner * dim > 32768, {
+        for (int64_t i = 0; i < inner; i++) {
+            const int64_t at = o * outer_stride + i * inner_stride, w_at = i * weight_inner_stride;
+            const int64_t t = o * table_stride, out_at = (o * inner + i) * dim;
+            if (is_bf16 && dim == 64)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1, lanes);
+            else if (is_bf16 && dim == 128)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1, lanes);
+            else
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16,
+                                lanes);
+        }
+    });
 }

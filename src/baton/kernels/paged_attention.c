@@ -525,7 +525,7 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
     const Job job = {a, tiles, buffers, per_thread, tile, stride};
     if (pooled) {
         baton_parallel(one_tile, (void *)&job, tasks, num_threads);
-    } else if (WIDE(tasks > 1, num_threads)) {
+    } else if (num_threads > 1 && tasks > 1) {
 #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) one_tile((void *)&job, t, omp_get_thread_num());
     } else {
@@ -534,12 +534,7 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
     free(tiles);
     free(buffers);
     /* Then the step's K/V go into the pool (after every read: a ring row may be both). */
-    if (WIDE(a->num_stores > 256, num_threads)) {
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-        for (int n = 0; n < a->num_stores; n++) store_token(a, n);
-    } else {
-        for (int n = 0; n < a->num_stores; n++) store_token(a, n);
-    }
+    PARALLEL_FOR(n, a->num_stores, a->num_stores > 256, store_token(a, (int)n));
     return 0;
 }
 
