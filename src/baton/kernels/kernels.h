@@ -122,10 +122,8 @@ static inline int baton_first_visible(int start, int window, int floor) {
     return lo < start ? lo : start;
 }
 
-/* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
- * worker in [0, threads) tells a task's thread (scratch memory). */
 /* for (int64_t i = 0; i < n; i++) { body } -- in an OpenMP parallel region over the
- * caller's `num_threads` threads where `wide` holds (and there are two or more), else as a
+ * caller's `num_threads` threads where `wide` holds and `num_threads` > 1, else as a
  * plain loop: a `#pragma omp parallel for ... if (wide)` with `wide` false still calls
  * GOMP_parallel (~0.3 us; a batch-1 MTP decode step made 57 such calls). */
 #define PARALLEL_FOR(i, n, wide, ...)                                                         \
@@ -138,6 +136,8 @@ static inline int baton_first_visible(int start, int window, int floor) {
         }                                                                                     \
     } while (0)
 
+/* pool.c: fn(ctx, task, worker) for every task in [0, tasks), on up to `threads` threads;
+ * worker in [0, threads) tells a task's thread (scratch memory). */
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 
