@@ -177,8 +177,8 @@ class EngineConfig:
     """After a step that computed prompt tokens, when every running request decodes next,
     release torch's OpenMP worker threads (``baton.kernels.openmp``): they spin for
     milliseconds after a parallel region, on the core the decode steps' native calls share
-    (the 7 decode steps after a prompt step ran 1.50x the steady step time, 1.19-1.31x
-    released; a next prompt step starts them again)."""
+    (offline, bf16 MTP: the 7 decode steps after a prompt step ran 1.56x the steady step
+    time, 1.26x released; a next prompt step starts them again)."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None

@@ -4,10 +4,11 @@ Why: torch's op-by-op forward (a step that computes prompt tokens, a step above 
 kernels' rows) runs on OpenMP's threads, and libgomp's worker keeps spinning after each
 parallel region (``GOMP_SPINCOUNT``, ~300,000 pauses: milliseconds) before it sleeps. The
 decode steps that follow run on ``pool.c``'s threads, whose helper then shares its core with
-that spinning worker. Measured on a Zen 5 (2 cores, bf16, batch-1 MTP decode of 128-token
-requests, in one process alternating request by request): the 7 decode steps after a prompt
-step took 1.50x the steady step time with the worker spinning and 1.19-1.31x with it
-released; a request's decode 27.1 -> 23.6 and 28.1 -> 25.8 ms, its prefill unchanged (a
+that spinning worker. Measured on a Zen 5 (2 cores; ``benchmarks/openmp_release.py``:
+batch-1 decode of 128-token prompts, 128 new tokens, in one process request by request):
+bf16 MTP, the 7 decode steps after a prompt step took 1.56x the steady step time with the
+worker kept and 1.26x with it released, a request's decode 30.4 -> 23.9 ms (1.27x); bf16
+plain 1.25x, fp32 MTP 1.20x, with the AVX2 kernels 0.95-1.12x; the prefill unchanged (a
 released worker is started again by the next parallel region). Lowering ``GOMP_SPINCOUNT``
 instead slowed every prompt step (10-20% at 3,000-30,000).
 
