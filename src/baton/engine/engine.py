@@ -356,7 +356,6 @@ class LLMEngine:
         states = {
             c.request.request_id: self.tracks[c.request.request_id].sampling for c in batch.chunks
         }
-        computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
         result = self.runner.execute(batch, states)
         rejected = {rid: c.num_rejected for rid, c in result.committed.items()}
         self.scheduler.commit(batch, rejected)
@@ -375,7 +374,7 @@ class LLMEngine:
         for chunk in batch.chunks:  # prompt chunks that sampled nothing
             if chunk.request.request_id not in result.committed:
                 self._offer_pages(chunk.request)
-        if computes_prompt and self.config.release_openmp_threads and self._decodes_next():
+        if batch.computes_prompt and self.config.release_openmp_threads and self._decodes_next():
             openmp.release_threads()  # its spinning worker would slow the decode steps
         return outputs
 

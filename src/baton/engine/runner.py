@@ -86,7 +86,7 @@ class ModelRunner:
         # A prompt's keys and values (and the draft's) come out the same whatever the step's
         # size, so that a prefix-cache hit restores the bytes a cold run writes: no fused
         # layer, and matmuls in blocks of rows (layers.step_invariant_rows).
-        computes_prompt = any(c.start < c.request.num_prompt_tokens for c in batch.chunks)
+        computes_prompt = batch.computes_prompt
         with step_invariant_rows(computes_prompt):
             hidden = self.model(
                 torch.tensor([input_ids]),

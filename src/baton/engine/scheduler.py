@@ -71,6 +71,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.chunks
 
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether a chunk computes prompt tokens (its matmuls then run op by op, on
+        OpenMP's threads: ``runner``, ``LLMEngine.step``)."""
+        return any(c.start < c.request.num_prompt_tokens for c in self.chunks)
+
 
 class Scheduler:
     def __init__(
