@@ -1,12 +1,13 @@
 """Decode after a prompt step, with torch's OpenMP worker released or kept spinning.
 
-One ``LLM`` (bundled model, prefix caching off, engine on this main thread as offline use
-has it) generates from 8 prompts of real code (the stdlib's sources, 128 tokens each) in
-turns, request by request, with ``release_openmp_threads`` on and off (``kernels/openmp.py``
-says why it matters). Per request: the prompt step's time, the decode's (every step after
-it), and the first 7 decode steps against the request's steady step (the median of its
-steps from the 11th on). Ratios of medians, kept / released: > 1 means the release is
-faster. The CPU is printed and written into the JSON.
+One ``LLM`` (bundled model, ``offline.py``'s engine settings, prefix caching off, the
+engine on this main thread as offline use has it) generates from 8 prompts of real code
+(the stdlib's sources, 128 tokens each) in turns, request by request, with
+``release_openmp_threads`` on and off (``kernels/openmp.py`` says why it matters). Per
+request: the prompt step's time, the decode's (every step after it), and the first 7 decode
+steps against the request's steady step (the median of its steps from the 11th on). Ratios
+of medians, kept / released: > 1 means the release is faster. The CPU is printed and
+written into the JSON.
 
     python benchmarks/openmp_release.py [--rounds 7] [--new-tokens 128] [--no-speculative]
 """
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from common import machine_facts, resolve_dtype_arg  # noqa: E402
-from offline import token_stream  # noqa: E402
+from offline import new_llm, token_stream  # noqa: E402
 
 from baton.engine.llm import LLM  # noqa: E402
 from baton.request import SamplingParams  # noqa: E402
@@ -62,9 +63,10 @@ def main() -> int:
         p.error(f"need --rounds >= 2 and --new-tokens >= {FIRST_STEPS + 12}")
     dtype = resolve_dtype_arg(args.dtype)
     torch.set_num_threads(args.threads)
-    llm = LLM(
-        MODEL, dtype=dtype, num_threads=args.threads, enable_prefix_caching=False,
-        max_model_len=PROMPT_TOKENS + args.new_tokens, speculative=not args.no_speculative,
+    llm = new_llm(
+        MODEL, argparse.Namespace(dtype=dtype, threads=args.threads),
+        PROMPT_TOKENS + args.new_tokens, enable_prefix_caching=False,
+        speculative=not args.no_speculative,
     )  # fmt: skip
     facts = machine_facts(dtype, threads=args.threads)
     stream, source = token_stream(MODEL, 4096, NUM_PROMPTS * PROMPT_TOKENS)
