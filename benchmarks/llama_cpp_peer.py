@@ -32,7 +32,8 @@ Measured in one run, the CPU printed first (``benchmarks/common.py``):
 2. baton offline, batch 1 (``benchmarks/offline.py``'s ``bench_batch1``: a 128-token prompt,
    128 new tokens, greedy, ``ignore_eos``), plain and with its MTP draft, and a 512-token
    prefill; ratios baton / llama.cpp. Then the two in turns (``paired_rounds`` rounds of
-   one llama-bench tg128 @ d128 repetition, baton's plain and MTP batch-1 decode once each):
+   one llama-bench tg128 @ d128 repetition, baton's plain and MTP batch-1 decode once each,
+   every other round baton first):
    the median of the per-round ratios, steadier than ratios of figures taken minutes apart
    on a host whose speed moves ~2x within minutes.
 3. Serving: ``llama-server`` (continuous batching, started per concurrency with that many
@@ -48,6 +49,12 @@ Usage::
     python benchmarks/llama_cpp_peer.py [--threads N] [--quick] [--skip-llama-bench]
         [--skip-baton] [--skip-serving] [--skip-bf16] [--skip-build-check] [--build-only]
         [--serve-threads N] [--cell-seconds S] [--out benchmarks/results/llama_cpp_peer.json]
+
+With ``BATON_CPU_ISA=avx2`` on a CPU with AVX-512 the run stands in for one without it (a
+Zen 3): baton's AVX2 kernels in fp32 (``auto``), torch and oneDNN held to AVX2 (the script
+starts itself again with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``), llama.cpp
+built a second time without AVX-512 (``ISA_FLAGS["avx2"]``, its own build directory). The
+same instructions as such a CPU, not its memory system or clocks.
 """
 
 from __future__ import annotations
@@ -75,10 +82,33 @@ LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = Path(os.environ.get("BATON_LLAMA_CPP_CACHE", Path.home() / ".cache/baton/llama.cpp"))
 BINARIES = ("llama-bench", "llama-server")
 CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF",
+    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
 )  # fmt: skip
+ISA_FLAGS = {
+    "native": ("-DGGML_NATIVE=ON",),
+    "avx2": (
+        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+    ),
+}  # fmt: skip
+"""llama.cpp's instruction sets: the CPU's own, or AVX2 + FMA only (an AVX-512 CPU standing
+in for one without it, such as a Zen 3: see ``avx2_stand_in``)."""
+AVX2_STAND_IN_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+"""With ``BATON_CPU_ISA=avx2``, torch's own kernels and oneDNN's are held to AVX2 too."""
+
+
+def avx2_stand_in() -> bool:
+    """Whether this run stands in for a CPU without AVX-512: ``BATON_CPU_ISA`` caps baton's
+    kernels below ``avx512`` on a CPU that has it (then native bf16 is off and ``auto`` is
+    fp32, as on a Zen 3). llama.cpp is then built without AVX-512 and torch and oneDNN are
+    held to AVX2 (``AVX2_STAND_IN_ENV``): the instruction paths of such a CPU, not its
+    memory system or clocks."""
+    from baton import platform as baton_platform
+
+    p = baton_platform.current()
+    return p.isa != p.detected_isa and p.isa in ("avx2", "baseline")
 
 
 def run(cmd: list[str], shown: str | None = None, **kw) -> subprocess.CompletedProcess:
@@ -106,22 +136,26 @@ def llama_cpp_sources() -> Path:
     return src
 
 
-def build(src: Path, jobs: int, check: bool) -> dict:
-    """Build the binaries once; a stamp keeps the flags and how long the build took."""
-    build_dir = CACHE / f"build-{LLAMA_CPP_PYTHON}"
+def build(src: Path, jobs: int, check: bool, isa: str = "native") -> dict:
+    """Build the binaries once per ``ISA_FLAGS`` entry; a stamp keeps the flags and how long
+    the build took."""
+    flags = (*CMAKE_FLAGS, *ISA_FLAGS[isa])
+    build_dir = CACHE / (f"build-{LLAMA_CPP_PYTHON}" + ("" if isa == "native" else f"-{isa}"))
     stamp_path = build_dir / "baton-build.json"
     bins = [build_dir / "bin" / name for name in BINARIES]
     if stamp_path.is_file() and all(b.is_file() for b in bins):
         stamp = json.loads(stamp_path.read_text())
-        if not check or stamp.get("cmake_flags") == list(CMAKE_FLAGS):
+        # NOTE: a stamp of before ISA_FLAGS listed GGML_NATIVE=ON among its flags
+        if not check or sorted(stamp.get("cmake_flags", [])) == sorted(flags):
             return stamp | {"cached": True}
     nice = ["nice", "-n", "10"]
     start = time.perf_counter()
-    run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *CMAKE_FLAGS])
+    run([*nice, "cmake", "-S", str(src), "-B", str(build_dir), *flags])
     run([*nice, "cmake", "--build", str(build_dir), "-j", str(jobs), "--target", *BINARIES])
     stamp = {
         "llama_cpp_python": LLAMA_CPP_PYTHON,
-        "cmake_flags": list(CMAKE_FLAGS),
+        "cmake_flags": list(flags),
+        "isa": isa,
         "jobs": jobs,
         "build_seconds": time.perf_counter() - start,
         "bin_dir": str(build_dir / "bin"),
@@ -248,12 +282,18 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
             )
             for name, spec in (("plain", False), ("mtp", True))
         }
-        for _ in range(sizes["paired_rounds"]):
-            (tg,) = llama_bench_rows(bin_dir, gguf, threads, 1, tg_at_depth(sizes))
-            row = {"llama_tg": tg["avg_ts"]}
-            for name, llm in llms.items():
-                bench = offline.bench_batch1(llm, None, prompt, n_new, 1)
-                row[name] = bench["baton_decode_only_tokens_per_s"]
+        for i in range(sizes["paired_rounds"]):
+            row = {}
+            # Every other round baton goes first: no side always runs after the other's
+            # process start or exit.
+            for side in ("llama", "baton") if i % 2 == 0 else ("baton", "llama"):
+                if side == "llama":
+                    (tg,) = llama_bench_rows(bin_dir, gguf, threads, 1, tg_at_depth(sizes))
+                    row["llama_tg"] = tg["avg_ts"]
+                    continue
+                for name, llm in llms.items():
+                    bench = offline.bench_batch1(llm, None, prompt, n_new, 1)
+                    row[name] = bench["baton_decode_only_tokens_per_s"]
             rounds.append(row)
         del llms
         gc.collect()
@@ -409,7 +449,7 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
 FULL = dict(
     pp_tokens=512, tg_tokens=128, tg_depth=128, bench_repeats=5, prompt_tokens=128,
     new_tokens=128, repeats=3, concurrency=(1, 8, 32), serve_prompt_tokens=128,
-    serve_output_tokens=128, cell_seconds=25.0, paired_rounds=7,
+    serve_output_tokens=128, cell_seconds=25.0, paired_rounds=12,
 )  # fmt: skip
 QUICK = FULL | dict(
     pp_tokens=64, tg_tokens=16, tg_depth=32, bench_repeats=1, prompt_tokens=32, new_tokens=16,
@@ -452,6 +492,11 @@ def print_report(r: dict, sizes: dict) -> None:
     load = f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
     print(f"\nCPU: {m['cpu']}, {m['threads']} threads; 1-minute load average {load} "
           "(other work on the machine makes every figure noisy)")  # fmt: skip
+    if m.get("avx2_stand_in"):
+        print(
+            "AVX2 stand-in: baton's kernels, torch, oneDNN and llama.cpp all without AVX-512 "
+            "(the instruction paths of an AVX2 CPU, not its memory system or clocks)"
+        )
     if b := r.get("build"):
         how = "cached" if b["cached"] else "built now"
         print(f"llama.cpp {b['llama_cpp_python']} (llama-cpp-python sdist), {how}; "
@@ -525,19 +570,32 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
+    stand_in = avx2_stand_in()
+    if stand_in and any(os.environ.get(k) != v for k, v in AVX2_STAND_IN_ENV.items()):
+        # torch and oneDNN read these when they load: this process again with them set
+        print(
+            f"BATON_CPU_ISA={os.environ.get('BATON_CPU_ISA')}: again with "
+            + " ".join(f"{k}={v}" for k, v in AVX2_STAND_IN_ENV.items()),
+            flush=True,
+        )
+        os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | AVX2_STAND_IN_ENV)
     sizes = QUICK if args.quick else FULL
     if args.cell_seconds is not None:
         sizes = sizes | {"cell_seconds": args.cell_seconds}
     dtype = resolve_dtype_arg("auto")  # prints the platform line; baton serve's auto too
     src = llama_cpp_sources()
-    build_info = build(src, args.threads, check=not args.skip_build_check)
+    build_info = build(
+        src, args.threads, check=not args.skip_build_check, isa="avx2" if stand_in else "native"
+    )
     bin_dir = Path(build_info["bin_dir"])
     ggufs = {t: convert(src, MODEL, t) for t in ("f32",) + (() if args.skip_bf16 else ("bf16",))}
     if args.build_only:
         print(f"binaries in {bin_dir}; GGUF: {', '.join(map(str, ggufs.values()))}")
         return 0
     r: dict = {
-        "machine": machine_facts(dtype, threads=args.threads, loadavg_start=os.getloadavg()),
+        "machine": machine_facts(
+            dtype, threads=args.threads, loadavg_start=os.getloadavg(), avx2_stand_in=stand_in
+        ),
         "settings": {**sizes, "quick": args.quick},
         "build": build_info,
         "gguf": {t: str(g) for t, g in ggufs.items()},
