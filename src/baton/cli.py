@@ -301,7 +301,8 @@ def _local_prefill_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from baton.bench import BenchConfig, format_summary, parse_range, run_bench
+    from baton.bench import BenchConfig, parse_range, run_bench
+    from baton.bench_report import format_summary
 
     try:
         config = BenchConfig(

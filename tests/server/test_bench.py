@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from baton.bench import BenchConfig, RequestRecord, parse_range, run_bench
+from baton.bench import BenchConfig, parse_range, run_bench
+from baton.bench_report import RequestRecord
 from tests.server.test_openai_api import MODEL, server  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from baton.engine.engine import EngineStats
+from baton.engine.stats import EngineStats
 from baton.request import SamplingParams
 from baton.server.async_engine import AsyncEngine, EngineFailed
 

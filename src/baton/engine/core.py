@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from baton.engine.engine import EngineStats
 from baton.engine.outputs import RequestOutput
+from baton.engine.stats import EngineStats
 from baton.request import SamplingParams
 from baton.tokenizer import Tokenizer
 

@@ -3,11 +3,12 @@
 The engine owns one model, its ``ModelCache``s (pools registered in a ``StateRegistry``), a
 ``Scheduler`` and a ``ModelRunner``, and every request's lifecycle, PD states included
 (the diagram is in docs/architecture.md): only the engine changes a request's status or
-frees its units, in one function (``free_units``). ``add_request`` validates everything
-about a request before it touches any state, so a bad request raises ``ValueError`` and the
-others keep running. ``step`` runs one scheduled batch and returns the requests it
-advanced. The PD handoff is ``engine.handoff`` (``engine/handoff.py``), a documented
-interface composed around the engine; nothing outside ``engine/`` touches its internals.
+frees its units, in one function (``free_units``). ``add_request`` (``engine/intake.py``)
+validates everything about a request before it touches any state, so a bad request raises
+``ValueError`` and the others keep running. ``step`` runs one scheduled batch and returns
+the requests it advanced; its counters are ``engine/stats.py``. The PD handoff is
+``engine.handoff`` (``engine/handoff.py``), a documented interface composed around the
+engine; nothing outside ``engine/`` touches its internals.
 """
 
 from __future__ import annotations
@@ -17,18 +18,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from baton import kernels, platform
 from baton.config import EngineConfig
-from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.handoff import Handoff
-from baton.engine.outputs import RequestMetrics, RequestOutput
+from baton.engine.intake import RequestIntake
+from baton.engine.outputs import RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
+from baton.engine.stats import StatsKeeper
 from baton.engine.tracks import HeldRequest, Track
 from baton.kernels import openmp
 from baton.memory.allocator import StorageAllocator
@@ -37,9 +38,8 @@ from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
-from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.request import FinishReason, Request, RequestStatus
 from baton.sampling.sampler import Sampler
-from baton.sampling.sampling_state import SamplingState
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 
@@ -60,30 +60,7 @@ Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03
 tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """What ``/metrics`` reads after each step (engine-core protocol, ``baton.engine.core``)."""
-
-    num_running: int
-    num_waiting: int
-    units_in_use: dict[str, int]
-    transfer: dict[str, tuple[int, float]] = field(default_factory=dict)
-    """PD decode: per component, bytes received and seconds of the batches carrying them."""
-    push_seconds: float = 0.0
-    """PD decode: seconds prefills spent pushing state here, all components together."""
-    prefix_queries: int = 0
-    """Prompt tokens looked up in the prefix cache (first admissions), and restored."""
-    prefix_hits: int = 0
-    prefix_evictions: int = 0
-    cached_units: dict[str, int] = field(default_factory=dict)
-    """Per component: pages in the prefix cache (held or evictable)."""
-    prompt_tokens_computed: int = 0
-    """Prompt positions this engine computed (restored and pushed ones are not)."""
-    handoffs: dict[tuple[str, str], int] = field(default_factory=dict)
-    """PD decode: (outcome, reason or "") -> requests that ended their handoff so."""
-
-
-class LLMEngine:
+class LLMEngine(RequestIntake, StatsKeeper):
     is_disaggregated = False
     """Colocated: requests take no PD route (``EngineCore``)."""
 
@@ -185,93 +162,6 @@ class LLMEngine:
         return {**platform.current().as_dict(), "dtype": self.dtype_name}
 
     # -- requests --------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:  # the text, when given, is the ids' (tokenized)
-                text = prompt.get("prompt")
-                return text if isinstance(text, str) else None, list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt", "")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass token ids")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
-
-    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
-        """Check a request against the model and memory; returns its max_tokens."""
-        if not token_ids:
-            raise ValueError("the prompt is empty: a request needs at least one token")
-        vocab = self.model.spec.vocab_size
-        bad = [t for t in token_ids if not (0 <= t < vocab)]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        room = self.max_model_len - len(token_ids)
-        if room <= 0:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}"
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if max_tokens > room:
-            raise ValueError(
-                f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens"
-            )
-        total = len(token_ids) + max_tokens + self.num_spec
-        for component in self.registry:
-            need = component.owner.peak_units(total)
-            if need > component.num_units:
-                raise ValueError(
-                    f"a request of {total} tokens needs {need} units of {component.name}, which "
-                    f"has {component.num_units}; raise num_pages or kv_cache_memory_mb"
-                )
-        return max_tokens
-
-    def add_request(
-        self,
-        prompt: str | list[int] | dict,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        """Queue a request to compute here (colocated); returns its id (``req-N`` unless
-        given). Raises ``ValueError`` for a bad request, keeping nothing."""
-        track = self._new_track(prompt, params, request_id)
-        self.scheduler.add(track.request)
-        return track.request.request_id
-
-    def _new_track(
-        self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
-    ) -> Track:
-        """Validate a request and create its bookkeeping; touches no memory."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        text, token_ids = self.encode_prompt(prompt)
-        max_tokens = self.validate(token_ids, params)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else next(self._seeds)
-        vocab = self.model.spec.vocab_size
-        self.tracks[request_id] = Track(
-            request=request,
-            prompt=text,
-            sampling=SamplingState(params, token_ids, vocab, seed=seed),
-            detok=IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            if self.tokenizer is not None
-            else NullDetokenizer(),
-            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
-            max_tokens=max_tokens,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-        if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
-            self.proposer.context_floor[request_id] = len(token_ids) - 1
-        return self.tracks[request_id]
-
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a live request now (None if there is none). Its units are freed now, except
         a PD decode request waiting for its state: a prefill may still write there, so it
@@ -323,21 +213,6 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         """Preemptions so far (a PD sender resends a preempted prompt's pages)."""
         return self.scheduler.num_preemptions
-
-    def stats(self) -> EngineStats:
-        return EngineStats(
-            self.num_running, self.num_waiting, self.units_in_use(),
-            prompt_tokens_computed=self.runner.num_computed_prompt_tokens, **self._prefix_stats(),
-        )  # fmt: skip
-
-    def _prefix_stats(self) -> dict:
-        cache = self.prefix_cache
-        if cache is None:
-            return {}
-        return {
-            "prefix_queries": cache.stats.num_queries, "prefix_hits": cache.stats.num_hits,
-            "prefix_evictions": cache.num_evictions(), "cached_units": cache.num_cached_units(),
-        }  # fmt: skip
 
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -413,26 +288,7 @@ class LLMEngine:
         if self.prefix_cache is not None:
             self.prefix_cache.register(request.request_id, request.all_token_ids)
 
-    def _count_prefix_hit(self, request: Request, num_cached: int | None) -> None:
-        """A request's first admission: its prompt was looked up in the prefix cache."""
-        if self.prefix_cache is None:
-            return
-        self.prefix_cache.count(request.num_prompt_tokens, num_cached or 0)
-        if num_cached:
-            self.tracks[request.request_id].metrics.num_cached_tokens = num_cached
-            if self.config.debug_prefix_cache_skip_draft and self.proposer is not None:
-                self.proposer.context_floor[request.request_id] = num_cached
-
     def _num_spec_tokens(self, request: Request) -> int:
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens
         room = self.max_model_len - request.num_tokens
         return max(0, min(self.num_spec, remaining - 1, room))
-
-    def _record_acceptance(self, metrics: RequestMetrics, committed: Committed, k: int) -> None:
-        num_accepted = len(committed.token_ids) - 1
-        metrics.accepted_lengths.append(num_accepted + 1)
-        metrics.num_draft_tokens += k
-        if len(metrics.accepted_per_position) < k:
-            metrics.accepted_per_position.extend([0] * (k - len(metrics.accepted_per_position)))
-        for i in range(num_accepted):
-            metrics.accepted_per_position[i] += 1

@@ -24,7 +24,9 @@ Failure handling:
 
 Instances come from flags or the admin endpoints (``admin.py``: ``GET|POST|DELETE
 /admin/instances``, guarded by a bearer token when one is configured). The router keeps no
-model state.
+model state. This module owns the choice of instances, the retries, the health checks and
+the app; relaying the chosen decode's answer is ``relay.py``'s, the Prometheus metrics
+``metrics.py``'s.
 """
 
 from __future__ import annotations
@@ -34,22 +36,17 @@ import contextlib
 import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from baton.router.admin import add_admin_routes
+from baton.router.metrics import RouterMetrics
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
+from baton.router.relay import ClientGone, Release, prefill_failure, relay
 from baton.server.protocol import LOCAL_PREFILL_HEADER, PREFILL_HEADER, ROOM_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
@@ -67,32 +64,6 @@ at once."""
 CONNECT_TIMEOUT_S = 5.0
 DISCONNECT_POLL_S = 0.25
 """How often the router checks whether a client waiting for its answer's head is gone."""
-_HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection",
-                "keep-alive"}  # fmt: skip
-"""Not relayed: the body is re-framed and arrives decoded."""
-
-
-class _Metrics:
-    def __init__(self, table: InstanceTable) -> None:
-        self.registry = r = CollectorRegistry()
-        self.table = table
-        self.requests = Counter(
-            "baton_router_requests", "requests answered, by outcome", ["outcome"], registry=r
-        )
-        self.retries = Counter("baton_router_retries", "requests retried, by reason", ["reason"],
-                               registry=r)  # fmt: skip
-        self.healthy = Gauge("baton_router_instance_healthy", "1 if the instance is healthy",
-                             ["role", "url"], registry=r)  # fmt: skip
-        self.outstanding = Gauge("baton_router_instance_outstanding", "requests in flight",
-                                 ["role", "url"], registry=r)  # fmt: skip
-
-    def render(self) -> bytes:
-        self.healthy.clear()
-        self.outstanding.clear()
-        for i in self.table.all():
-            self.healthy.labels(i.role, i.url).set(int(i.healthy))
-            self.outstanding.labels(i.role, i.url).set(i.outstanding)
-        return generate_latest(self.registry)
 
 
 class Router:
@@ -115,7 +86,7 @@ class Router:
             self.table.add("decode", url)
         self.admin_token = admin_token or None
         self.health_interval_s = health_interval_s
-        self.metrics = _Metrics(self.table)
+        self.metrics = RouterMetrics(self.table)
         self.http: httpx.AsyncClient | None = None
 
     # -- health ------------------------------------------------------------------------------
@@ -178,7 +149,7 @@ class Router:
                 )  # fmt: skip
                 break
             room = secrets.randbits(63) or 1
-            release = _Release(*(i for i in (decode, prefill) if i is not None))
+            release = Release(*(i for i in (decode, prefill) if i is not None))
             try:
                 upstream = await self._send_once_more_if_dropped(
                     request, decode, prefill, room, path, body
@@ -192,11 +163,11 @@ class Router:
                 if attempt == 0:
                     self.metrics.retries.labels("decode_unreachable").inc()
                 continue
-            except _ClientGone:
+            except ClientGone:
                 release()
                 self.metrics.requests.labels("client_gone").inc()
                 return Response(status_code=499)
-            prefill_error = await _prefill_failure(upstream)
+            prefill_error = await prefill_failure(upstream)
             if prefill_error is not None and prefill is not None:
                 release()
                 tried_prefills.add(prefill.url)
@@ -213,7 +184,7 @@ class Router:
             self.metrics.requests.labels(str(upstream.status_code)).inc()
             via = f"prefill {prefill.url}" if prefill else "no healthy prefill"
             access = f"room {room} {path} -> decode {decode.url}, {via}"
-            return _relay(upstream, release, decode, access)
+            return relay(upstream, release, decode, access)
         assert failure is not None
         self.metrics.requests.labels(str(failure.status_code)).inc()
         return JSONResponse(failure.body(), status_code=failure.status_code)
@@ -238,7 +209,7 @@ class Router:
         self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
         body: bytes,
     ) -> httpx.Response:  # fmt: skip
-        """The decode's response head, or ``_ClientGone`` if the client left while waiting.
+        """The decode's response head, or ``ClientGone`` if the client left while waiting.
         Without ``prefill`` decode is told there is none healthy (``LOCAL_PREFILL_HEADER``)."""
         assert self.http is not None
         headers = {
@@ -263,7 +234,7 @@ class Router:
                     response = await task
                     await response.aclose()
                 logger.info("router: client left before the answer (room %d)", room)
-                raise _ClientGone
+                raise ClientGone
 
 
 def _prompt_key(body: bytes) -> str | None:
@@ -274,73 +245,6 @@ def _prompt_key(body: bytes) -> str | None:
     except (ValueError, RecursionError):
         return None
     return prompt_key(parsed) if isinstance(parsed, dict) else None
-
-
-class _ClientGone(Exception):
-    pass
-
-
-class _Release:
-    """Decrements the instances' outstanding counts once."""
-
-    def __init__(self, *instances: Instance) -> None:
-        self.instances = instances
-        for i in instances:
-            i.outstanding += 1
-
-    def __call__(self) -> None:
-        for i in self.instances:
-            i.outstanding -= 1
-        self.instances = ()
-
-
-async def _prefill_failure(upstream: httpx.Response) -> str | None:
-    """Decode's message if ``upstream`` is its 503 ``prefill_failed`` (then the small body
-    is read and the response closed), else None (nothing read)."""
-    if upstream.status_code != 503:
-        return None
-    content = await upstream.aread()
-    try:
-        error = json.loads(content)["error"]
-        if error.get("code") == "prefill_failed":
-            await upstream.aclose()
-            return str(error.get("message", ""))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return None
-
-
-def _relay(
-    upstream: httpx.Response, release: _Release, decode: Instance, access: str
-) -> StreamingResponse:
-    """Stream ``upstream`` to the client; one access-log line (``access``: room, path,
-    instances) when it ends: status, bytes, seconds and how it ended."""
-    is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
-    start = time.monotonic()
-
-    async def body() -> AsyncIterator[bytes]:
-        num_bytes, ending = 0, "client left"
-        try:
-            async for chunk in upstream.aiter_bytes():
-                num_bytes += len(chunk)
-                yield chunk
-            ending = "done"
-        except httpx.HTTPError as exc:  # decode died mid-answer: nothing to retry any more
-            ending = "decode failed mid-stream"
-            decode.healthy, decode.last_error = False, f"failed mid-stream: {exc!r}"
-            logger.warning("router: decode %s failed mid-stream: %r", decode.url, exc)
-            if is_sse:  # end the stream as the server would: an error event, then [DONE]
-                error = ApiError(f"the decode server {decode.url} failed mid-stream", 502,
-                                 type="server_error", code="decode_failed")  # fmt: skip
-                yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
-        finally:  # also on a client disconnect: closing upstream aborts decode's request
-            await upstream.aclose()
-            release()
-            logger.info("router: %s: %d, %d bytes in %.3f s, %s", access, upstream.status_code,
-                        num_bytes, time.monotonic() - start, ending)  # fmt: skip
-
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)
 
 
 def build_router_app(router: Router) -> FastAPI:

@@ -5,16 +5,18 @@ not), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus). Every 
 OpenAI's ``{"error": {...}}`` JSON with a 4xx (5xx only for a failed engine); a bad request
 never reaches the engine thread's state and never takes the server down. Each route is a
 module-level function that finds what the routes share (``_Server``) on ``app.state``.
+
+This module owns the request side: parse and check the body, hand the prompt to the engine
+(``_run``), record metrics as outputs stream out (``_observed``). The response bodies (SSE
+chunks, logprobs, usage, the last output of a non-streamed request) are
+``response_body.py``'s.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from baton.engine.outputs import (
-    LOCAL_PREFILL_REASONS,
-    CompletionOutput,
-    HandoffReason,
-    RequestOutput,
-)
+from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
@@ -41,25 +38,20 @@ from baton.server.protocol import (
     CompletionRequest,
 )
 from baton.server.request_body import MAX_BODY_BYTES, openapi_body, parse_body, validation_error
+from baton.server.response_body import (
+    chat_chunks,
+    chat_logprobs,
+    completion_chunks,
+    completion_logprobs,
+    engine_failed,
+    last_unless_disconnected,
+    sse_events,
+    usage_of,
+)
 
 
 def _error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
-
-
-def _usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
-    }
-
-
-def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    others = sorted(entry.items(), key=lambda kv: -kv[1])
-    return others[:n] if n else []
 
 
 @dataclass
@@ -119,7 +111,7 @@ async def _request_validation(_: Request, exc: RequestValidationError) -> JSONRe
 
 
 async def _engine_failure(_: Request, exc: EngineFailed) -> JSONResponse:
-    return _error(_engine_failed(exc))
+    return _error(engine_failed(exc))
 
 
 async def _internal(_: Request, exc: Exception) -> JSONResponse:
@@ -138,18 +130,18 @@ async def _completions(request: Request) -> Response:
     head = {"id": rid, "object": "text_completion", "created": created,
             "model": server.model_name}  # fmt: skip
     if req.stream:
-        chunk = _completion_chunks(server.tokenizer, head, n_top)
-        events = _sse_events(outputs, chunk, head if req.include_usage else None)
+        chunk = completion_chunks(server.tokenizer, head, n_top)
+        events = sse_events(outputs, chunk, head if req.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    final = await _last_unless_disconnected(request, outputs)
+    final = await last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
         "index": 0,
         "text": completion.text,
-        "logprobs": _completion_logprobs(server.tokenizer, completion, n_top, 0),
+        "logprobs": completion_logprobs(server.tokenizer, completion, n_top, 0),
         "finish_reason": completion.finish_reason,
     }
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)}, headers=headers)
+    return JSONResponse({**head, "choices": [choice], "usage": usage_of(final)}, headers=headers)
 
 
 async def _chat_completions(request: Request) -> Response:
@@ -170,20 +162,20 @@ async def _chat_completions(request: Request) -> Response:
             "created": created,
             "model": server.model_name,
         }
-        chunk = _chat_chunks(server.tokenizer, head, n_top)
-        events = _sse_events(outputs, chunk, head if req.include_usage else None)
+        chunk = chat_chunks(server.tokenizer, head, n_top)
+        events = sse_events(outputs, chunk, head if req.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    final = await _last_unless_disconnected(request, outputs)
+    final = await last_unless_disconnected(request, outputs)
     completion = final.outputs[0]
     choice = {
         "index": 0,
         "message": {"role": "assistant", "content": completion.text},
-        "logprobs": _chat_logprobs(server.tokenizer, completion, n_top),
+        "logprobs": chat_logprobs(server.tokenizer, completion, n_top),
         "finish_reason": completion.finish_reason,
     }
     head = {"id": rid, "object": "chat.completion", "created": created,
             "model": server.model_name}  # fmt: skip
-    return JSONResponse({**head, "choices": [choice], "usage": _usage(final)}, headers=headers)
+    return JSONResponse({**head, "choices": [choice], "usage": usage_of(final)}, headers=headers)
 
 
 async def _models(request: Request) -> dict:
@@ -283,164 +275,6 @@ async def _observed(
             yield out
     finally:
         await stream.aclose()
-
-
-def _completion_chunks(
-    tokenizer: Any, head: dict, n_top: int
-) -> Callable[[RequestOutput], dict | None]:
-    """The SSE chunk of each streamed completion output (None: nothing to send)."""
-    offset = 0
-
-    def chunk(out: RequestOutput) -> dict | None:
-        nonlocal offset
-        delta = out.delta
-        if not delta.text and not delta.token_ids and not out.finished:
-            return None
-        choice = {
-            "index": 0,
-            "text": delta.text,
-            "logprobs": _completion_logprobs(tokenizer, delta, n_top, offset),
-            "finish_reason": delta.finish_reason,
-        }
-        offset += len(delta.text)
-        return {**head, "choices": [choice]}
-
-    return chunk
-
-
-def _chat_chunks(tokenizer: Any, head: dict, n_top: int) -> Callable[[RequestOutput], dict | None]:
-    """The SSE chunk of each streamed chat output (None: nothing to send); the first one
-    carries the assistant's role."""
-    is_first = True
-
-    def chunk(out: RequestOutput) -> dict | None:
-        nonlocal is_first
-        delta = out.delta
-        if not is_first and not delta.text and not delta.token_ids and not out.finished:
-            return None
-        message = (
-            {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
-        )
-        is_first = False
-        choice = {
-            "index": 0,
-            "delta": message,
-            "logprobs": _chat_logprobs(tokenizer, delta, n_top),
-            "finish_reason": delta.finish_reason,
-        }
-        return {**head, "choices": [choice]}
-
-    return chunk
-
-
-async def _sse_events(
-    outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
-    usage_head: dict | None,
-) -> AsyncIterator[str]:  # fmt: skip
-    """The SSE events of ``chunk(out)`` per output; with ``usage_head`` (the client asked
-    for ``stream_options.include_usage``) a last chunk carrying the usage."""
-    last = None
-    try:
-        async for out in outputs:
-            last = out
-            data = chunk(out)
-            if data is not None:
-                yield f"data: {json.dumps(data)}\n\n"
-        if usage_head is not None and last is not None:
-            usage = {**usage_head, "choices": [], "usage": _usage(last)}
-            yield f"data: {json.dumps(usage)}\n\n"
-    except Exception as exc:  # the engine died mid-stream: tell the client, then end
-        err = (
-            _engine_failed(exc)
-            if isinstance(exc, EngineFailed)
-            else ApiError(f"the engine failed: {exc}", 500, type="server_error")
-        )
-        yield f"data: {json.dumps(err.body())}\n\n"
-    finally:
-        await outputs.aclose()
-    yield "data: [DONE]\n\n"
-
-
-# -- logprobs --------------------------------------------------------------------------------
-def _token_str(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
-
-
-def _completion_logprobs(
-    tokenizer: Any, delta: CompletionOutput, n: int, offset: int
-) -> dict | None:
-    if delta.logprobs is None:
-        return None
-    tokens = [_token_str(tokenizer, t) for t in delta.token_ids]
-    offsets = []
-    for tok in tokens:
-        offsets.append(offset)
-        offset += len(tok)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [lp[t] for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)],
-        "top_logprobs": [
-            {_token_str(tokenizer, i): v for i, v in _top(lp, n)}
-            for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
-        ],
-        "text_offset": offsets,
-    }
-
-
-def _chat_logprobs(tokenizer: Any, delta: CompletionOutput, n: int) -> dict | None:
-    if delta.logprobs is None:
-        return None
-    content = [
-        {
-            **_chat_logprob(tokenizer, t, lp[t]),
-            "top_logprobs": [_chat_logprob(tokenizer, i, v) for i, v in _top(lp, n)],
-        }
-        for t, lp in zip(delta.token_ids, delta.logprobs, strict=True)
-    ]
-    return {"content": content}
-
-
-def _chat_logprob(tokenizer: Any, token_id: int, value: float) -> dict:
-    text = _token_str(tokenizer, token_id)
-    return {"token": text, "logprob": value, "bytes": list(text.encode())}
-
-
-def _engine_failed(exc: EngineFailed) -> ApiError:
-    """A request the engine's failure ended (the server is exiting)."""
-    return ApiError(str(exc), 500, type="server_error", code="engine_failed")
-
-
-DISCONNECT_POLL_S = 0.25
-"""How often a non-streaming request checks whether its client is still there."""
-
-
-async def _last_unless_disconnected(
-    request: Request, outputs: AsyncIterator[RequestOutput]
-) -> RequestOutput:
-    """``_last``, but a client that leaves (or a router that cancels) aborts the request:
-    nothing else would notice before the whole completion was computed."""
-    task = asyncio.ensure_future(_last(outputs))
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-        if done:
-            return task.result()
-        if await request.is_disconnected():
-            task.cancel()  # closes ``outputs``: the engine aborts the request
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-            raise ApiError("the client disconnected", 499)
-
-
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    try:
-        async for out in outputs:
-            last = out
-    finally:
-        await outputs.aclose()
-    if last is None:
-        raise ApiError("the engine returned no output", 500, type="server_error")
-    return last
 
 
 def _route(request: Request) -> dict:

@@ -28,9 +28,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from baton.engine.core import EngineCore
-from baton.engine.engine import EngineStats
 from baton.engine.keep_warm import KeepWarm
 from baton.engine.outputs import HandoffReason, RequestOutput
+from baton.engine.stats import EngineStats
 from baton.request import SamplingParams
 
 logger = logging.getLogger(__name__)

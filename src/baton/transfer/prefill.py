@@ -2,9 +2,12 @@
 
 It owns a prefill ``LLMEngine``, the ``ControlServer`` (its bootstrap endpoint) and one
 ``Sender`` per paired decode; ``serve_forever`` drains the channel, computes prompts and
-pushes their state. Pairing rules stay in ``handshake.py``, byte moves in the backends,
-the message-level push in ``sender.py``; the process entry point is ``worker.py`` (and
-``baton serve --role prefill``, which adds an HTTP health endpoint around it).
+pushes their state. This module keeps the loop, the dispatch of messages to handlers and
+the answers (``_reply``); pairing with decodes is ``prefill_peers.py``, the rooms
+(reserve, abort, fence, expiry) ``prefill_rooms.py``. Pairing rules stay in
+``handshake.py``, byte moves in the backends, the message-level push in ``sender.py``; the
+process entry point is ``worker.py`` (and ``baton serve --role prefill``, which adds an
+HTTP health endpoint around it).
 """
 
 from __future__ import annotations
@@ -14,29 +17,25 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 
 from baton.config import Deadlines, EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.keep_warm import KeepWarm
-from baton.memory.state import PushPhase
 from baton.transfer.backends import WORKER_BACKENDS, new_worker_backend
-from baton.transfer.backends.base import RegionDescriptor
 from baton.transfer.channel import DEFAULT_HOST, MAX_MESSAGES_PER_TURN, ControlServer
-from baton.transfer.handshake import PairingError, build_hello, check_pairing
+from baton.transfer.handshake import build_hello
+from baton.transfer.prefill_peers import PrefillPeer, PrefillPeers, close_backend
+from baton.transfer.prefill_rooms import PrefillRoom, PrefillRooms
 from baton.transfer.protocol import (
     Abort,
     Fence,
-    FenceAck,
     Hello,
-    HelloAck,
     Message,
     Ping,
     Pong,
     ReserveState,
     StateDone,
     StateFailed,
-    request_id_of,
 )
 from baton.transfer.sender import Sender
 
@@ -44,30 +43,7 @@ logger = logging.getLogger("baton.transfer")
 
 
 # -- prefill ---------------------------------------------------------------------------------
-@dataclass
-class _Peer:
-    """A paired decode: its own sender (a backend mapping that decode's regions)."""
-
-    worker_id: str
-    sender: Sender
-    num_units: dict[str, int]
-    """Component name -> units of that decode's pool (bounds its unit ids)."""
-
-
-MAX_PEERS = 64
-"""Paired decodes kept at once; past it an idle one is forgotten (it re-pairs on Hello)."""
-
-
-@dataclass
-class _Room:
-    peer: bytes
-    """The decode that reserved it: where StateDone / StateFailed go."""
-    arrival: float
-    epoch: int = 0
-    """``ReserveState.epoch``: a ``Fence`` above it stops the room."""
-
-
-class PrefillServer:
+class PrefillServer(PrefillPeers, PrefillRooms):
     """A prefill worker behind a ``ControlServer``, paired with any number of decodes.
 
     One engine computes every decode's prompts; each paired decode has its own sender
@@ -132,7 +108,7 @@ class PrefillServer:
             self.prefill.backend.close()
             raise
         self.endpoint = self.server.endpoint
-        self.peers: dict[bytes, _Peer] = {}
+        self.peers: dict[bytes, PrefillPeer] = {}
         """Control-channel identity -> paired decode."""
         self.component_bytes: dict[str, int] = {}
         self.component_seconds: dict[str, float] = {}
@@ -140,7 +116,7 @@ class PrefillServer:
         self.num_requests = {"done": 0, "failed": 0}
         self.last_turn = time.monotonic()
         """When ``serve_once`` last ran (a health check's liveness signal)."""
-        self.rooms: dict[int, _Room] = {}
+        self.rooms: dict[int, PrefillRoom] = {}
         self.lingering: dict[int, bytes] = {}
         """Rooms failed while a timed-out batch may still write: room -> decode identity,
         until the sender confirms with ``StateFailed(stopped_writing=True)``."""
@@ -189,8 +165,8 @@ class PrefillServer:
     def close(self) -> None:
         self.server.close()
         for peer in self.peers.values():
-            _close_backend(peer.sender)
-        _close_backend(self.prefill)
+            close_backend(peer.sender)
+        close_backend(self.prefill)
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle the messages ``_peek_fences`` kept, then what arrives (waiting up to
@@ -257,207 +233,3 @@ class PrefillServer:
             logger.warning("prefill: room %d: %s not delivered", msg.room, type(msg).__name__)
             if self.server.is_gone():
                 self._forget_peer(room.peer, "its connection is gone")
-
-    # -- pairing ---------------------------------------------------------------------------
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
-        try:
-            check_pairing(self.hello, hello)
-            old = self.peers.get(identity)
-            if old is not None and old.sender.outgoing:
-                raise PairingError(
-                    f"prefill {self.hello.worker_id!r} still pushes {len(old.sender.outgoing)} "
-                    "requests of this decode's earlier pairing; pair again later",
-                    [],
-                )
-            self._make_room_for_peer(identity)
-            prefill, num_units = self._connect(hello)
-        except (ValueError, OSError) as e:  # PairingError is a ValueError
-            logger.warning(
-                "prefill: refused pairing with decode %r (peer %s): %s",
-                hello.worker_id, identity.hex(), e,
-            )  # fmt: skip
-            self.server.send(identity, HelloAck.answer(self.hello, accepted=False, error=str(e)))
-            return
-        if old is not None:
-            _close_backend(old.sender)  # the earlier pairing's mappings
-        self.peers[identity] = _Peer(hello.worker_id, prefill, num_units)
-        logger.info("prefill: paired with decode %r (peer %s)", hello.worker_id, identity.hex())
-        self.server.send(identity, HelloAck.answer(self.hello, accepted=True))
-
-    def _check_peers(self) -> None:
-        self._last_peer_check = time.monotonic()
-        self._ping_seq += 1
-        for identity in list(self.peers):
-            if not self.server.send(identity, Ping(seq=self._ping_seq)) and self.server.is_gone():
-                self._forget_peer(identity, "its connection is gone")
-
-    def _forget_peer(self, identity: bytes, reason: str) -> None:
-        """Drop a decode that cannot hear us any more: its rooms (nothing is written for them
-        between steps), then its sender and the mapping of its regions."""
-        peer = self.peers.pop(identity, None)
-        if peer is None:
-            return
-        for room in [r for r, info in self.rooms.items() if info.peer == identity]:
-            self._discard(room, peer)
-            del self.rooms[room]
-        for room in [r for r, p in self.lingering.items() if p == identity]:
-            del self.lingering[room]
-        # NOTE: a batch of its that timed out may still be in flight; the backend's close
-        # waits for nothing, but the memory it writes into is that dead decode's own.
-        _close_backend(peer.sender)
-        logger.warning("prefill: forgot decode %r: %s", peer.worker_id, reason)
-
-    def _make_room_for_peer(self, identity: bytes) -> None:
-        """Forget the longest-paired idle decodes past ``MAX_PEERS`` (raises if all are busy)."""
-        others = [i for i in self.peers if i != identity]
-        while len(others) >= MAX_PEERS:
-            idle = [i for i in others if not self.peers[i].sender.outgoing]
-            if not idle:
-                raise PairingError(f"prefill serves {MAX_PEERS} busy decodes already", [])
-            forgotten = self.peers.pop(idle[0])
-            others.remove(idle[0])
-            _close_backend(forgotten.sender)
-            logger.info("prefill: forgot idle decode %r", forgotten.worker_id)
-
-    def _connect(self, hello: Hello) -> tuple[Sender, dict[str, int]]:
-        """A sender mapping ``hello``'s regions, and the unit count of each."""
-        names = set(self.engine.registry.names())
-        if set(hello.regions) != names:
-            raise ValueError(
-                f"decode declares regions {sorted(hello.regions)}, prefill needs {sorted(names)}"
-            )
-        num_units = {}
-        theirs = {c["name"]: c for c in hello.schema}  # paired: unit sizes may differ
-        for component in self.engine.registry:
-            d = RegionDescriptor.from_dict(hello.regions[component.name])
-            unit_bytes = theirs[component.name]["unit_bytes"]
-            if d.region != component.name or d.nbytes % unit_bytes:
-                raise ValueError(
-                    f"decode region {d.region!r} of {d.nbytes} bytes is not whole "
-                    f"{unit_bytes}-byte units of `{component.name}`"
-                )
-            num_units[component.name] = d.nbytes // unit_bytes
-        backend = new_worker_backend(self.backend_kind, host=self.transfer_host)
-        prefill = Sender(self.engine, backend, self.deadlines)
-        prefill.refresh_fences = self._peek_fences
-        try:
-            prefill.connect(hello.regions, hello.schema)
-        except BaseException:
-            prefill.backend.close()
-            raise
-        return prefill, num_units
-
-    # -- requests --------------------------------------------------------------------------
-    def _on_reserve(self, identity: bytes, msg: ReserveState) -> None:
-        if msg.room in self.rooms:
-            # NOTE: a replayed frame or a decode bug. Answering StateFailed would tell decode to
-            # free units the first copy is about to fill, so drop it silently.
-            logger.warning("prefill: second ReserveState for live room %d dropped", msg.room)
-            return
-        problem = self._reserve_problem(identity, msg)
-        failed = None
-        if problem is not None:
-            failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True, refused=True)
-        else:
-            try:
-                failed = self.peers[identity].sender.on_reserve(msg)
-            except ValueError as e:  # invalid sampling params (a ProtocolError)
-                failed = StateFailed(
-                    room=msg.room, reason=str(e), stopped_writing=True, refused=True
-                )
-        if failed is not None:
-            logger.warning("prefill: room %d refused: %s", msg.room, failed.reason)
-            self.server.send(identity, failed)
-            return
-        now = time.monotonic()
-        self.rooms[msg.room] = _Room(identity, now, msg.epoch)
-        if self.debug_stall_s:
-            self._stall_until = now + self.debug_stall_s
-
-    def _reserve_problem(self, identity: bytes, msg: ReserveState) -> str | None:
-        """Why ``msg`` cannot be served (checked before any state is touched), or None."""
-        peer = self.peers.get(identity)
-        if peer is None:
-            return "this decode is not paired with the prefill worker (Hello first)"
-        if msg.epoch < peer.sender.fence_epoch:
-            return (
-                f"reserved under epoch {msg.epoch}, fenced by decode at {peer.sender.fence_epoch}"
-            )
-        (record,) = self.engine.registry.pushed_in(PushPhase.LAST)
-        if record.owner.num_free_units == 0:
-            return f"prefill is full ({record.num_units} requests in flight)"
-        pushed = {c.name for c in self.engine.registry if c.push is not PushPhase.LAST}
-        if set(msg.dst_unit_ids) != pushed:
-            return f"dst_unit_ids names {sorted(msg.dst_unit_ids)}, prefill pushes {sorted(pushed)}"
-        if not set(msg.num_held_units) <= pushed:
-            return f"num_held_units names {sorted(msg.num_held_units)}, not all pushed here"
-        units = {**msg.dst_unit_ids, record.name: [msg.aux_slot_id]}
-        for name, ids in units.items():
-            outside = [u for u in ids if u >= peer.num_units[name]]
-            if outside:
-                return f"`{name}` unit {outside[0]} is outside decode's {peer.num_units[name]}"
-            if len(set(ids)) != len(ids):
-                return f"`{name}` unit ids repeat: {ids}"
-        return None
-
-    def _on_abort(self, identity: bytes, msg: Abort) -> None:
-        room = self.rooms.get(msg.room)
-        if msg.room in self.lingering:
-            return  # a timed-out batch may still write: confirmed once it ends (``_reply``)
-        if room is None:  # done, refused or never seen: nothing writes for it
-            reason = "not in flight at prefill"
-            self.server.send(
-                identity, StateFailed(room=msg.room, reason=reason, stopped_writing=True)
-            )
-        elif room.peer == identity:
-            self._drop(msg.room, f"aborted by decode: {msg.reason}")
-
-    def _on_fence(self, identity: bytes, msg: Fence) -> None:
-        """Drop every room of this decode reserved below ``msg.epoch`` (each confirmed with
-        ``StateFailed(stopped_writing=True)``); ``FenceAck`` once none of its timed-out
-        batches may still write. An unknown decode (we restarted, or forgot it) has nothing
-        in flight here: acknowledged at once."""
-        peer = self.peers.get(identity)
-        if peer is not None:
-            peer.sender.fence_epoch = max(peer.sender.fence_epoch, msg.epoch)
-            fenced = [
-                r
-                for r, info in self.rooms.items()
-                if info.peer == identity and info.epoch < msg.epoch
-            ]
-            for room in fenced:
-                self._drop(room, f"fenced by decode (epoch {msg.epoch}): {msg.reason}")
-        if any(p == identity for p in self.lingering.values()):
-            logger.warning("prefill: fence %d of peer %s waits for timed-out batches", msg.epoch,
-                           identity.hex())  # fmt: skip
-            return  # decode sends the fence again; acknowledged once those batches end
-        self.server.send(identity, FenceAck(epoch=msg.epoch))
-
-    def _expire(self) -> None:
-        limit = time.monotonic() - self.deadlines.waiting_for_state_s
-        for room in [r for r, info in self.rooms.items() if info.arrival < limit]:
-            self._drop(room, f"not pushed within {self.deadlines.waiting_for_state_s} s")
-
-    def _discard(self, room: int, peer: _Peer | None) -> None:
-        """Stop computing ``room`` and free its prefill units (between steps nothing writes
-        for it)."""
-        request_id = request_id_of(room)
-        if peer is not None:
-            peer.sender.outgoing.pop(request_id, None)
-            peer.sender.aborted.discard(room)
-        self.engine.handoff.release(request_id)
-
-    def _drop(self, room: int, reason: str) -> None:
-        """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
-        between steps nothing is writing for it."""
-        self._discard(room, self.peers.get(self.rooms[room].peer))
-        logger.info("prefill: room %d dropped: %s", room, reason)
-        self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
-
-
-def _close_backend(sender: Sender) -> None:
-    """Unmap a sender's decode regions; a mapping still in use stays (logged)."""
-    try:
-        sender.backend.close()
-    except BufferError as e:
-        logger.warning("prefill: %s", e)
