@@ -22,7 +22,8 @@ from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import FinishReason, RequestStatus, SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
-from baton.transfer.sender import Sender, component_checksums
+from baton.transfer.checksums import component_checksums
+from baton.transfer.sender import Sender
 from tests.transfer.inprocess import InProcessDecode
 
 VOCAB = 256

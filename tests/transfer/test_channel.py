@@ -11,7 +11,9 @@ import time
 import pytest
 import zmq
 
-from baton.transfer.channel import MAC_BYTES, ControlClient, ControlServer
+from baton.transfer.channel import MAC_BYTES
+from baton.transfer.channel_client import ControlClient
+from baton.transfer.channel_server import ControlServer
 from baton.transfer.protocol import Abort, Ping, Pong, StateFailed, encode
 from baton.transfer.session import REFUSAL_LOG_INTERVAL_S
 

@@ -25,8 +25,9 @@ from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.backends.base import TransferOp, failed
 from baton.transfer.backends.loopback import LoopbackBackend
+from baton.transfer.checksums import component_checksums
 from baton.transfer.protocol import StateDone, StateFailed
-from baton.transfer.sender import Sender, component_checksums
+from baton.transfer.sender import Sender
 from tests.transfer.inprocess import InProcessDecode
 
 VOCAB = 256

@@ -24,7 +24,7 @@ from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import SamplingParams
-from baton.transfer.channel import ControlClient
+from baton.transfer.channel_client import ControlClient
 from baton.transfer.decode import DecodeEngine
 from baton.transfer.prefill import PrefillServer
 from tests.transfer.conftest import TEST_PREFIX

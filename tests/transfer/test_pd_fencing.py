@@ -23,7 +23,7 @@ import time
 import pytest
 
 from baton.config import Deadlines
-from baton.transfer.sender import component_checksums
+from baton.transfer.checksums import component_checksums
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import require_backend
 from tests.transfer.test_pd_processes import _client, _colocated, _free_units, _requests, _run

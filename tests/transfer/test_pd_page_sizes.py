@@ -24,9 +24,10 @@ from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
+from baton.transfer.checksums import component_checksums
 from baton.transfer.decode import DecodeEngine
 from baton.transfer.handshake import build_hello, check_pairing
-from baton.transfer.sender import Sender, component_checksums
+from baton.transfer.sender import Sender
 from tests.transfer.conftest import TEST_PREFIX, our_segments
 from tests.transfer.inprocess import InProcessDecode
 

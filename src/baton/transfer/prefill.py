@@ -22,7 +22,8 @@ from baton.config import Deadlines, EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.keep_warm import KeepWarm
 from baton.transfer.backends import WORKER_BACKENDS, new_worker_backend
-from baton.transfer.channel import DEFAULT_HOST, MAX_MESSAGES_PER_TURN, ControlServer
+from baton.transfer.channel import DEFAULT_HOST, MAX_MESSAGES_PER_TURN
+from baton.transfer.channel_server import ControlServer
 from baton.transfer.handshake import build_hello
 from baton.transfer.prefill_peers import PrefillPeer, PrefillPeers, close_backend
 from baton.transfer.prefill_rooms import PrefillRoom, PrefillRooms

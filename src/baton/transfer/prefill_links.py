@@ -20,7 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from baton.config import Deadlines
-from baton.transfer.channel import MAX_MESSAGES_PER_TURN, ControlClient, wait_any
+from baton.transfer.channel import MAX_MESSAGES_PER_TURN
+from baton.transfer.channel_client import ControlClient, wait_any
 from baton.transfer.handshake import PairingError, check_pairing
 from baton.transfer.protocol import Hello, HelloAck, Message, Ping, Pong
 

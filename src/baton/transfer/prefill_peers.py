@@ -19,7 +19,7 @@ from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.transfer.backends import new_worker_backend
 from baton.transfer.backends.base import RegionDescriptor
-from baton.transfer.channel import ControlServer
+from baton.transfer.channel_server import ControlServer
 from baton.transfer.handshake import PairingError, check_pairing
 from baton.transfer.protocol import Hello, HelloAck, Ping
 from baton.transfer.sender import Sender

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.memory.state import PushPhase
-from baton.transfer.channel import ControlServer
+from baton.transfer.channel_server import ControlServer
 from baton.transfer.protocol import Abort, Fence, FenceAck, ReserveState, StateFailed, request_id_of
 
 if TYPE_CHECKING:

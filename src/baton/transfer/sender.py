@@ -19,77 +19,32 @@ reservation covers and prefill still holds (the rest of it no query reads).
 
 No I/O of its own: messages go in and out as values, so the same code runs in one process
 (tests, loopback) and behind the zmq control channel (``prefill.PrefillServer``). Its
-decode-side mirror is ``receiver.Receiver``.
+decode-side mirror is ``receiver.Receiver``. This module keeps the ``Sender``: its
+requests (``on_reserve``), ``push_ready`` and the fence checks; what each batch carries is
+``sender_pushes.py``, the wait for a batch under its deadline ``sender_batches.py``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
-from baton.engine.handoff import num_complete_units
-from baton.memory.state import PushPhase, UnitKind
-from baton.transfer.backends.base import (
-    RegionDescriptor,
-    Status,
-    TransferBackend,
-    TransferOp,
-    failed,
-)
-from baton.transfer.checksums import component_checksums
-from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
+from baton.memory.state import UnitKind
+from baton.transfer.backends.base import RegionDescriptor, TransferBackend
 from baton.transfer.protocol import (
-    ComponentStats,
     ReserveState,
     StateDone,
     StateFailed,
     request_id_of,
     sampling_params_from_wire,
 )
-from baton.transfer.translate import final_tokens, first_valid_tokens, streamed_tokens
+from baton.transfer.sender_batches import SenderBatches
+from baton.transfer.sender_pushes import Outgoing, SenderPushes
 
 
-@dataclass
-class _Outgoing:
-    reserve: ReserveState
-    request_id: str
-    num_sent_units: dict[str, int] = field(default_factory=dict)
-    """Component -> leading units already pushed while the prompt was being computed."""
-    num_sent_tokens: dict[str, int] = field(default_factory=dict)
-    """The same for a component whose page size differs: pushed up to this token."""
-    num_bytes: dict[str, int] = field(default_factory=dict)
-    """Component -> bytes pushed so far (every push counts, a resend after preemption too)."""
-    seconds: dict[str, float] = field(default_factory=dict)
-    """Component -> seconds of the transfers that carried its bytes."""
-
-    def count(self, plan: TransferPlan, seconds: float) -> None:
-        for name, s in plan_stats(plan).items():
-            self.num_bytes[name] = self.num_bytes.get(name, 0) + s.total_bytes
-            self.seconds[name] = self.seconds.get(name, 0.0) + (seconds if s.total_bytes else 0.0)
-
-    def failure(self, moved: _Moved) -> StateFailed:
-        return StateFailed(
-            room=self.reserve.room, reason=moved.status.reason, stopped_writing=moved.has_stopped
-        )
-
-
-@dataclass(frozen=True)
-class _Moved:
-    """How one batch ended: its status, how long it took, and whether nothing writes any
-    more (False only for a batch given up at the deadline while the backend still holds it)."""
-
-    status: Status
-    seconds: float
-    has_stopped: bool = True
-
-
-class Sender:
+class Sender(SenderPushes, SenderBatches):
     """Computes prompts and pushes their state into the decode peer's pools.
 
     After every engine step, ``push_ready`` pushes, in one batch for all of this sender's
@@ -113,7 +68,7 @@ class Sender:
         self.engine = engine
         self.backend = backend
         self.descriptors = {c.name: backend.register(c.name, c.storage) for c in engine.registry}
-        self.outgoing: dict[str, _Outgoing] = {}
+        self.outgoing: dict[str, Outgoing] = {}
         self.checksums: dict[int, dict[str, str]] = {}
         """room -> per-component checksums taken before the push (debug parity)."""
         self.checksum_ranges: dict[int, dict[str, tuple[int, int]]] = {}
@@ -163,7 +118,7 @@ class Sender:
             )
         except ValueError as e:
             return StateFailed(room=msg.room, reason=str(e), stopped_writing=True, refused=True)
-        self.outgoing[request_id] = _Outgoing(msg, request_id, dict(msg.num_held_units))
+        self.outgoing[request_id] = Outgoing(msg, request_id, dict(msg.num_held_units))
         return None
 
     def step(self) -> list[StateDone | StateFailed]:
@@ -195,66 +150,14 @@ class Sender:
         self.aborted &= live  # marks of rooms answered meanwhile
         return replies
 
-    def _push_complete_pages(self) -> list[StateFailed]:
-        """One batch: every still-computing request's full-attention pages completed since
-        the last push, matched in logical order to decode's reserved units."""
-        replies = self._drop_fenced()
-        plans: dict[str, TransferPlan] = {}
-        ends: dict[str, dict[str, int]] = {}
-        streamed = [
-            c
-            for c in self.engine.registry.pushed_in(PushPhase.STREAMED)
-            if c.name not in self.debug_skip_components
-        ]
-        for request_id, out in self.outgoing.items():
-            components, translated = {}, {}
-            for c in streamed:
-                dst = out.reserve.dst_unit_ids.get(c.name)
-                if dst is None:
-                    continue  # the final push reports it
-                if c.name in self.dst_page_size:
-                    sent = out.num_sent_tokens.get(c.name)
-                    tokens = streamed_tokens(
-                        c, request_id, out.reserve, self.dst_page_size[c.name], sent
-                    )
-                    if tokens is not None:
-                        translated[c.name], ends.setdefault(request_id, {})[c.name] = tokens
-                    continue
-                held = out.reserve.num_held_units.get(c.name, 0)  # decode has them cached
-                first = out.num_sent_units.get(c.name, 0)
-                end = min(num_complete_units(c, request_id), held + len(dst))
-                if end > first:
-                    src = c.index(request_id).unit_ids[first:end]
-                    components[c.name] = (src, dst[first - held : end - held], c.unit_bytes)
-                    ends.setdefault(request_id, {})[c.name] = end
-            if components or translated:
-                plans[request_id] = {**plan_request(components), **translated}
-        if not plans:
-            return replies
-        rooms = [self.outgoing[r].reserve.room for r in plans]
-        moved = self._transfer([op for plan in plans.values() for op in plan_ops(plan)], rooms)
-        if not moved.status.is_done:
-            # Their prefill units go back now: the backend only reads them, so even a batch
-            # still in flight cannot hurt the state of a request that reuses them.
-            for request_id in plans:
-                self.engine.handoff.release(request_id)
-            return replies + [self.outgoing.pop(r).failure(moved) for r in plans]
-        for request_id, plan in plans.items():
-            out = self.outgoing[request_id]
-            out.count(plan, moved.seconds)
-            for name, end in ends[request_id].items():
-                sent = out.num_sent_tokens if name in self.dst_page_size else out.num_sent_units
-                sent[name] = end
-        return replies
-
-    def _is_fenced(self, out: _Outgoing, refresh: bool = True) -> bool:
+    def _is_fenced(self, out: Outgoing, refresh: bool = True) -> bool:
         """Re-read the fences (unless ``refresh`` is False), then: has decode given up on
         ``out``'s room?"""
         if refresh:
             self.refresh_fences()
         return out.reserve.epoch < self.fence_epoch or out.reserve.room in self.aborted
 
-    def _fenced(self, out: _Outgoing) -> StateFailed:
+    def _fenced(self, out: Outgoing) -> StateFailed:
         self.aborted.discard(out.reserve.room)
         reason = "decode gave up on the room (fence or abort) before its push: not written"
         return StateFailed(room=out.reserve.room, reason=reason, stopped_writing=True)
@@ -268,127 +171,4 @@ class Sender:
             if self._is_fenced(out, refresh=False):
                 self.engine.handoff.release(request_id)
                 replies.append(self._fenced(self.outgoing.pop(request_id)))
-        return replies
-
-    def _push(self, out: _Outgoing) -> StateDone | StateFailed:
-        """A finished request: the rest of its state in one batch, then the aux record."""
-        msg, request_id = out.reserve, out.request_id
-        if self._is_fenced(out):
-            return self._fenced(out)
-        held = self.engine.held[request_id]
-        planned = self._plan_rest(out)
-        if isinstance(planned, str):
-            return StateFailed(room=msg.room, reason=planned, stopped_writing=True)
-        plan, checksum_ranges = planned
-        ops = plan_ops(plan)
-        if ops:
-            moved = self._transfer(ops, [msg.room])
-            if not moved.status.is_done:
-                return out.failure(moved)  # push_ready releases the units
-            out.count(plan, moved.seconds)
-        stats = {
-            name: ComponentStats(num_bytes=n, seconds=out.seconds[name])
-            for name, n in out.num_bytes.items()
-        }
-        # The aux record last, only after every other byte has landed.
-        token, logprob = held.first_token.token_ids[0], held.first_token.logprobs[0]
-        hidden = held.seed_hidden
-        if hidden is None:
-            hidden = torch.zeros(self.engine.model.spec.hidden_size)
-        aux = self.engine.aux
-        aux.write(request_id, msg.nonce, token, logprob, hidden)
-        if self.keep_checksums:
-            sums = component_checksums(self.engine, request_id, checksum_ranges or None)
-            self.checksums[msg.room] = sums
-            if checksum_ranges:
-                self.checksum_ranges[msg.room] = checksum_ranges
-        aux_plan = plan_request(
-            {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
-        )
-        if self._is_fenced(out):  # the aux record is a batch of its own: check again
-            return self._fenced(out)
-        moved = self._transfer(plan_ops(aux_plan), [msg.room])
-        if not moved.status.is_done:
-            return out.failure(moved)  # push_ready releases the units
-        stats[aux.name] = ComponentStats(num_bytes=aux.row_bytes, seconds=moved.seconds)
-        top = held.first_token.top_logprobs[0] or []
-        return StateDone(
-            room=msg.room,
-            nonce=msg.nonce,
-            first_token=token,
-            first_token_logprob=logprob,
-            first_token_top_logprobs=[(int(t), float(lp)) for t, lp in top],
-            component_stats=stats,
-            first_valid_tokens=first_valid_tokens(self.engine.registry, request_id, msg),
-        )
-
-    def _plan_rest(self, out: _Outgoing) -> tuple[TransferPlan, dict[str, tuple[int, int]]] | str:
-        """The plan of a finished request's state not pushed yet, and the tokens each
-        translated component's checksum covers; or why it cannot be pushed."""
-        msg, request_id = out.reserve, out.request_id
-        components, translated, checksum_ranges = {}, {}, {}
-        for component in self.engine.registry:
-            name = component.name
-            if component.push is PushPhase.LAST:
-                continue  # the record, written last
-            if name in self.dst_page_size and name in msg.dst_unit_ids:
-                sent = out.num_sent_tokens.get(name, 0)
-                tokens = final_tokens(component, request_id, msg, self.dst_page_size[name], sent)
-                if isinstance(tokens, str):
-                    return tokens
-                if name not in self.debug_skip_components:
-                    translated[name] = tokens[0]
-                checksum_ranges[name] = tokens[1]
-                continue
-            src = list(component.index(request_id).unit_ids)
-            dst = msg.dst_unit_ids.get(name)
-            num_held = msg.num_held_units.get(name, 0)  # decode has them cached
-            if dst is None or len(dst) + num_held != len(src):
-                return (
-                    f"component `{name}`: prefill holds {len(src)} units, decode reserved "
-                    f"{None if dst is None else len(dst)} (+{num_held} cached)"
-                )
-            if name not in self.debug_skip_components:
-                first = out.num_sent_units.get(name, num_held)
-                components[name] = (src[first:], dst[first - num_held :], component.unit_bytes)
-        return {**plan_request(components), **translated}, checksum_ranges
-
-    def _transfer(self, ops: list[TransferOp], rooms: list[int]) -> _Moved:
-        """Submit one batch and wait for it, at most ``transfer_s`` seconds.
-
-        NOTE: past the deadline the batch is given up, not stopped: the backend contract
-        has no cancel, and only a ``DONE`` or ``FAILED`` from ``poll`` promises that it
-        writes no more (``release`` refuses a pending transfer). So a timed-out batch is
-        ``FAILED`` with ``has_stopped=False`` -- decode must not free its units on our word --
-        and is kept in ``_abandoned``; once the backend ends it, ``push_ready`` confirms
-        each of its rooms with ``StateFailed(stopped_writing=True)`` (or decode frees them
-        after its abort grace, whichever comes first)."""
-        start = time.perf_counter()
-        deadline = time.monotonic() + self.transfer_s
-        transfer_id = self.backend.submit(ops)
-        status = self.backend.poll(transfer_id)
-        while status.is_pending:
-            if time.monotonic() >= deadline:
-                self._abandoned[transfer_id] = list(rooms)
-                reason = (
-                    f"transfer of {len(ops)} runs to decode did not finish within "
-                    f"{self.transfer_s:g} s"
-                )
-                return _Moved(failed(reason), time.perf_counter() - start, has_stopped=False)
-            time.sleep(0.0005)
-            status = self.backend.poll(transfer_id)
-        self.backend.release(transfer_id)
-        return _Moved(status, time.perf_counter() - start)
-
-    def _settle_abandoned(self) -> list[StateDone | StateFailed]:
-        """Rooms of timed-out batches the backend has since ended: now nothing writes."""
-        replies: list[StateDone | StateFailed] = []
-        for transfer_id, rooms in list(self._abandoned.items()):
-            status = self.backend.poll(transfer_id)
-            if status.is_pending:
-                continue
-            self.backend.release(transfer_id)
-            del self._abandoned[transfer_id]
-            reason = f"the timed-out transfer has ended ({status.state.value}); nothing writes"
-            replies.extend(StateFailed(room=r, reason=reason, stopped_writing=True) for r in rooms)
         return replies
