@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from baton import platform
-from baton.model.layers import FEW_ROWS_MIN_WEIGHT, FrozenLinear, step_invariant_rows
+from baton.model.frozen_linear import FEW_ROWS_MIN_WEIGHT, FrozenLinear, step_invariant_rows
 
 
 def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
@@ -63,9 +63,9 @@ def test_the_packed_path_runs_where_the_cpu_cannot_pack(monkeypatch):
     """The packed path's calls, on a CPU without oneDNN bf16: packing forced with a reorder
     that keeps the fp32 weight (oneDNN's pointwise linear takes it as is), so a packed
     ``FrozenLinear`` built here runs the calls an AVX-512-BF16 machine runs."""
-    import baton.model.layers as layers
+    import baton.model.frozen_linear as frozen_linear
 
-    monkeypatch.setattr(layers, "can_pack", lambda weight: True)
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
     g = torch.Generator().manual_seed(3)
     weight, x, other = (torch.randn(*s, generator=g) for s in ((96, 64), (1, 4, 64), (1, 4, 96)))

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import baton.engine.runner as runner_module
 import baton.kernels.layer as native_layer
-import baton.model.layers as model_layers
+import baton.model.frozen_linear as frozen_linear
 from baton import platform
 from baton.engine.llm import LLM
 from baton.kernels import library
@@ -234,7 +234,7 @@ MANY_PROMPTS = [f"{p} {i}" for i in range(4) for p in PROMPTS[:2]] + PROMPTS[1:]
 def _generate(dtype: str, mode: str, calls: list, prompts: list[str] = PROMPTS):
     llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    matmul = model_layers.linear_rows
+    matmul = frozen_linear.linear_rows
     # The layers run one by one, as a stack (the target) or in the draft's chain.
     layer_calls = {
         cls: cls.__call__
@@ -254,7 +254,7 @@ def _generate(dtype: str, mode: str, calls: list, prompts: list[str] = PROMPTS):
     with pytest.MonkeyPatch.context() as mp:
         for cls in layer_calls:
             mp.setattr(cls, "__call__", counted_layer)
-        mp.setattr(model_layers, "linear_rows", counted_matmul)
+        mp.setattr(frozen_linear, "linear_rows", counted_matmul)
         outs = llm.generate(prompts, params)
     return [
         (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths) for o in outs
@@ -294,7 +294,7 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(
     if onednn and not platform.current().native_bf16:
         pytest.skip(f"oneDNN has no bf16 path on this CPU ({platform.current().summary()})")
     if not onednn:
-        monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+        monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: False)
     fused_calls: list = []
     fused = _generate(dtype, mode, fused_calls, prompts)
     monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")
@@ -331,7 +331,7 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(
 
 
 def test_an_fp32_weight_of_bf16_values_is_read_as_bf16_with_the_same_results():
-    from baton.model.layers import FrozenLinear
+    from baton.model.frozen_linear import FrozenLinear
 
     g = torch.Generator().manual_seed(1)
     exact = torch.randn(512, 256, generator=g).bfloat16().float()  # a bf16 checkpoint in fp32
@@ -368,7 +368,7 @@ def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
     from baton.kernels.chain import NativeChain
     from baton.kernels.layer import NativeStack
 
-    monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: False)
     calls: list = []
     for cls in (NativeStack, NativeChain):
         call = cls.__call__

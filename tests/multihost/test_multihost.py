@@ -271,7 +271,8 @@ def test_readme_deployment_across_hosts_answers_like_colocated(hosts, tmp_path, 
 def test_transfer_host_defaults_to_the_bound_address():
     """``--transfer-host`` as given; else ``--pd-host`` on a prefill, ``--host`` on a decode;
     a wildcard bind advertises nothing (the backend's loopback default)."""
-    from baton.cli import _transfer_host, build_parser
+    from baton.cli import build_parser
+    from baton.cli_serve import _transfer_host
 
     def resolved(*argv: str) -> str | None:
         return _transfer_host(build_parser().parse_args(["serve", *argv]))
@@ -296,7 +297,8 @@ def test_mooncake_on_a_wildcard_refuses_to_start_without_transfer_host(argv, cap
     """Bound to every interface, a Mooncake worker would advertise loopback to other hosts:
     ``baton serve`` stops before loading anything, naming ``--transfer-host``; with it given,
     or over NIXL (whose agent advertises every interface), the check passes."""
-    from baton.cli import _unreachable_transfer_host, build_parser, main
+    from baton.cli import build_parser, main
+    from baton.cli_serve import _unreachable_transfer_host
 
     assert main(["serve", "--backend", "mooncake", *argv]) == 2
     error = capsys.readouterr().err

@@ -245,14 +245,15 @@ def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_di
 def test_engine_switches_reach_every_worker_as_given():
     """``baton serve`` / ``baton launch`` switches (speculation off, draft length, prefix
     caching off, sliding mode) become engine options, and launch hands each worker the same ones."""
-    from baton.cli import _engine_options, build_parser
+    from baton.cli import build_parser
+    from baton.cli_serve import engine_options
     from baton.config import EngineConfig
     from baton.launch import _serve_args
 
     argv = ["serve", "--dtype", "float32", "--no-speculative", "--num-speculative-tokens", "2",
             "--no-prefix-caching", "--sliding-mode", "ring",
             "--small-step-threads", "2", "--keep-warm-s", "30"]  # fmt: skip
-    options = _engine_options(build_parser().parse_args(argv))
+    options = engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.speculative is False and config.num_speculative_tokens == 2
     assert config.cache.enable_prefix_caching is False
@@ -260,13 +261,13 @@ def test_engine_switches_reach_every_worker_as_given():
     assert config.small_step_threads == 2
     assert config.keep_warm_s == 30
     child = build_parser().parse_args(["serve", *_serve_args("m", options, None)])
-    assert _engine_options(child) == options
-    default = _engine_options(build_parser().parse_args(["serve"]))
+    assert engine_options(child) == options
+    default = engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
     assert "sliding_mode" not in default
     assert "small_step_threads" not in default  # as --threads
     assert "keep_warm_s" not in default and EngineConfig().keep_warm_s == 0
-    as_torch = _engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
+    as_torch = engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
     assert "small_step_threads" not in as_torch
 
 

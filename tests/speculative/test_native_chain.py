@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import baton.model.layers as model_layers
+import baton.model.frozen_linear as frozen_linear
 from baton import platform
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
@@ -71,7 +71,7 @@ def _draft_storage(engine: LLMEngine) -> list[torch.Tensor]:
 def test_the_chain_equals_the_per_step_path(
     dtype, mode, steps, empty_draft_state, first, monkeypatch
 ):
-    monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)  # every CPU's path
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: False)  # every CPU's path
     engine = _engine_mid_decode(
         dtype, mode, steps, debug_empty_draft_prompt_state=empty_draft_state
     )
@@ -129,7 +129,7 @@ def test_generation_with_the_chain_equals_without(onednn, monkeypatch):
     if onednn and not platform.current().native_bf16:
         pytest.skip(f"oneDNN has no bf16 path on this CPU ({platform.current().summary()})")
     if not onednn:
-        monkeypatch.setattr(model_layers, "can_pack", lambda weight: False)
+        monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: False)
     dtype = "bfloat16" if onednn else "float32"
     params = SamplingParams(temperature=0, max_tokens=48, logprobs=1)
     runs, calls = [], []

@@ -4,7 +4,7 @@ The kernel reads a weight packed once into its panels (``PackedRows``: 16 output
 per contiguous panel; see linear.c). ``linear_rows`` returns None when the kernel cannot
 take the call (no kernels, more rows than ``MAX_ROWS``, another dtype, a layout it does not
 read, autograd); the caller then runs its torch code, which stays the reference (tests
-compare the two). Who calls it: ``baton.model.layers.FrozenLinear`` (few rows through a
+compare the two). Who calls it: ``baton.model.frozen_linear.FrozenLinear`` (few rows through a
 large weight, fp32 or bf16, also where oneDNN packs bf16 for large steps), and
 ``baton.kernels.layer`` takes its packed weights.
 """

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.kernels.norm import rms_norm_rotary
-from baton.model.layers import FrozenLinear, RMSNorm, RotaryEmbedding, apply_rotary
+from baton.model.frozen_linear import FrozenLinear
+from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from baton.model.spec import ModelSpec
 
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from baton.kernels.layer import NativeLayer, NativeStack
 from baton.model.attention import Attention, AttentionBackend, make_rotary
-from baton.model.layers import FrozenLinear, GatedMLP, RMSNorm
+from baton.model.frozen_linear import FrozenLinear
+from baton.model.layers import GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
 
 

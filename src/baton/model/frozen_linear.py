@@ -1,0 +1,238 @@
+"""FrozenLinear: the inference matmul every projection of a loaded model runs.
+
+Owns the choice of path per call -- oneDNN's packed bf16 matmul (activation and residual
+inside it), ``F.linear``, or ``linear.c``'s few-row kernel (``baton.kernels.linear``) -- and
+``step_invariant_rows``, the context in which a row's result does not depend on the call's
+number of rows. Pure torch plus those kernels; holds no parameters of its own (it reads the
+module's) and never touches the engine. Who calls it: ``attention``, ``decoder``, ``draft``
+and ``layers.GatedMLP`` (built in ``fuse_projections``; ``few_rows_kernel`` / ``few_rows_now``
+hand its panels to the native chain and head); the runner enters ``step_invariant_rows``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+
+from baton import platform
+from baton.kernels.layer import enabled as native_layers_enabled
+from baton.kernels.linear import (
+    ACTIVATIONS,
+    MAX_ROWS,
+    MAX_ROWS_BESIDE_ONEDNN,
+    Epilogue,
+    PackedRows,
+    linear_rows,
+)
+
+
+def can_pack(weight: torch.Tensor) -> bool:
+    """oneDNN's packed bf16 matmul exists on this CPU (``Platform.native_bf16``): elsewhere
+    packing raises (``mkldnn_reorder_linear_weight: bf16 path needs ...``) and a bf16 weight
+    goes through ``F.linear``, slowly but correctly."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and platform.current().native_bf16
+    )
+
+
+ROW_BLOCK = 16
+"""Inside ``step_invariant_rows``, every matmul runs a multiple of this many rows."""
+
+_invariant_rows: ContextVar[bool] = ContextVar("invariant_rows", default=False)
+
+
+@contextmanager
+def step_invariant_rows(active: bool = True) -> Iterator[None]:
+    """While active (the engine's steps that compute prompt tokens), ``FrozenLinear`` gives
+    a row the same result whatever the number of rows in the call: it pads each call to a
+    multiple of ``ROW_BLOCK`` rows and always takes BLAS / oneDNN (never ``linear_rows``,
+    whose sums depend on the row group). A prompt's keys and values then come out the same
+    whether a cold run computes them in one chunk of 29 tokens or a prefix-cache hit in
+    one of 13 -- the restored bytes equal a cold run's. NOTE: measured on an AMD EPYC Zen 5,
+    MKL's fp32 sgemm gives a row of a 1-3, 5-7 or 9-11-row call other bits than the same
+    row in a larger call (Zen 3's did not); calls of a multiple of 4 rows agreed with
+    16-row calls up to 512 rows (``tests/model/test_frozen_linear.py`` checks it on the
+    machine it runs on)."""
+    token = _invariant_rows.set(active)
+    try:
+        yield
+    finally:
+        _invariant_rows.reset(token)
+
+
+def _in_row_blocks(
+    fn: Callable[..., torch.Tensor], x: torch.Tensor, other: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``fn(x[, other])`` with x's (and other's) rows padded with zeros to a multiple of
+    ``ROW_BLOCK``, the padding's outputs dropped."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    pad = -rows % ROW_BLOCK
+    if pad == 0 or rows == 0:
+        return fn(x) if other is None else fn(x, other)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        flat = t.reshape(rows, t.shape[-1])
+        return torch.cat((flat, flat.new_zeros(pad, t.shape[-1])))
+
+    y = fn(padded(x)) if other is None else fn(padded(x), padded(other))
+    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
+
+
+FEW_ROWS_MIN_WEIGHT = 1 << 17
+"""Weights of at least this many elements (512 KiB in fp32; the draft's projection of the bundled
+model is one) take ``linear_rows`` for few rows."""
+
+
+class FrozenLinear:
+    """An inference-only ``y = act(x W^T + b)``; bf16 weights on CPU are packed once into
+    oneDNN's blocked layout, which a plain ``F.linear`` re-derives on every call: measured
+    here, a weight-streaming decode GEMV reads 24 vs 18 GB/s, a small one runs in 20 vs 30 us,
+    with bitwise-equal results. Packed, the activation and ``mul``/``add``'s elementwise op
+    run inside the matmul on its fp32 result (one rounding to bf16 instead of two or three):
+    a 4096-token SwiGLU MLP in 13 vs 20 ms. NOTE: the packed copy is extra memory beside the
+    parameter."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+    ) -> None:
+        weight = weight.detach()
+        self.bias = None if bias is None else bias.detach()
+        self.activation = activation
+        self.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(weight, 1) if can_pack(weight) else None
+        )
+        self.weight = None if self.packed is not None else weight
+        """What ``F.linear`` reads: None when oneDNN's packed copy serves BLAS's calls."""
+        self._source = weight  # the parameter's own storage, no copy: what ``rows`` packs
+        self._post = PACKED_ACTIVATIONS[activation]
+        # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
+        # per call, and a decode step makes ~50 of these calls.
+        self._unary = torch.ops.mkldnn._linear_pointwise.default
+        self._binary_op = torch.ops.mkldnn._linear_pointwise.binary
+        self._rows: tuple[PackedRows, torch.Tensor | None] | None = None
+        # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
+        # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
+        self._few_rows = weight.numel() >= FEW_ROWS_MIN_WEIGHT and native_layers_enabled()
+        self._max_few_rows = MAX_ROWS_BESIDE_ONEDNN if self.packed is not None else MAX_ROWS
+
+    @property
+    def rounds_once(self) -> bool:
+        """The epilogue works on the fp32 result and rounds once (oneDNN's packed path);
+        else the result rounds, then each epilogue op (``F.linear`` and torch ops)."""
+        return self.packed is not None
+
+    def rows(self) -> tuple[PackedRows, torch.Tensor | None] | None:
+        """What the native kernels read (``linear.c``'s packed weight, and its bias), packed
+        on first use; None with native layers off. NOTE: where oneDNN packs bf16 too (it
+        serves large steps) this is a third copy of the weight, for small steps (a batch-1
+        step 0.48 vs 1.53 ms op by op through oneDNN on a Zen 5, ``benchmarks/step_cost.py``)."""
+        if self._rows is None and native_layers_enabled():
+            weight, bias = self._narrowed()
+            self._rows = (PackedRows(weight), bias)
+        return self._rows
+
+    def few_rows_kernel(self) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
+        """For a native caller that runs this matmul as ``__call__`` does on at most
+        ``max_few_rows`` rows (``baton.kernels.chain``): panels, bias and whether it rounds
+        once; None where ``__call__`` does not take ``linear.c`` (a small weight, an
+        activation, native layers off)."""
+        if not self._few_rows or self.activation != "none":
+            return None
+        rows = self.rows()
+        return None if rows is None else (*rows, self.rounds_once)
+
+    def few_rows_now(self, rows: int) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
+        """``few_rows_kernel`` where ``__call__`` would take linear.c for ``rows`` rows now
+        (at most ``max_few_rows``, outside ``step_invariant_rows``); else None."""
+        if _invariant_rows.get() or rows > self._max_few_rows:
+            return None
+        return self.few_rows_kernel()
+
+    @property
+    def max_few_rows(self) -> int:
+        return self._max_few_rows
+
+    def _narrowed(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
+        value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same
+        numbers in half the bytes, and a small step is a pass over its weights."""
+        weight, bias = self._source, self.bias
+        if weight.dtype != torch.float32:
+            return weight, bias
+        narrow = weight.to(torch.bfloat16)
+        if not torch.equal(narrow.float(), weight):
+            return weight, bias
+        if bias is not None:
+            narrow_bias = bias.to(torch.bfloat16)
+            if not torch.equal(narrow_bias.float(), bias):
+                return weight, bias
+            return narrow, narrow_bias
+        return narrow, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if _invariant_rows.get():
+            return _in_row_blocks(self._blas, x)
+        if self._few_rows and self._takes_few(x):
+            weight, bias = self.rows()
+            y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation], None, self.rounds_once)
+            if y is not None:
+                return y
+        return self._blas(x)
+
+    def _takes_few(self, x: torch.Tensor) -> bool:
+        return x.numel() <= self._max_few_rows * x.shape[-1]
+
+    def _blas(self, x: torch.Tensor) -> torch.Tensor:
+        """``__call__`` through oneDNN (packed) or ``F.linear``."""
+        if self.packed is not None:
+            attr, algo = self._post
+            return self._unary(x, self.packed, self.bias, attr, [], algo)
+        return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
+
+    def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``self(x) * other`` (no activation)."""
+        return self._binary(x, other, "mul")
+
+    def add(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """``self(x) + other`` (no activation): a residual added inside the matmul."""
+        return self._binary(x, other, "add")
+
+    def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        assert self.activation == "none", "a binary op follows the bare matmul"
+        if _invariant_rows.get():
+            if other.shape[:-1] == x.shape[:-1]:
+                return _in_row_blocks(lambda a, b: self._binary_blas(a, b, op), x, other)
+            y = self(x)
+            return y * other if op == "mul" else y + other
+        if self._few_rows and self._takes_few(x):
+            epilogue = Epilogue.MUL if op == "mul" else Epilogue.ADD
+            weight, bias = self.rows()
+            y = linear_rows(x, weight, bias, epilogue, other, self.rounds_once)
+            if y is not None:
+                return y
+        return self._binary_blas(x, other, op)
+
+    def _binary_blas(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
+        if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
+            return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
+        y = self._blas(x)
+        return y * other if op == "mul" else y + other
+
+
+ACT_FNS = {
+    "none": lambda x: x,
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+PACKED_ACTIVATIONS = {
+    "none": ("none", ""),
+    "silu": ("swish", ""),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+}
+"""oneDNN post-op (attr, algorithm) of each activation, for packed ``FrozenLinear``."""
