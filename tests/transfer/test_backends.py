@@ -35,6 +35,27 @@ def test_loopback_moves_bytes_of_any_dtype():
     sender.close(), receiver.close()
 
 
+def test_loopback_regions_go_with_their_backend():
+    """The process's loopback address space holds regions weakly: a backend dropped without
+    ``close`` takes its regions (and the memory they view) with it; a closed one too."""
+    import gc
+    import weakref
+
+    for close in (False, True):
+        owner = LoopbackBackend()
+        storage = torch.zeros(1 << 20, dtype=torch.uint8)
+        alive = weakref.ref(storage)
+        descriptor = owner.register("r", storage)
+        LoopbackBackend().connect([descriptor])  # reachable while its backend lives
+        if close:
+            owner.close()
+        del owner, storage
+        gc.collect()
+        assert alive() is None, "the region kept its storage alive"
+        with pytest.raises(ValueError, match="is not registered"):
+            LoopbackBackend().connect([descriptor])
+
+
 def test_submit_rejects_bad_batches_before_moving_a_byte():
     src, dst = torch.ones(64, dtype=torch.uint8), torch.zeros(32, dtype=torch.uint8)
     receiver, sender = _pair(src, dst)
