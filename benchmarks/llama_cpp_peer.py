@@ -100,15 +100,15 @@ AVX2_STAND_IN_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"
 
 
 def avx2_stand_in() -> bool:
-    """Whether this run stands in for a CPU without AVX-512: ``BATON_CPU_ISA`` caps baton's
-    kernels below ``avx512`` on a CPU that has it (then native bf16 is off and ``auto`` is
+    """Whether this run stands in for a CPU without AVX-512: ``BATON_CPU_ISA=avx2`` caps
+    baton's kernels at AVX2 on a CPU that has more (then native bf16 is off and ``auto`` is
     fp32, as on a Zen 3). llama.cpp is then built without AVX-512 and torch and oneDNN are
     held to AVX2 (``AVX2_STAND_IN_ENV``): the instruction paths of such a CPU, not its
     memory system or clocks."""
     from baton import platform as baton_platform
 
     p = baton_platform.current()
-    return p.isa != p.detected_isa and p.isa in ("avx2", "baseline")
+    return p.isa == "avx2" != p.detected_isa
 
 
 def run(cmd: list[str], shown: str | None = None, **kw) -> subprocess.CompletedProcess:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -38,9 +40,6 @@ def test_loopback_moves_bytes_of_any_dtype():
 def test_loopback_regions_go_with_their_backend():
     """The process's loopback address space holds regions weakly: a backend dropped without
     ``close`` takes its regions (and the memory they view) with it; a closed one too."""
-    import gc
-    import weakref
-
     for close in (False, True):
         owner = LoopbackBackend()
         storage = torch.zeros(1 << 20, dtype=torch.uint8)

@@ -23,9 +23,9 @@ from baton.transfer.backends.base import (
 
 _REGIONS: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 """address -> flat uint8 view: this process's loopback 'address space'. Weak: the backend
-that registered a region holds it (``_held``), so one dropped without ``close`` takes its
-regions with it (a strong map kept every pool's storage of every such backend alive: 256 MB
-each in the tests, ~10 GB by the end of the transfer tests)."""
+that registered a region holds the view (the base class's ``_local``), so one dropped
+without ``close`` takes its regions with it (a strong map kept every pool's storage of every
+such backend alive: 256 MB each in the tests, ~10 GB by the end of the transfer tests)."""
 _ids = itertools.count()
 
 
@@ -36,12 +36,12 @@ class LoopbackBackend(TransferBackend):
         super().__init__()
         self.is_deferred = deferred
         self._pending: dict[int, Sequence[TransferOp]] = {}
-        self._held: dict[str, torch.Tensor] = {}
-        """address -> the flat view of each region this backend registered."""
+        self._addresses: list[str] = []
 
     def _describe(self, name: str, tensor: torch.Tensor, flat: torch.Tensor) -> RegionDescriptor:
         address = f"loopback-{next(_ids)}"
-        _REGIONS[address] = self._held[address] = flat
+        _REGIONS[address] = flat
+        self._addresses.append(address)
         return RegionDescriptor(self.kind, name, flat.numel(), address)
 
     def _reach(self, descriptor: RegionDescriptor) -> torch.Tensor:
@@ -72,6 +72,6 @@ class LoopbackBackend(TransferBackend):
 
     def _shutdown(self) -> None:
         self.fail_pending("loopback backend closed")
-        for address in self._held:
+        for address in self._addresses:
             _REGIONS.pop(address, None)
-        self._held.clear()
+        self._addresses.clear()
