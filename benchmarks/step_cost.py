@@ -22,7 +22,10 @@ reads / step time, as a fraction of memcpy measured in the same run (counted bot
 bytes read + written per second, and bytes copied per second).
 
 The real model with its MTP draft (the default number of draft tokens) at batch 1 is timed
-too (what a user runs), with its tokens per verify step. Every figure is taken twice in the
+too (what a user runs), with its tokens per verify step and where a verify step goes: the
+target's layer stack (one native call), the draft's chain (one native call: every guess),
+the verify head (the head and its argmax) and the rest -- the Python around them and its
+small native calls (plans, norms). Every figure is taken twice in the
 same run, in-process A/B: with small steps' decoder layers as one native call each
 (``fused``, ``baton.kernels.layer``, the default: the stack, and the draft's chain) and op
 by op (``torch``, ``BATON_NATIVE_LAYERS=0``). The CPU is printed and written into the JSON.
@@ -90,6 +93,40 @@ class PartTimer:
         self.seconds = {}
 
 
+class TimedCall:
+    """A callable object's stand-in that adds its calls' wall time to ``timer``'s ``part``
+    (every other attribute is the object's): for the native calls held as objects."""
+
+    def __init__(self, inner: object, timer: PartTimer, part: str) -> None:
+        self._inner, self._timer, self._part = inner, timer, part
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def __call__(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self._inner(*args, **kwargs)
+        finally:
+            seconds = self._timer.seconds
+            seconds[self._part] = seconds.get(self._part, 0.0) + time.perf_counter() - t0
+
+
+NATIVE_PARTS = ("stack", "chain", "head")
+"""A speculative step's parts timed by ``time_native_calls``."""
+
+
+def time_native_calls(engine: LLMEngine, timer: PartTimer) -> None:
+    """Time a speculative step's big native calls: the target's stack and the draft's chain
+    (where they exist: the fused layers) and the verify head (``ModelRunner._greedy_head``)."""
+    model = engine.runner.model
+    if getattr(model, "_stack", None) is not None:
+        model._stack = TimedCall(model._stack, timer, "stack")
+    if engine.proposer is not None and engine.proposer.chain is not None:
+        engine.proposer.chain = TimedCall(engine.proposer.chain, timer, "chain")
+    timer.wrap(engine.runner, "_greedy_head", "head")
+
+
 def decoding_engine(
     model_dir: Path, batch: int, speculative: bool, threads: int, layers: str, dtype: str
 ):
@@ -132,12 +169,14 @@ def time_steps(engine: LLMEngine, timer: PartTimer, num_steps: int) -> dict:
     part = parts[i]
     execute = part.get("execute", 0.0)
     forward = part.get("forward", 0.0)
+    native = {f"{name}_s": part[name] for name in NATIVE_PARTS if name in part}
     return {
         "step_s": totals[i],
         "schedule_s": part.get("schedule", 0.0),
         "forward_s": forward,
         "sample_s": execute - forward,
         "bookkeeping_s": totals[i] - execute - part.get("schedule", 0.0),
+        **native,
     }
 
 
@@ -168,6 +207,7 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
         row["bookkeeping_per_request_s"] = real["bookkeeping_s"] / batch
         results[str(batch)] = row
     engine, timer = decoding_engine(BUNDLED, 1, True, args.threads, layers, args.dtype)
+    time_native_calls(engine, timer)
     results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
     (output,) = engine.step()  # tokens per verify step so far
     results["1_mtp"]["acceptance_length"] = output.metrics.acceptance_length
@@ -223,6 +263,13 @@ def print_table(layers: str, results: dict[str, dict]) -> None:
     k = mtp.get("num_speculative_tokens")
     print(f"batch 1 with the MTP draft (k={k}): {step * 1e3:.2f} ms per verify step, "
           f"{accepted:.2f} tokens per step = {accepted / step:.0f} tok/s")  # fmt: skip
+    native = {name: mtp["real"].get(f"{name}_s") for name in NATIVE_PARTS}
+    timed = {name: t for name, t in native.items() if t is not None}
+    if "stack" in timed:  # the fused layers (op by op, the rest is the torch ops)
+        rest = step - sum(timed.values())
+        split = " + ".join(f"{name} {t * 1e3:.3f}" for name, t in timed.items())
+        print(f"  the verify step: {split} + the rest {rest * 1e3:.3f} ms "
+              f"(Python and small native calls: {rest / step:.0%})")  # fmt: skip
     b1 = results.get("1")
     if b1:
         print(f"batch-1 overhead {b1['overhead_s'] * 1e3:.2f} ms per step (target <= 1 ms), "
