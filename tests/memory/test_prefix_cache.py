@@ -227,3 +227,45 @@ def _check_ownership(engine: LLMEngine) -> None:
             assert pool.blocks.ref_count(unit) == holders.get(unit, 0), (c.name, unit)
             if holders.get(unit, 0) > 1:
                 assert unit in pool.page_key, (c.name, unit)
+
+
+def _cache_state(engine: LLMEngine) -> dict:
+    """Every cached component's offered pages: keys -> pages, per request what was offered,
+    trimmed pages waiting, and the pages in use."""
+    state = {}
+    for c in engine.registry:
+        pool = c.owner
+        if c.push is PushPhase.LAST or not hasattr(pool, "cached"):
+            continue
+        state[c.name] = (
+            dict(pool.cached), dict(pool.num_registered),
+            {rid: dict(pages) for rid, pages in pool.retired.items()}, pool.blocks.num_used,
+        )  # fmt: skip
+    return state
+
+
+@pytest.mark.parametrize("mode", ["paged", "ring"])
+def test_skipping_requests_without_news_offers_what_registering_every_step_does(spec_dir, mode):
+    """The engine offers a request's pages only when ``PrefixCache.has_news`` says a pool has
+    some: the same cache, step by step, as offering every request after every step (the
+    reference: ``register`` itself returns early when there is nothing)."""
+
+    def offer_always(engine: LLMEngine, request) -> None:
+        engine.prefix_cache.register(request.request_id, request.all_token_ids)
+
+    ours, reference = _engine(spec_dir, sliding_mode=mode), _engine(spec_dir, sliding_mode=mode)
+    reference._offer_pages = offer_always.__get__(reference)
+    prefix = _tokens(30, 7)
+    for i, (n, max_tokens) in enumerate([(30, 12), (17, 9), (30, 20), (9, 5)]):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        for engine in (ours, reference):
+            engine.add_request({"prompt_token_ids": prefix[:n] + _tokens(i + 3, 70 + i)}, params)
+    skipped = 0
+    while reference.has_unfinished_requests():
+        skipped += sum(not ours.prefix_cache.has_news(r.request_id) for r in ours.scheduler.running)
+        assert [o.outputs[0].token_ids for o in ours.step()] == [
+            o.outputs[0].token_ids for o in reference.step()
+        ]
+        assert _cache_state(ours) == _cache_state(reference)
+    assert not ours.has_unfinished_requests()
+    assert skipped > 0  # the test saw steps with nothing to offer

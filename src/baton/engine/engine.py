@@ -285,8 +285,9 @@ class LLMEngine(RequestIntake, StatsKeeper):
         del self.tracks[request_id]
 
     def _offer_pages(self, request: Request) -> None:
-        if self.prefix_cache is not None:
-            self.prefix_cache.register(request.request_id, request.all_token_ids)
+        cache = self.prefix_cache
+        if cache is not None and cache.has_news(request.request_id):
+            cache.register(request.request_id, request.all_token_ids)
 
     def _num_spec_tokens(self, request: Request) -> int:
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens

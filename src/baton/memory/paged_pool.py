@@ -141,7 +141,8 @@ class PagedPool(StatePool):
         for p in stale if found is not None else ():
             found[p] = -1
         if self.store_all:  # offered to the cache first (``register``), then freed
-            self.retired.setdefault(request_id, {}).update({p: table.pop(p) for p in stale})
+            if stale:  # (an empty entry would send every later step through ``register``)
+                self.retired.setdefault(request_id, {}).update({p: table.pop(p) for p in stale})
         else:
             self.blocks.free([table.pop(p) for p in stale])
 
@@ -176,27 +177,37 @@ class PagedPool(StatePool):
         self.num_tokens[request_id] = num_tokens
         self.num_registered[request_id] = num_tokens // self.page_size
 
+    def has_news(self, request_id: str) -> bool:
+        """Whether ``register`` has anything to do for the request: a page completed since
+        it was last offered, or trimmed pages waiting to be offered and freed (a plain
+        decode step has neither page_size - 1 times in page_size)."""
+        complete = self.num_tokens.get(request_id, 0) // self.page_size
+        return self.num_registered.get(request_id, 0) < complete or request_id in self.retired
+
     def register(self, request_id: str, key_of: Callable[[int], bytes | None]) -> None:
         """Offer the request's newly complete pages to the cache under ``key_of(page)``; a
         key cached already keeps its page (this one is freed as usual)."""
         complete = self.num_tokens.get(request_id, 0) // self.page_size
         first = self.num_registered.get(request_id, 0)
         if first >= complete and request_id not in self.retired:
-            return  # most decode steps: nothing new (called for every request every step)
+            return  # nothing new (tests compare this with ``has_news``'s skipping)
         retired = self.retired.pop(request_id, {})
-        table = {**retired, **self.tables.get(request_id, {})}
+        table = self.tables.get(request_id, {})
         logical = first
         while logical < complete:
             key = key_of(logical)
             if key is None:
                 break  # a token it depends on is not known yet: offered next time
             page = table.get(logical)
+            if page is None:
+                page = retired.get(logical)
             if page is not None and page not in self.page_key and key not in self.cached:
                 self.cached[key] = page
                 self.page_key[page] = key
             logical += 1
         self.num_registered[request_id] = max(first, logical)
-        self.blocks.free(list(retired.values()))  # trimmed: cached now, or free
+        if retired:  # trimmed: cached now, or free
+            self.blocks.free(list(retired.values()))
 
     def distrust_below(self, request_id: str, position: int) -> None:
         """Positions below ``position`` may hold nothing computed (a PD handoff wrote from

@@ -59,13 +59,18 @@ class PrefixCache:
         self._salt: bytes | None = None
         self._chains: dict[str, list[bytes]] = {}
         """Request -> chain[p] = hash of tokens [0, (p+1) * page_size), as far as known."""
+        self._found: tuple[int, list[StateComponent] | None] | None = None
+        """``_components``' answer and the registry's size it was found at."""
 
     def _components(self) -> list[StateComponent] | None:
-        """The components a hit restores; None when one of them cannot be restored."""
-        state = [c for c in self.registry if c.push is not PushPhase.LAST]
-        if any(c.caching is Caching.NONE for c in state):
-            return None
-        return state
+        """The components a hit restores; None when one of them cannot be restored. Found
+        again only when the registry grew (it never loses a component): asked for every
+        request after every step."""
+        if self._found is None or self._found[0] != len(self.registry):
+            state = [c for c in self.registry if c.push is not PushPhase.LAST]
+            restorable = not any(c.caching is Caching.NONE for c in state)
+            self._found = (len(self.registry), state if restorable else None)
+        return self._found[1]
 
     def _chain(self, request_id: str, token_ids: list[int], num_pages: int) -> list[bytes]:
         if self._salt is None:
@@ -147,6 +152,13 @@ class PrefixCache:
                 return None
             pages[logical] = page
         return pages
+
+    def has_news(self, request_id: str) -> bool:
+        """Whether ``register`` would offer or free anything for the request now: called for
+        every request after every step, it lets the caller skip building the token list
+        and the keys when no component has a page to offer."""
+        components = self._components()
+        return components is not None and any(c.owner.has_news(request_id) for c in components)
 
     def register(self, request_id: str, token_ids: list[int]) -> None:
         """Offer the request's newly complete pages of every component to the cache."""
