@@ -77,8 +77,8 @@ class PartTimer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
 
-    def wrap(self, owner: object, attr: str, part: str) -> None:
-        inner = getattr(owner, attr)
+    def timed(self, inner, part: str):
+        """``inner``, adding each call's wall time to ``part``."""
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -87,7 +87,10 @@ class PartTimer:
             finally:
                 self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - t0
 
-        setattr(owner, attr, timed)
+        return timed
+
+    def wrap(self, owner: object, attr: str, part: str) -> None:
+        setattr(owner, attr, self.timed(getattr(owner, attr), part))
 
     def reset(self) -> None:
         self.seconds = {}
@@ -98,18 +101,13 @@ class TimedCall:
     (every other attribute is the object's): for the native calls held as objects."""
 
     def __init__(self, inner: object, timer: PartTimer, part: str) -> None:
-        self._inner, self._timer, self._part = inner, timer, part
+        self._inner, self._call = inner, timer.timed(inner, part)
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
 
     def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            seconds = self._timer.seconds
-            seconds[self._part] = seconds.get(self._part, 0.0) + time.perf_counter() - t0
+        return self._call(*args, **kwargs)
 
 
 NATIVE_PARTS = ("stack", "chain", "head")

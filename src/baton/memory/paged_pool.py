@@ -186,11 +186,10 @@ class PagedPool(StatePool):
 
     def register(self, request_id: str, key_of: Callable[[int], bytes | None]) -> None:
         """Offer the request's newly complete pages to the cache under ``key_of(page)``; a
-        key cached already keeps its page (this one is freed as usual)."""
+        key cached already keeps its page (this one is freed as usual). Without news
+        (``has_news``) it changes nothing."""
         complete = self.num_tokens.get(request_id, 0) // self.page_size
         first = self.num_registered.get(request_id, 0)
-        if first >= complete and request_id not in self.retired:
-            return  # nothing new (tests compare this with ``has_news``'s skipping)
         retired = self.retired.pop(request_id, {})
         table = self.tables.get(request_id, {})
         logical = first
@@ -205,7 +204,8 @@ class PagedPool(StatePool):
                 self.cached[key] = page
                 self.page_key[page] = key
             logical += 1
-        self.num_registered[request_id] = max(first, logical)
+        if logical > first:
+            self.num_registered[request_id] = logical
         if retired:  # trimmed: cached now, or free
             self.blocks.free(list(retired.values()))
 
