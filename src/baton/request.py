@@ -208,6 +208,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     """``time.monotonic()`` when the request reached the engine."""
     output_token_ids: list[int] = field(default_factory=list)
+    """Appended to only: a step's output holds a ``Prefix`` of it (engine/outputs.py)."""
     num_computed_tokens: int = 0
     """Tokens whose KV is in the cache (prompt and output), as in vLLM."""
     status: RequestStatus = RequestStatus.WAITING

@@ -128,18 +128,60 @@ class RequestMetrics:
         return self.first_token_time - self.arrival_time
 
 
+class Prefix:
+    """The first ``len(items)`` items of an append-only list, as they are now: what a
+    step's cumulative output holds instead of a copy of every id generated so far (a copy
+    per request and step is quadratic in the output's length: ~7 us per step at 4,096
+    tokens). ``CompletionOutput`` copies it when the field is first read."""
+
+    __slots__ = ("items", "length")
+
+    def __init__(self, items: list) -> None:
+        self.items = items
+        self.length = len(items)
+
+    def copy(self) -> list:
+        assert len(self.items) >= self.length, "a Prefix's list must only grow"
+        return self.items[: self.length]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
+    """The ids generated so far (given as a list or a ``Prefix``; always read as a list)."""
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, float]] | None = None
-    """Per generated token: {token id: logprob} of the sampled token and the top-n."""
+    """Per generated token: {token id: logprob} of the sampled token and the top-n (given
+    as a list or a ``Prefix``, as ``token_ids``)."""
     finish_reason: str | None = None
     """``stop``, ``length``, ``abort`` or None while running."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the request, if any."""
+
+
+def _copied_on_read(name: str) -> property:
+    """A field that stores a list or a ``Prefix`` and reads as a list (the copy made once,
+    on the first read)."""
+    key = f"_{name}"
+
+    def read(self: CompletionOutput) -> list | None:
+        value = self.__dict__[key]
+        if isinstance(value, Prefix):
+            value = self.__dict__[key] = value.copy()
+        return value
+
+    def write(self: CompletionOutput, value: list | Prefix | None) -> None:
+        self.__dict__[key] = value
+
+    return property(read, write)
+
+
+# NOTE: set after the class: a property in its body would be taken for the fields' default.
+# The generated __init__, __eq__ and __repr__ read and write through them.
+for _name in ("token_ids", "logprobs"):
+    setattr(CompletionOutput, _name, _copied_on_read(_name))
 
 
 @dataclass

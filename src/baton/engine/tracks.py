@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from baton.engine.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
 from baton.engine.runner import Committed
 from baton.request import FinishReason, Request
 from baton.sampling.sampling_state import SamplingState
@@ -110,9 +110,9 @@ class Track:
         completion = CompletionOutput(
             index=0,
             text=text,
-            token_ids=list(self.request.output_token_ids),
+            token_ids=Prefix(self.request.output_token_ids),  # copied if read
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=logprobs,
+            logprobs=Prefix(logprobs) if logprobs is not None else None,
             finish_reason=finish.value if finish else None,
             stop_reason=self.request.stop_reason,
         )
