@@ -6,6 +6,8 @@ import dataclasses
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 
@@ -169,3 +171,26 @@ def test_token_ids_between_is_a_slice_of_all_token_ids():
     for start in range(9):
         for end in range(start, 10):
             assert request.token_ids_between(start, end) == request.all_token_ids[start:end]
+
+
+@given(
+    st.lists(st.integers(0, 99), min_size=1, max_size=8),
+    st.lists(st.integers(0, 99), max_size=8),
+    st.integers(-20, 20),
+    st.none() | st.integers(-20, 20),
+    st.none() | st.integers(-20, 20),
+    st.none() | st.sampled_from([1, 2, -1, -3]),
+)
+def test_token_ids_view_reads_as_all_token_ids(prompt, output, index, start, stop, step):
+    request = Request("r", prompt, SamplingParams())
+    request.output_token_ids.extend(output)
+    view, every = request.token_ids_view, request.all_token_ids
+    assert len(view) == len(every)
+    assert view[start:stop:step] == every[start:stop:step]
+    if -len(every) <= index < len(every):
+        assert view[index] == every[index]
+    else:
+        with pytest.raises(IndexError, match=str(index)):
+            view[index]
+    request.output_token_ids.append(7)  # a view reads the request as it is now
+    assert list(view) == request.all_token_ids

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
+from typing import overload
 
 MAX_LOGPROBS = 20
 """Most top logprobs a request may ask for per generated token (OpenAI's limit)."""
@@ -237,14 +239,48 @@ class Request:
         """Prompt then output, as a new list."""
         return [*self.prompt_token_ids, *self.output_token_ids]
 
+    @property
+    def token_ids_view(self) -> TokenIdsView:
+        """``all_token_ids`` read in place (``TokenIdsView``)."""
+        return TokenIdsView(self)
+
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """``all_token_ids[start:end]`` without copying the rest (a decode step reads one
         token of a long request)."""
         num_prompt = len(self.prompt_token_ids)
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.all_token_ids[start:end]
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+class TokenIdsView(Sequence[int]):
+    """A request's prompt then output ids, read in place: its length and slices without
+    building the whole list -- what the prefix cache reads each time one of a request's
+    pages completes (``all_token_ids`` copied every id generated so far each time)."""
+
+    def __init__(self, request: Request) -> None:
+        self._request = request
+
+    def __len__(self) -> int:
+        return self._request.num_tokens
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return self._request.all_token_ids[index]
+            return self._request.token_ids_between(start, max(start, stop))
+        position = index + len(self) if index < 0 else index
+        if not 0 <= position < len(self):
+            raise IndexError(f"token index {index} out of range for {len(self)} tokens")
+        return self._request.token_ids_between(position, position + 1)[0]

@@ -287,7 +287,7 @@ class LLMEngine(RequestIntake, StatsKeeper):
     def _offer_pages(self, request: Request) -> None:
         cache = self.prefix_cache
         if cache is not None and cache.has_news(request.request_id):
-            cache.register(request.request_id, request.all_token_ids)
+            cache.register(request.request_id, request.token_ids_view)
 
     def _num_spec_tokens(self, request: Request) -> int:
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens

@@ -34,7 +34,7 @@ from __future__ import annotations
 import array
 import hashlib
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton.memory.state import Caching, ComponentKind, PushPhase, StateComponent, StateRegistry
@@ -72,7 +72,7 @@ class PrefixCache:
             self._found = (len(self.registry), state if restorable else None)
         return self._found[1]
 
-    def _chain(self, request_id: str, token_ids: list[int], num_pages: int) -> list[bytes]:
+    def _chain(self, request_id: str, token_ids: Sequence[int], num_pages: int) -> list[bytes]:
         if self._salt is None:
             self._salt = bytes.fromhex(self.registry.schema_hash())
         chain = self._chains.setdefault(request_id, [])
@@ -84,7 +84,7 @@ class PrefixCache:
             chain.append(h.digest())
         return chain
 
-    def _key_of(self, component: StateComponent, chain: list[bytes], token_ids: list[int]):
+    def _key_of(self, component: StateComponent, chain: list[bytes], token_ids: Sequence[int]):
         lag, size = component.token_lag, self.page_size
 
         def key(page: int) -> bytes | None:
@@ -160,8 +160,9 @@ class PrefixCache:
         components = self._components()
         return components is not None and any(c.owner.has_news(request_id) for c in components)
 
-    def register(self, request_id: str, token_ids: list[int]) -> None:
-        """Offer the request's newly complete pages of every component to the cache."""
+    def register(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Offer the request's newly complete pages of every component to the cache (token_ids:
+        its prompt and output ids; read by length and slices of the new pages only)."""
         components = self._components()
         if components is None:
             return
