@@ -245,8 +245,8 @@ class Request:
         return TokenIdsView(self)
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
-        """``all_token_ids[start:end]`` without copying the rest (a decode step reads one
-        token of a long request)."""
+        """``all_token_ids[start:end]`` for 0 <= start, without copying the rest (a decode
+        step reads one token of a long request; the prefix cache one page)."""
         num_prompt = len(self.prompt_token_ids)
         if start >= num_prompt:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
