@@ -248,7 +248,7 @@ def _cache_state(engine: LLMEngine) -> dict:
 def test_skipping_requests_without_news_offers_what_registering_every_step_does(spec_dir, mode):
     """The engine offers a request's pages only when ``PrefixCache.has_news`` says a pool has
     some: the same cache, step by step, as offering every request after every step (the
-    reference: ``register`` itself returns early when there is nothing)."""
+    reference, with the whole ``all_token_ids``: ``register`` without news changes nothing)."""
 
     def offer_always(engine: LLMEngine, request) -> None:
         engine.prefix_cache.register(request.request_id, request.all_token_ids)
