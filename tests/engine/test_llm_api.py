@@ -100,22 +100,30 @@ def test_streaming_deltas_add_up_to_the_final_output(llm):
     assert len(ids) == 24
 
 
-def test_each_streamed_output_keeps_what_it_had_when_it_was_made(llm):
+@pytest.mark.parametrize("stop", [None, "held back"])
+def test_each_streamed_output_keeps_what_it_had_when_it_was_made(llm, stop):
     """A step's cumulative ids and logprobs are a ``Prefix`` of lists the engine goes on
-    appending to: read after the request finished, every output still holds what it had
-    (as a list), and the first read's copy is what later reads return."""
-    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    appending to, its text a ``TextPrefix`` of the request's ``Text``: read after the
+    request finished, every output still holds what it had (lists and a str: the deltas so
+    far; with a stop string the text held back too), and the first read's copy is what
+    later reads return."""
+    params = SamplingParams(
+        temperature=0, max_tokens=12, logprobs=2, ignore_eos=True, stop=stop and [stop]
+    )
     outs = list(llm.generate_stream("import sys\n", params))
     final = outs[-1].outputs[0]
     assert len(final.token_ids) == len(final.logprobs) == 12
-    seen = 0
+    assert final.text == llm.generate("import sys\n", params)[0].outputs[0].text
+    seen, text = 0, ""
     for out in outs:
         done = out.outputs[0]
         seen += len(out.delta.token_ids)
+        text += out.delta.text
         assert type(done.token_ids) is list and done.token_ids == final.token_ids[:seen]
         assert type(done.logprobs) is list and done.logprobs == final.logprobs[:seen]
-        assert done.token_ids is done.token_ids  # copied once
-    assert len(outs) > 2 and seen == 12
+        assert type(done.text) is str and done.text == text
+        assert done.token_ids is done.token_ids and done.text is done.text  # copied once
+    assert len(outs) > 2 and seen == 12 and text == final.text
 
 
 def test_stop_string_truncates_text(llm):

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 import torch
 
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from baton.engine.outputs import CompletionOutput, Prefix, RequestMetrics, RequestOutput
+from baton.engine.outputs import (
+    CompletionOutput,
+    Prefix,
+    RequestMetrics,
+    RequestOutput,
+    Text,
+    TextPrefix,
+)
 from baton.engine.runner import Committed
 from baton.request import FinishReason, Request
 from baton.sampling.sampling_state import SamplingState
@@ -30,7 +37,8 @@ class Track:
     detok: IncrementalDetokenizer | NullDetokenizer
     metrics: RequestMetrics
     max_tokens: int
-    text: str = ""
+    text: Text = field(default_factory=Text)
+    """The text so far: appended in pieces, never copied whole per step (``Text``)."""
     num_emitted_chars: int = 0
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
@@ -64,7 +72,7 @@ class Track:
                 self.finish_reason = FinishReason.STOP
             elif params.stop:
                 delta = self.detok.step([token])
-                self.text += delta
+                self.text.append(delta)
                 self._check_stop_strings(len(self.text) - len(delta))
             else:
                 text_ids.append(token)
@@ -75,11 +83,11 @@ class Track:
             if self.finish_reason is not None:
                 break
         if text_ids:
-            self.text += self.detok.step(text_ids)
+            self.text.append(self.detok.step(text_ids))
         if self.finish_reason is not None:
             self.metrics.finished_time = now
             if self.finish_reason is FinishReason.LENGTH and request.stop_reason is None:
-                self.text += self.detok.flush()
+                self.text.append(self.detok.flush())
 
     def _check_stop_strings(self, delta_start: int) -> None:
         params = self.request.sampling_params
@@ -88,28 +96,30 @@ class Track:
         # Only a match overlapping the new delta is new.
         longest = max(len(s) for s in params.stop)
         tail_start = max(0, delta_start - longest + 1)
+        tail = self.text.since(tail_start)
         for stop in params.stop:
-            idx = self.text.find(stop, tail_start)
+            idx = tail.find(stop)
             if idx >= 0:
+                idx += tail_start
                 cut = idx + len(stop) if params.include_stop_str_in_output else idx
-                self.text = self.text[:cut]
+                self.text.cut(cut)
                 self.finish_reason, self.request.stop_reason = FinishReason.STOP, stop
                 return
 
     def output(self, finish: FinishReason | None, error: str | None = None) -> RequestOutput:
         """The request's output now: the whole completion and the delta since the last one."""
         params = self.request.sampling_params
-        text = self.text
+        length = len(self.text)
         if finish is None and params.stop:
             # Hold back what could still become a stop string.
-            text = text[: max(self.num_emitted_chars, len(text) - max(map(len, params.stop)) + 1)]
-        delta_text = text[self.num_emitted_chars :]
-        self.num_emitted_chars = len(text)
+            length = max(self.num_emitted_chars, length - max(map(len, params.stop)) + 1)
+        delta_text = self.text.since(self.num_emitted_chars)[: length - self.num_emitted_chars]
+        self.num_emitted_chars = length
         n_new = len(self.new_token_ids)
         logprobs = self.logprobs
         completion = CompletionOutput(
             index=0,
-            text=text,
+            text=TextPrefix(self.text, length),  # joined if read
             token_ids=Prefix(self.request.output_token_ids),  # copied if read
             cumulative_logprob=self.cumulative_logprob,
             logprobs=Prefix(logprobs) if logprobs is not None else None,
