@@ -244,7 +244,9 @@ def _generate(dtype: str, mode: str, calls: list, prompts: list[str] = PROMPTS):
     def counted_layer(self, *args):
         calls.append("layer")
         if isinstance(self, native_layer.NativeStack):
-            calls.append(("stack tokens", args[0].numel()))
+            ids = args[0]  # a [1, T] tensor, or (a decode step's) a list of T ids
+            tokens = ids.numel() if isinstance(ids, torch.Tensor) else len(ids)
+            calls.append(("stack tokens", tokens))
         return layer_calls[type(self)](self, *args)
 
     def counted_matmul(*args):

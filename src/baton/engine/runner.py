@@ -88,13 +88,15 @@ class ModelRunner:
         # size, so that a prefix-cache hit restores the bytes a cold run writes: no fused
         # layer, and matmuls in blocks of rows (frozen_linear.step_invariant_rows).
         computes_prompt = batch.computes_prompt
-        with step_invariant_rows(computes_prompt):
-            hidden = self.model(
-                torch.tensor([input_ids]),
-                torch.tensor([positions]),
-                PagedAttention(self.cache, segments, native_layers=not computes_prompt),
-                rows,
-            )[0]  # [N, H], or [len(rows), H]
+        attn = PagedAttention(self.cache, segments, native_layers=not computes_prompt)
+        hidden = None
+        if rows is None and not computes_prompt:  # the native stack, given lists: no tensors
+            hidden = self.model.forward_listed(input_ids, positions, attn)  # [N, H]
+        if hidden is None:
+            with step_invariant_rows(computes_prompt):
+                hidden = self.model(
+                    torch.tensor([input_ids]), torch.tensor([positions]), attn, rows
+                )[0]  # [N, H], or [len(rows), H]
         if rows is not None:  # back in place: the rows nothing reads stay zero
             full = hidden.new_zeros((len(input_ids), hidden.shape[-1]))
             full[rows] = hidden

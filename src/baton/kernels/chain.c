@@ -36,7 +36,8 @@ typedef struct { /* field for field baton/kernels/chain.py ``_Chain`` */
 } Chain;
 
 typedef struct { /* field for field baton/kernels/chain.py ``_ChainStep`` */
-    void *hidden;          /* [batch, hidden] the first step's states (out: the last step's) */
+    void *hidden; /* [batch, hidden] the first step's states (out: the last step's); NULL with
+                   * first_attn: scratch */
     const void *cos, *sin; /* [table_rows, head_dim] the rotary tables by position */
     void *k_pool, *v_pool; /* the draft layer's keys and values in its pool */
     const Args *attn;      /* the plan (see above) */
@@ -105,7 +106,21 @@ static void step_plan(const Args *plan, const int32_t *floor, int i, int32_t bat
 /* 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
  * a position is past the rotary tables. A guess's step of request r is at position (as its
  * slot) its plan's first slot + the step: the rotary position one more (the pair's token). */
+static int draft_chain(const Chain *c, const ChainStep *s);
+
+/* As draft_chain; with s->hidden NULL (a chain whose first step runs here: the states are
+ * scratch) the states are allocated here. */
 int baton_draft_chain(const Chain *c, const ChainStep *s) {
+    if (s->hidden != NULL) return draft_chain(c, s);
+    ChainStep own = *s;
+    own.hidden = malloc((size_t)s->batch * c->hidden * (s->act_bf16 ? 2 : 4));
+    if (own.hidden == NULL) return 1;
+    const int status = draft_chain(c, &own);
+    free(own.hidden);
+    return status;
+}
+
+static int draft_chain(const Chain *c, const ChainStep *s) {
     const int64_t b = s->batch, hid = c->hidden, vocab = c->vocab, d = c->layer->head_dim;
     const int64_t n = s->first_attn != NULL && s->pairs > b ? s->pairs : b; /* most rows */
     for (int64_t r = 0; r < b; r++) /* the guesses' steps: checked before anything is stored */

@@ -146,22 +146,28 @@ class NativeChain:
         readable slot. None, with nothing computed or stored, when a position is past the
         tables."""
         assert 0 < batch <= self.max_rows and steps >= 2 and (hidden is None) != (first is None)
-        state = torch.empty((batch, self._hidden), dtype=self.dtype)
+        # NOTE: no tensors made but the first step's states' copy: the chain's states are the
+        # kernel's scratch with ``first`` (every torch call of a decode step pays for its
+        # dispatcher's data coming back into the caches).
+        state = None
         if hidden is not None:
-            assert hidden.shape == state.shape and hidden.dtype == self.dtype
-            state.copy_(hidden)
-        tokens = torch.empty((batch, steps), dtype=torch.int64)
+            assert hidden.shape == (batch, self._hidden) and hidden.dtype == self.dtype
+            state = hidden.clone(memory_format=torch.contiguous_format)
+        tokens = array.array("q", bytes(8 * batch * steps))
         cos, sin = tables
         assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
         keep = [array.array("i", floors)]
         step = _ChainStep()
-        step.hidden, step.cos, step.sin = state.data_ptr(), cos.data_ptr(), sin.data_ptr()
+        step.hidden = None if state is None else state.data_ptr()
+        step.cos, step.sin = cos.data_ptr(), sin.data_ptr()
         step.table_rows = cos.shape[0]
         step.attn, _, step.k_pool, step.v_pool = attention
-        step.floor, step.tokens = keep[0].buffer_info()[0], tokens.data_ptr()
+        step.floor, step.tokens = keep[0].buffer_info()[0], tokens.buffer_info()[0]
         if first is not None:
             assert first.hidden.dtype == self.dtype and len(first.last_rows) == batch
-            first_hidden = first.hidden.contiguous()
+            first_hidden = first.hidden
+            if not first_hidden.is_contiguous():
+                first_hidden = first_hidden.contiguous()
             keep += [
                 first_hidden, array.array("q", first.token_ids),
                 array.array("q", first.positions), array.array("i", first.last_rows),
@@ -180,4 +186,5 @@ class NativeChain:
             return None
         if status != 0:
             raise MemoryError(f"draft chain kernel: no scratch memory (status {status})")
-        return tokens.tolist()
+        found = tokens.tolist()
+        return [found[r * steps : (r + 1) * steps] for r in range(batch)]

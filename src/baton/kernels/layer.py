@@ -10,7 +10,9 @@ stays the reference (tests compare the two). ``BATON_NATIVE_LAYERS=0`` turns it 
 
 from __future__ import annotations
 
+import array
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -206,8 +208,8 @@ class NativeStack:
 
     def __call__(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
+        input_ids: torch.Tensor | Sequence[int],
+        positions: torch.Tensor | Sequence[int],
         tables: tuple[torch.Tensor, torch.Tensor],
         attention: list[tuple[int, int, int, int]],
     ) -> torch.Tensor | None:
@@ -215,19 +217,27 @@ class NativeStack:
         by position ([rows, head_dim] contiguous, the activations' dtype), attention: per
         layer the backend's ``native_args`` -> final-normed [1, T, hidden] (every layer's
         keys and values stored in its pool); None, with nothing computed or stored, when a
-        position is past the tables."""
-        ids = input_ids.to(torch.int64).contiguous()
-        at = positions.to(torch.int64).contiguous()
-        out = torch.empty((*ids.shape, self._embed.shape[1]), dtype=self.dtype)
+        position is past the tables. input_ids and positions may also be sequences of T ints
+        (no tensors made of them): the output is then [T, hidden]."""
+        if isinstance(input_ids, torch.Tensor):
+            ids = input_ids.to(torch.int64).contiguous()
+            at = positions.to(torch.int64).contiguous()
+            ids_ptr, at_ptr, tokens, shape = ids.data_ptr(), at.data_ptr(), ids.numel(), ids.shape
+        else:
+            ids, at = array.array("q", input_ids), array.array("q", positions)
+            assert len(ids) == len(at)
+            (ids_ptr, tokens), (at_ptr, _) = ids.buffer_info(), at.buffer_info()
+            shape = (tokens,)
+        out = torch.empty((*shape, self._embed.shape[1]), dtype=self.dtype)
         if attention != self._attention:  # a pool's plan keeps its address step after step
             for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
                 entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
             self._attention = attention
         stack, (cos, sin) = self._stack, tables
         assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
-        stack.ids, stack.out, stack.positions = ids.data_ptr(), out.data_ptr(), at.data_ptr()
+        stack.ids, stack.out, stack.positions = ids_ptr, out.data_ptr(), at_ptr
         stack.cos, stack.sin, stack.table_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
-        stack.tokens, stack.act_bf16, stack.lanes = ids.numel(), DTYPES[self.dtype], torch_lanes()
+        stack.tokens, stack.act_bf16, stack.lanes = tokens, DTYPES[self.dtype], torch_lanes()
         stack.num_threads = small_step_threads()
         status = library().baton_decoder_stack(ctypes.byref(stack))
         if status == 2:

@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "fastmath.h"
 #include "kernels.h"
@@ -115,10 +116,15 @@ int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t vocab, const void *bias, int32_t op, void *scores,
                       int32_t act_bf16, int32_t w_bf16, int64_t *best, float *logprob,
                       int32_t num_threads) {
+    void *own = scores == NULL ? malloc((size_t)m * vocab * (act_bf16 ? 2 : 4)) : NULL;
+    if (scores == NULL && own == NULL) return 1;
+    scores = scores != NULL ? scores : own; /* NULL: the scores are scratch, freed here */
     const int status = baton_linear_rows(x, x_stride, m, k, w, vocab, bias, NULL, 0, op, scores,
                                          vocab, act_bf16, w_bf16, num_threads);
-    if (status != 0) return status;
-    const Greedy G = {scores, vocab, act_bf16, best, logprob};
-    baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 4096 ? num_threads : 1);
-    return 0;
+    if (status == 0) {
+        const Greedy G = {scores, vocab, act_bf16, best, logprob};
+        baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 4096 ? num_threads : 1);
+    }
+    free(own);
+    return status;
 }

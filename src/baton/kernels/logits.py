@@ -9,6 +9,8 @@ guesses).
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 from baton.kernels import DTYPES, library, small_step_threads
@@ -76,9 +78,9 @@ def head_greedy(
     if x.dim() != 2 or not takes(x, weight, bias) or (lib := library()) is None:
         return None
     rows, k = x.shape
-    scores = torch.empty((rows, weight.n), dtype=x.dtype)
-    best = torch.empty(rows, dtype=torch.int64)
-    logprob = torch.empty(rows, dtype=torch.float32)
+    # NOTE: no tensors made here (the scores are the kernel's scratch): in a decode step
+    # every torch call pays for its dispatcher's data coming back into the caches.
+    best, logprob = array.array("q", bytes(8 * rows)), array.array("f", bytes(4 * rows))
     status = lib.baton_head_greedy(
         x.data_ptr(),
         k,
@@ -88,11 +90,11 @@ def head_greedy(
         weight.n,
         None if bias is None else bias.data_ptr(),
         int(Epilogue.NONE) | (ROUND_ONCE if round_once else 0),
-        scores.data_ptr(),
+        None,
         DTYPES[x.dtype],
         DTYPES[weight.dtype],
-        best.data_ptr(),
-        logprob.data_ptr(),
+        best.buffer_info()[0],
+        logprob.buffer_info()[0],
         small_step_threads(),
     )
     if status != 0:

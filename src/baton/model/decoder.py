@@ -196,9 +196,21 @@ class CausalLM(nn.Module):
             x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
 
+    def forward_listed(
+        self, input_ids: list[int], positions: list[int], attn: AttentionBackend
+    ) -> torch.Tensor | None:
+        """``forward`` of one row of T tokens given as lists (a ``[1, T]`` tensor's values)
+        -> final-normed [T, hidden], in the native stack's one call without making a tensor
+        of them; None, with nothing computed, where the stack does not take the step (then
+        ``forward`` runs it)."""
+        stack = self._stack
+        if stack is None or len(input_ids) > stack.max_tokens:
+            return None
+        return self._forward_native(stack, input_ids, positions, attn)
+
     def _forward_native(
-        self, stack: NativeStack, input_ids: torch.Tensor, positions: torch.Tensor,
-        attn: AttentionBackend,
+        self, stack: NativeStack, input_ids: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int], attn: AttentionBackend,
     ) -> torch.Tensor | None:  # fmt: skip
         """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
         without a Python call per layer), or None where the backend does not allow it."""
@@ -208,7 +220,8 @@ class CausalLM(nn.Module):
         rotary = self.model.rotary_emb
         out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention)
         if out is None:  # a position past the tables: grown, then the same call
-            tables = rotary.tables(int(positions.max()) + 1, stack.dtype)
+            last = positions.max() if isinstance(positions, torch.Tensor) else max(positions)
+            tables = rotary.tables(int(last) + 1, stack.dtype)
             out = stack(input_ids, positions, tables, attention)
         return out
 

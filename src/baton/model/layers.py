@@ -104,9 +104,12 @@ def consecutive(rows: list[int]) -> slice | None:
 
 
 def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """``t[rows]``; a view where the rows are consecutive (a decode step's are: no gather)."""
+    """``t[rows]``; a view where the rows are consecutive (a decode step's are: no gather),
+    ``t`` itself where they are all of them."""
     run = consecutive(rows)
-    return t[rows] if run is None else t[run]
+    if run is None:
+        return t[rows]
+    return t if run.start == 0 and run.stop == t.shape[0] else t[run]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

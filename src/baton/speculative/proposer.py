@@ -80,7 +80,7 @@ class DraftProposer:
             ids.extend(tokens)
             positions.extend(range(slot + 1, slot + 1 + len(tokens)))
             offset += len(tokens)
-        return segments, torch.cat(hidden), ids, positions
+        return segments, hidden[0] if len(hidden) == 1 else torch.cat(hidden), ids, positions
 
     def _run(self, entries: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
         """One batched draft forward (``_inputs``' entries). Per entry its last draft state
