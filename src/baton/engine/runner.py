@@ -277,15 +277,13 @@ class ModelRunner:
         prefill = []
         for chunk, seg in zip(chunks, segments, strict=True):
             rid = chunk.request.request_id
-            h = hidden[seg.offset : seg.offset + chunk.num_tokens]
             committed = result.committed.get(rid)
             if chunk.num_spec:
                 # Slots L .. L+n_ok: the accepted proposals and the bonus token.
-                n = len(committed.token_ids)
-                self.proposer.set_pending(
-                    rid, PendingPairs(chunk.start, h[:n], committed.token_ids)
-                )
+                h = hidden[seg.offset : seg.offset + len(committed.token_ids)]
+                self.proposer.set_pending(rid, PendingPairs(chunk.start, h, committed.token_ids))
                 continue
+            h = hidden[seg.offset : seg.offset + chunk.num_tokens]
             # Slot s pairs h_s with token s+1: known for every s of the chunk but the last,
             # unless this step sampled that token.
             tokens = chunk.request.all_token_ids + (committed.token_ids if committed else [])
