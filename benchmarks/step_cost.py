@@ -152,6 +152,8 @@ def decoding_engine(
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "execute", "execute")
     timer.wrap(engine.runner.model, "forward", "forward")
+    # A decode step's native stack takes its ids as lists (``forward_listed``), not tensors.
+    timer.wrap(engine.runner.model, "forward_listed", "forward")
     return engine, timer
 
 
