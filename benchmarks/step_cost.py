@@ -23,9 +23,11 @@ bytes read + written per second, and bytes copied per second).
 
 The real model with its MTP draft (the default number of draft tokens) at batch 1 is timed
 too (what a user runs), with its tokens per verify step and where a verify step goes: the
-target's layer stack (one native call), the draft's chain (one native call: every guess),
-the verify head (the head and its argmax) and the rest -- the Python around them and its
-small native calls (plans, norms). Every figure is taken twice in the
+target's layer stack (one native call, ending with the verify head -- the head, its argmax
+and log-sum-exp -- where every row is verified greedily, as here: ``stack+head``), the
+draft's chain (one native call: every guess), the verify head's own call where the stack
+did not run it, and the rest -- the Python around them and its small native calls (plans,
+norms). Every figure is taken twice in the
 same run, in-process A/B: with small steps' decoder layers as one native call each
 (``fused``, ``baton.kernels.layer``, the default: the stack, and the draft's chain) and op
 by op (``torch``, ``BATON_NATIVE_LAYERS=0``). The CPU is printed and written into the JSON.
@@ -116,7 +118,8 @@ NATIVE_PARTS = ("stack", "chain", "head")
 
 def time_native_calls(engine: LLMEngine, timer: PartTimer) -> None:
     """Time a speculative step's big native calls: the target's stack and the draft's chain
-    (where they exist: the fused layers) and the verify head (``ModelRunner._greedy_head``)."""
+    (where they exist: the fused layers) and the verify head (``ModelRunner._greedy_head``;
+    never called where the stack's call ends with it)."""
     model = engine.runner.model
     if getattr(model, "_stack", None) is not None:
         model._stack = TimedCall(model._stack, timer, "stack")
@@ -267,7 +270,8 @@ def print_table(layers: str, results: dict[str, dict]) -> None:
     timed = {name: t for name, t in native.items() if t is not None}
     if "stack" in timed:  # the fused layers (op by op, the rest is the torch ops)
         rest = step - sum(timed.values())
-        split = " + ".join(f"{name} {t * 1e3:.3f}" for name, t in timed.items())
+        names = {"stack": "stack" if "head" in timed else "stack+head"}
+        split = " + ".join(f"{names.get(name, name)} {t * 1e3:.3f}" for name, t in timed.items())
         print(f"  the verify step: {split} + the rest {rest * 1e3:.3f} ms "
               f"(Python and small native calls: {rest / step:.0%})")  # fmt: skip
     b1 = results.get("1")

@@ -399,25 +399,51 @@ def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
 
 def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
     """Plain-greedy sampling and verification run the head, argmax and log-sum-exp as one
-    native call (``head_greedy``): the same tokens, cumulative log-probabilities and
-    acceptance as the three calls it replaces (head_greedy declining every call)."""
+    native call: at the end of the stack's call in a decode step (every row sampled or
+    verified), ``head_greedy`` otherwise (a prompt's first token). The same tokens,
+    cumulative log-probabilities and acceptance as ``head_greedy`` after the stack, and as
+    the three calls it replaces (``head_greedy`` declining every call)."""
+    from baton.kernels.layer import NativeStack
+    from baton.model.decoder import CausalLM
+
     llm = LLM(BUNDLED, dtype="bfloat16", page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40)
     calls = []
-    fused_head = runner_module.head_greedy
+    fused_head, stack_call, listed = (
+        runner_module.head_greedy,
+        NativeStack.__call__,
+        CausalLM.forward_listed,
+    )
 
     def counted(*args):
-        calls.append(args[0].shape[0])
+        calls.append(("head_greedy", args[0].shape[0]))
         return fused_head(*args)
 
-    def run(head_greedy):
+    def counted_stack(self, ids, *args):
+        if len(args) > 3 and args[3] is not None:  # the head's panels, bias, rounding
+            calls.append(("stack", len(ids)))
+        return stack_call(self, ids, *args)
+
+    def run(stack_head: bool, head_greedy):
+        calls.clear()
         monkeypatch.setattr(runner_module, "head_greedy", head_greedy)
+        monkeypatch.setattr(
+            CausalLM,
+            "forward_listed",
+            lambda self, ids, positions, attn, greedy=False: listed(
+                self, ids, positions, attn, greedy and stack_head
+            ),
+        )
         return [
             (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.metrics.accepted_lengths)
             for o in llm.generate(PROMPTS, params)
         ]
 
-    fused = run(counted)
-    assert calls and max(calls) > 1  # first tokens and verify steps of several rows
-    assert fused == run(lambda *args: None)
-    assert any(accepted for _, _, accepted in fused)
+    monkeypatch.setattr(NativeStack, "__call__", counted_stack)
+    in_stack = run(True, counted)
+    assert any(kind == "stack" and rows > 1 for kind, rows in calls)  # verify steps
+    assert not any(kind == "head_greedy" and rows > len(PROMPTS) for kind, rows in calls)
+    after_stack = run(False, counted)
+    assert {kind for kind, _ in calls} == {"head_greedy"} and max(r for _, r in calls) > 1
+    assert in_stack == after_stack == run(False, lambda *args: None)
+    assert any(accepted for _, _, accepted in in_stack)

@@ -89,9 +89,14 @@ class ModelRunner:
         # layer, and matmuls in blocks of rows (frozen_linear.step_invariant_rows).
         computes_prompt = batch.computes_prompt
         attn = PagedAttention(self.cache, segments, native_layers=not computes_prompt)
-        hidden = None
+        hidden, greedy = None, None
         if rows is None and not computes_prompt:  # the native stack, given lists: no tensors
-            hidden = self.model.forward_listed(input_ids, positions, attn)  # [N, H]
+            # Every row sampled or verified, greedily: the head's epilogue in the same call.
+            every_row = all(c.samples and c.num_tokens == c.num_spec + 1 for c in batch.chunks)
+            greedy_head = every_row and self._plain_greedy(list(states.values()))
+            found = self.model.forward_listed(input_ids, positions, attn, greedy_head)
+            if found is not None:
+                hidden, greedy = found  # [N, H]; each row's argmax and log-probability
         if hidden is None:
             with step_invariant_rows(computes_prompt):
                 hidden = self.model(
@@ -105,10 +110,10 @@ class ModelRunner:
         # After a prompt's matmuls (OpenMP's threads), small native calls run inline: see
         # kernels.inline_small_calls. The same bits either way.
         with inline_small_calls(computes_prompt):
-            self._sample(batch.chunks, segments, hidden, states, result)
+            self._sample(batch.chunks, segments, hidden, states, result, greedy)
             verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
             if verified:
-                self._verify(verified, hidden, chains, states, result)
+                self._verify(verified, hidden, chains, states, result, greedy)
             if self.proposer is not None:
                 with step_invariant_rows(computes_prompt):
                     self._feed_draft(batch.chunks, segments, hidden, result)
@@ -128,16 +133,20 @@ class ModelRunner:
             rows.extend(range(seg.offset + n - tail, seg.offset + n))
         return torch.tensor(rows) if len(rows) < num_tokens else None
 
-    def _sample(self, chunks, segments, hidden, states, result: StepResult) -> None:
-        """One token for every non-speculative chunk that samples, batched."""
+    def _sample(self, chunks, segments, hidden, states, result: StepResult, greedy=None) -> None:
+        """One token for every non-speculative chunk that samples, batched (``greedy``: every
+        row's argmax and log-probability, when the forward's call computed them)."""
         picked = [(c, s) for c, s in zip(chunks, segments, strict=True) if c.samples]
         picked = [(c, s) for c, s in picked if not c.num_spec]
         if not picked:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
-        x = take_rows(hidden, rows)
         row_states = [states[c.request.request_id] for c, _ in picked]
-        fused = self._greedy_head(x, row_states)
+        if greedy is not None:
+            fused = [greedy[0][r] for r in rows], [greedy[1][r] for r in rows]
+        else:
+            x = take_rows(hidden, rows)
+            fused = self._greedy_head(x, row_states)
         if fused is not None:
             out = SamplerOutput(*fused, [None] * len(rows))
         else:
@@ -151,13 +160,17 @@ class ModelRunner:
                 [out.token_ids[i]], [out.logprobs[i]], [out.top_logprobs[i]]
             )
 
-    def _verify(self, verified, hidden, chains, states, result: StepResult) -> None:
+    def _verify(self, verified, hidden, chains, states, result: StepResult, greedy=None) -> None:
         """Verify every speculative chunk's chain: one head matmul and one log-softmax for
-        all of them; plain-greedy requests compare proposals with one batched argmax."""
+        all of them; plain-greedy requests compare proposals with one batched argmax (or
+        read ``greedy``: every row's, when the forward's call computed them)."""
         rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
-        x = take_rows(hidden, rows)
         row_states = [states[c.request.request_id] for c, _ in verified]
-        fused = self._greedy_head(x, row_states)
+        if greedy is not None:
+            fused = [greedy[0][r] for r in rows], [greedy[1][r] for r in rows]
+        else:
+            x = take_rows(hidden, rows)
+            fused = self._greedy_head(x, row_states)
         if fused is not None:
             best, logprobs = fused
             self._commit_greedy(

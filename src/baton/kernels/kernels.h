@@ -90,6 +90,14 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
 /* layer.c: one decoder layer of a small step; 0, or nonzero without scratch memory. */
 int baton_decoder_layer(const Layer *L, const Step *s);
 
+/* logits.c: the head (linear.c's panels) on m rows, then each row's argmax and its
+ * log-probability; scores: [m, vocab] scratch, or NULL (allocated here). 0, or 1 without
+ * scratch memory. */
+int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
+                      int32_t vocab, const void *bias, int32_t op, void *scores,
+                      int32_t act_bf16, int32_t w_bf16, int64_t *best, float *logprob,
+                      int32_t num_threads);
+
 /* logits.c: per row its first maximum's index and value. */
 void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
                        int is_bf16, int64_t *best, float *best_value, int num_threads);

@@ -79,10 +79,17 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
     const StackLayer *layers;
     float eps, offset;              /* the final norm's */
     int32_t num_layers, tokens, hidden, act_bf16, lanes, num_threads, table_rows;
+    /* Optionally (head not NULL) the head's greedy epilogue on every row, as
+     * baton_head_greedy: each row's argmax (best) and its log-probability (logprob). */
+    const void *head, *head_bias; /* panels of [vocab, hidden] */
+    int64_t *best;                /* [tokens] */
+    float *logprob;               /* [tokens] */
+    int32_t vocab, head_op, head_w_bf16;
 } Stack;
 
 /* A small step's whole model but the head: embedding rows, the positions' rotary rows, every
- * layer (as baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer.
+ * layer (as baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer
+ * -- and, where asked, the head's greedy epilogue (baton_head_greedy) on every row.
  * 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
  * a position is past the tables. */
 int baton_decoder_stack(const Stack *s) {
@@ -107,5 +114,9 @@ int baton_decoder_stack(const Stack *s) {
     baton_rms_norm(x, t, hid, 1, 0, s->norm, 0, s->out, (int)hid, s->eps, s->offset, s->act_bf16,
                    s->lanes, s->num_threads);
     free(x);
+    if (status == 0 && s->head != NULL)
+        status = baton_head_greedy(s->out, hid, (int32_t)t, (int32_t)hid, s->head, s->vocab,
+                                   s->head_bias, s->head_op, NULL, s->act_bf16, s->head_w_bf16,
+                                   s->best, s->logprob, s->num_threads);
     return status;
 }

@@ -18,7 +18,13 @@ import torch
 
 from baton.config import RuntimeEnv
 from baton.kernels import DTYPES, library, small_step_threads
-from baton.kernels.linear import ACTIVATIONS, MAX_ROWS, MAX_ROWS_BESIDE_ONEDNN, PackedRows
+from baton.kernels.linear import (
+    ACTIVATIONS,
+    MAX_ROWS,
+    MAX_ROWS_BESIDE_ONEDNN,
+    ROUND_ONCE,
+    PackedRows,
+)
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
 MAX_TOKENS = MAX_ROWS
@@ -73,6 +79,8 @@ class _Stack(ctypes.Structure):
         *((name, _i32) for name in (
             "num_layers", "tokens", "hidden", "act_bf16", "lanes", "num_threads", "table_rows",
         )),
+        *((name, _ptr) for name in ("head", "head_bias", "best", "logprob")),
+        *((name, _i32) for name in ("vocab", "head_op", "head_w_bf16")),
     ]  # fmt: skip
 
 
@@ -212,13 +220,17 @@ class NativeStack:
         positions: torch.Tensor | Sequence[int],
         tables: tuple[torch.Tensor, torch.Tensor],
         attention: list[tuple[int, int, int, int]],
-    ) -> torch.Tensor | None:
+        head: tuple[PackedRows, torch.Tensor | None, bool] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[int], list[float]] | None:
         """input_ids, positions: [1, T] (T <= ``max_tokens``), tables: the rotary cos and sin
         by position ([rows, head_dim] contiguous, the activations' dtype), attention: per
         layer the backend's ``native_args`` -> final-normed [1, T, hidden] (every layer's
         keys and values stored in its pool); None, with nothing computed or stored, when a
         position is past the tables. input_ids and positions may also be sequences of T ints
-        (no tensors made of them): the output is then [T, hidden]."""
+        (no tensors made of them): the output is then [T, hidden]. With ``head`` (the head's
+        panels, bias, whether it rounds once: ``CausalLM.head_kernel``), the same call ends
+        with ``logits.head_greedy`` on every row: (output, each row's argmax, its
+        log-probability)."""
         if isinstance(input_ids, torch.Tensor):
             ids = input_ids.to(torch.int64).contiguous()
             at = positions.to(torch.int64).contiguous()
@@ -239,9 +251,21 @@ class NativeStack:
         stack.cos, stack.sin, stack.table_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
         stack.tokens, stack.act_bf16, stack.lanes = tokens, DTYPES[self.dtype], torch_lanes()
         stack.num_threads = small_step_threads()
+        if head is not None:
+            weight, bias, round_once = head
+            assert weight.k == out.shape[-1] and weight.dtype in DTYPES and tokens <= MAX_ROWS
+            assert bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+            best, logprob = array.array("q", bytes(8 * tokens)), array.array("f", bytes(4 * tokens))
+            stack.head = weight.data_ptr()
+            stack.head_bias = None if bias is None else bias.data_ptr()
+            stack.best, stack.logprob = best.buffer_info()[0], logprob.buffer_info()[0]
+            stack.vocab, stack.head_w_bf16 = weight.n, DTYPES[weight.dtype]
+            stack.head_op = ROUND_ONCE if round_once else 0
+        else:
+            stack.head = None
         status = library().baton_decoder_stack(ctypes.byref(stack))
         if status == 2:
             return None
         if status != 0:
             raise MemoryError(f"decoder stack kernel: no scratch memory (status {status})")
-        return out
+        return out if head is None else (out, best.tolist(), logprob.tolist())

@@ -197,32 +197,44 @@ class CausalLM(nn.Module):
         return self.model.norm(x)
 
     def forward_listed(
-        self, input_ids: list[int], positions: list[int], attn: AttentionBackend
-    ) -> torch.Tensor | None:
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        attn: AttentionBackend,
+        greedy_head: bool = False,
+    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None] | None:
         """``forward`` of one row of T tokens given as lists (a ``[1, T]`` tensor's values)
-        -> final-normed [T, hidden], in the native stack's one call without making a tensor
-        of them; None, with nothing computed, where the stack does not take the step (then
-        ``forward`` runs it)."""
+        -> (final-normed [T, hidden], None), in the native stack's one call without making a
+        tensor of them; with ``greedy_head``, where ``head_kernel`` takes the T rows, the
+        same call ends with the head's greedy epilogue (``logits.head_greedy``: each row's
+        argmax and its log-probability) in place of that None. None, with nothing computed,
+        where the stack does not take the step (then ``forward`` runs it)."""
         stack = self._stack
         if stack is None or len(input_ids) > stack.max_tokens:
             return None
-        return self._forward_native(stack, input_ids, positions, attn)
+        head = self.head_kernel(len(input_ids)) if greedy_head else None
+        out = self._forward_native(stack, input_ids, positions, attn, head)
+        if out is None or head is None:
+            return None if out is None else (out, None)
+        hidden, best, logprobs = out
+        return hidden, (best, logprobs)
 
     def _forward_native(
         self, stack: NativeStack, input_ids: torch.Tensor | list[int],
-        positions: torch.Tensor | list[int], attn: AttentionBackend,
-    ) -> torch.Tensor | None:  # fmt: skip
+        positions: torch.Tensor | list[int], attn: AttentionBackend, head: tuple | None = None,
+    ) -> torch.Tensor | tuple | None:  # fmt: skip
         """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
-        without a Python call per layer), or None where the backend does not allow it."""
+        without a Python call per layer; with ``head``, its greedy epilogue too), or None
+        where the backend does not allow it."""
         attention = native_attention(attn, self._attention_specs)
         if attention is None:
             return None
         rotary = self.model.rotary_emb
-        out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention)
+        out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention, head)
         if out is None:  # a position past the tables: grown, then the same call
             last = positions.max() if isinstance(positions, torch.Tensor) else max(positions)
             tables = rotary.tables(int(last) + 1, stack.dtype)
-            out = stack(input_ids, positions, tables, attention)
+            out = stack(input_ids, positions, tables, attention, head)
         return out
 
     def fuse_projections(self) -> CausalLM:
