@@ -447,3 +447,55 @@ def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
     assert {kind for kind, _ in calls} == {"head_greedy"} and max(r for _, r in calls) > 1
     assert in_stack == after_stack == run(False, lambda *args: None)
     assert any(accepted for _, _, accepted in in_stack)
+
+
+@pytest.mark.parametrize(("dtype", "mode"), [("float32", "ring"), ("bfloat16", "paged")])
+def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypatch):
+    """A decode step's stack builds its pools' attention plans inside its call
+    (``PagedAttention.stack_plans``): the same tokens, log-probabilities and acceptance as
+    with the plans built before it (``native_args``) -- also when a plan's buffer is too
+    small at first (the call refuses before computing anything, the buffer grows, the call
+    runs again)."""
+    from baton.kernels.paged_attention import PagedAttentionCall
+    from baton.model.paged_attention import PagedAttention
+
+    params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
+    prepare, grow, stack_plans = (
+        PagedAttentionCall.prepare,
+        PagedAttentionCall.grow,
+        PagedAttention.stack_plans,
+    )
+    events = []
+
+    def short_first(self, *args):
+        tables, lengths, buffer, capacity = prepare(self, *args)
+        if "short" not in events:  # the first plan of the run: 1 int32, too small
+            events.append("short")
+            return tables, lengths, buffer, 1
+        return tables, lengths, buffer, capacity
+
+    def run(mode_of_plans: str):
+        events.clear()
+        with pytest.MonkeyPatch.context() as patch:
+            if mode_of_plans == "before":
+                patch.setattr(PagedAttention, "stack_plans", lambda self, layers: None)
+            else:
+                patch.setattr(
+                    PagedAttention,
+                    "stack_plans",
+                    lambda self, layers: events.append("asked") or stack_plans(self, layers),
+                )
+            if mode_of_plans == "short":
+                patch.setattr(PagedAttentionCall, "prepare", short_first)
+                patch.setattr(
+                    PagedAttentionCall, "grow", lambda call: events.append("grow") or grow(call)
+                )
+            llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
+            outs = llm.generate(PROMPTS, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+                for o in outs]  # fmt: skip
+
+    before = run("before")
+    assert "asked" not in events
+    assert run("in_call") == before and "asked" in events
+    assert run("short") == before and "grow" in events

@@ -70,6 +70,15 @@ typedef struct { /* field for field baton/kernels/layer.py ``_StackLayer`` */
     int32_t batch; /* segments in attn */
 } StackLayer;
 
+typedef struct { /* field for field baton/kernels/layer.py ``_StackPlan`` */
+    Args *args;                         /* the pool's plan (rows, window, is_ring set) */
+    const int64_t *tables;              /* [batch] each segment's unit table (int32 *) */
+    const int32_t *table_lens;          /* [batch] */
+    int32_t *buffer;                    /* the plan's lists */
+    int64_t capacity;                   /* int32s in buffer */
+    int32_t keep, covers_own;
+} StackPlan;
+
 typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
     const int64_t *ids;             /* [tokens] */
     const void *embed, *norm;       /* [vocab, hidden], [hidden]: the activations' dtype */
@@ -85,14 +94,35 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
     int64_t *best;                /* [tokens] */
     float *logprob;               /* [tokens] */
     int32_t vocab, head_op, head_w_bf16;
+    /* Optionally (num_plans > 0) the pools' attention plans, built here first
+     * (baton_paged_plan) from the step's segments [batch, 4]: the layers' attn point at
+     * their args. */
+    const StackPlan *plans;
+    const int32_t *segs;
+    int32_t num_plans, batch;
+    int32_t failed_plan; /* out: the plan whose buffer was too small (status 3) */
 } Stack;
 
-/* A small step's whole model but the head: embedding rows, the positions' rotary rows, every
- * layer (as baton_decoder_layer), the final norm -- what CausalLM.forward runs layer by layer
- * -- and, where asked, the head's greedy epilogue (baton_head_greedy) on every row.
- * 0; 1 when a kernel found no scratch memory; 2 (before anything is computed or stored) when
- * a position is past the tables. */
-int baton_decoder_stack(const Stack *s) {
+/* A small step's whole model but the head: the pools' plans where given, embedding rows, the
+ * positions' rotary rows, every layer (as baton_decoder_layer), the final norm -- what
+ * CausalLM.forward runs layer by layer -- and, where asked, the head's greedy epilogue
+ * (baton_head_greedy) on every row. 0; 1 when a kernel found no scratch memory; before
+ * anything is computed or stored: 2 when a position is past the tables, 3 when a plan's
+ * buffer is too small (failed_plan says which), 4 when a plan needs a unit its request does
+ * not hold. */
+int baton_decoder_stack(Stack *s) {
+    for (int64_t r = 0; r < s->tokens; r++)
+        if (s->positions[r] < 0 || s->positions[r] >= s->table_rows) return 2;
+    for (int i = 0; i < s->num_plans; i++) {
+        const StackPlan *p = &s->plans[i];
+        const int st = baton_paged_plan(p->args, s->batch, p->tables, p->table_lens, s->segs,
+                                        p->keep, p->covers_own, p->buffer, p->capacity);
+        if (st == -1) {
+            s->failed_plan = i;
+            return 3;
+        }
+        if (st != 0) return 4;
+    }
     const int64_t t = s->tokens, hid = s->hidden;
     const size_t elem = s->act_bf16 ? 2 : 4, row = (size_t)hid * elem;
     const size_t rot = (size_t)s->layers[0].layer->head_dim * elem;

@@ -13,6 +13,7 @@ from __future__ import annotations
 import array
 import ctypes
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -69,6 +70,14 @@ class _StackLayer(ctypes.Structure):
     ]  # fmt: skip
 
 
+class _StackPlan(ctypes.Structure):
+    # Field for field the ``StackPlan`` struct of layer.c.
+    _fields_ = [
+        *((name, _ptr) for name in ("args", "tables", "table_lens", "buffer")),
+        ("capacity", ctypes.c_int64), ("keep", _i32), ("covers_own", _i32),
+    ]  # fmt: skip
+
+
 class _Stack(ctypes.Structure):
     # Field for field the ``Stack`` struct of layer.c.
     _fields_ = [
@@ -81,7 +90,30 @@ class _Stack(ctypes.Structure):
         )),
         *((name, _ptr) for name in ("head", "head_bias", "best", "logprob")),
         *((name, _i32) for name in ("vocab", "head_op", "head_w_bf16")),
+        ("plans", _ptr), ("segs", _ptr),
+        *((name, _i32) for name in ("num_plans", "batch", "failed_plan")),
     ]  # fmt: skip
+
+
+class StackPlans(Protocol):
+    """The pools' attention plans of a forward, built inside the stack's call
+    (``PagedAttention.stack_plans``)."""
+
+    layer_args: list[tuple[int, int, int, int]]
+    """Per layer what ``native_args`` gives (its pool's args address, segments, keys and
+    values addresses)."""
+    batch: int
+    """Segments."""
+
+    def fill(self, plans: ctypes.Array) -> tuple[int, int]:
+        """Fill ``plans`` (one ``_StackPlan`` per pool) -> (the segments' int32 array
+        address, the number of plans)."""
+
+    def grow(self, index: int) -> None:
+        """Plan ``index``'s buffer was too small: make it larger."""
+
+    def planned(self) -> None:
+        """The call built every plan: record them."""
 
 
 def enabled() -> bool:
@@ -187,12 +219,14 @@ class NativeStack:
         self._layers = layers
         self._embed, self._norm = embed.detach().contiguous(), norm.detach().contiguous()
         self._entries = (_StackLayer * len(layers))()
+        self._plans = (_StackPlan * len(layers))()  # at most a pool per layer
         self._attention: list[tuple[int, int, int, int]] = []  # what the entries hold
         for entry, layer in zip(self._entries, layers, strict=True):
             entry.layer = ctypes.addressof(layer._layer)
         stack = self._stack = _Stack()
         stack.embed, stack.norm = self._embed.data_ptr(), self._norm.data_ptr()
         stack.layers = ctypes.addressof(self._entries)
+        stack.plans = ctypes.addressof(self._plans)
         stack.eps, stack.offset = eps, offset
         stack.num_layers, stack.hidden = len(layers), self._embed.shape[1]
         self.dtype = layers[0].dtype
@@ -219,14 +253,15 @@ class NativeStack:
         input_ids: torch.Tensor | Sequence[int],
         positions: torch.Tensor | Sequence[int],
         tables: tuple[torch.Tensor, torch.Tensor],
-        attention: list[tuple[int, int, int, int]],
+        attention: list[tuple[int, int, int, int]] | StackPlans,
         head: tuple[PackedRows, torch.Tensor | None, bool] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[int], list[float]] | None:
         """input_ids, positions: [1, T] (T <= ``max_tokens``), tables: the rotary cos and sin
         by position ([rows, head_dim] contiguous, the activations' dtype), attention: per
-        layer the backend's ``native_args`` -> final-normed [1, T, hidden] (every layer's
-        keys and values stored in its pool); None, with nothing computed or stored, when a
-        position is past the tables. input_ids and positions may also be sequences of T ints
+        layer the backend's ``native_args``, or the pools' plans to build in the same call
+        (``StackPlans``) -> final-normed [1, T, hidden] (every layer's keys and values
+        stored in its pool); None, with nothing computed or stored, when a position is past
+        the tables. input_ids and positions may also be sequences of T ints
         (no tensors made of them): the output is then [T, hidden]. With ``head`` (the head's
         panels, bias, whether it rounds once: ``CausalLM.head_kernel``), the same call ends
         with ``logits.head_greedy`` on every row: (output, each row's argmax, its
@@ -241,11 +276,18 @@ class NativeStack:
             (ids_ptr, tokens), (at_ptr, _) = ids.buffer_info(), at.buffer_info()
             shape = (tokens,)
         out = torch.empty((*shape, self._embed.shape[1]), dtype=self.dtype)
+        stack = self._stack
+        plans = None if isinstance(attention, list) else attention
+        if plans is not None:
+            stack.segs, stack.num_plans = plans.fill(self._plans)
+            stack.batch, attention = plans.batch, plans.layer_args
+        else:
+            stack.num_plans = 0
         if attention != self._attention:  # a pool's plan keeps its address step after step
             for entry, (args, batch, keys, values) in zip(self._entries, attention, strict=True):
                 entry.attn, entry.batch, entry.k_pool, entry.v_pool = args, batch, keys, values
             self._attention = attention
-        stack, (cos, sin) = self._stack, tables
+        cos, sin = tables
         assert cos.dtype == sin.dtype == self.dtype and cos.is_contiguous() and sin.is_contiguous()
         stack.ids, stack.out, stack.positions = ids_ptr, out.data_ptr(), at_ptr
         stack.cos, stack.sin, stack.table_rows = cos.data_ptr(), sin.data_ptr(), cos.shape[0]
@@ -264,8 +306,16 @@ class NativeStack:
         else:
             stack.head = None
         status = library().baton_decoder_stack(ctypes.byref(stack))
+        while status == 3:  # a plan's buffer too small (nothing computed): grown, again
+            plans.grow(stack.failed_plan)
+            stack.segs, stack.num_plans = plans.fill(self._plans)
+            status = library().baton_decoder_stack(ctypes.byref(stack))
+        if status == 4:
+            raise AssertionError("a plan needs a unit its request does not hold")
         if status == 2:
             return None
+        if plans is not None:
+            plans.planned()
         if status != 0:
             raise MemoryError(f"decoder stack kernel: no scratch memory (status {status})")
         return out if head is None else (out, best.tolist(), logprob.tolist())

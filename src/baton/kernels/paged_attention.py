@@ -70,6 +70,9 @@ class PagedAttentionCall:
         self.args = _Args()
         self._address = ctypes.addressof(self.args)
         self._buffer = array.array("i")
+        self._tables = array.array("q")  # ``prepare``'s unit table addresses and lengths
+        self._held: list[array.array] = []  # and the tables themselves
+        self._lengths = array.array("i")
         self.batch = 0
         self.generation = 0
         """How many plans this call has held: a plan is valid while it is the latest."""
@@ -118,6 +121,54 @@ class PagedAttentionCall:
         if status == -2:
             raise AssertionError(f"a plan needs a unit its request does not hold: {segments}")
         assert status == 0, status
+        self.batch = batch
+        return self.generation
+
+    def prepare(
+        self,
+        tables: list[array.array],
+        num_queries: int,
+        rows: int,
+        window: int | None,
+        is_ring: bool,
+    ) -> tuple[int, int, int, int]:
+        """``plan``'s inputs, for a plan built inside another native call (``NativeStack``:
+        ``baton_paged_plan`` there, then ``planned``): the Args fields set, the tables'
+        addresses and lengths in arrays this call keeps, the buffer grown to what the plan
+        needs at most -> (tables address, lengths address, buffer address, capacity).
+        num_queries: the segments' queries in all."""
+        batch = len(tables)
+        if batch > len(self._lengths):  # grown, never shrunk (a plan points into them)
+            self._tables = array.array("q", bytes(8 * 2 * batch))
+            self._lengths = array.array("i", bytes(4 * 2 * batch))
+        addresses, lengths = self._tables, self._lengths
+        self._held = tables  # alive until the next plan (a ring's table is made per call)
+        longest = 0
+        for b, table in enumerate(tables):
+            addresses[b], lengths[b] = table.buffer_info()
+            longest = max(longest, lengths[b])
+        capacity = batch * (longest + 6) + 3 * num_queries
+        if capacity > len(self._buffer):  # grown, never shrunk (the plan points into it)
+            self._buffer = array.array("i", bytes(4 * max(capacity, 2 * len(self._buffer))))
+        args = self.args
+        args.rows, args.window, args.is_ring = rows, window or 0, int(is_ring)
+        buffer, size = self._buffer.buffer_info()
+        return addresses.buffer_info()[0], lengths.buffer_info()[0], buffer, size
+
+    @property
+    def address(self) -> int:
+        """The ``Args`` struct's address (what ``for_layer`` gives first)."""
+        return self._address
+
+    def grow(self) -> None:
+        """The plan's buffer was too small for what ``prepare`` asked (nothing written):
+        twice as large (never shrunk)."""
+        self._buffer = array.array("i", bytes(4 * 2 * max(len(self._buffer), 256)))
+
+    def planned(self, batch: int) -> int:
+        """A plan of ``batch`` segments was built (by another native call, from ``prepare``'s
+        inputs): its ``generation``."""
+        self.generation += 1
         self.batch = batch
         return self.generation
 

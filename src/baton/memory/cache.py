@@ -44,6 +44,9 @@ class ModelCache:
         are final only after the last chunk."""
         self.pools: list[StatePool] = []
         self.layer_map: dict[int, tuple[StatePool, int]] = {}
+        self.stack_plans: dict = {}
+        """``baton.model.paged_attention``'s per-model plan layouts for the native stack
+        (``PagedAttention.stack_plans``), by the layer list it is asked with."""
         page_size = cache_config.page_size
         kv = (spec.num_kv_heads, spec.head_dim, dtype, registry)
         handoff = {"allocator": allocator, "token_lag": token_lag}

@@ -224,9 +224,13 @@ class CausalLM(nn.Module):
         positions: torch.Tensor | list[int], attn: AttentionBackend, head: tuple | None = None,
     ) -> torch.Tensor | tuple | None:  # fmt: skip
         """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
-        without a Python call per layer; with ``head``, its greedy epilogue too), or None
-        where the backend does not allow it."""
-        attention = native_attention(attn, self._attention_specs)
+        without a Python call per layer, the pools' attention plans built in it where the
+        backend leaves them to it; with ``head``, its greedy epilogue too), or None where the
+        backend does not allow it."""
+        stack_plans = getattr(attn, "stack_plans", None)
+        attention = None if stack_plans is None else stack_plans(self._attention_specs)
+        if attention is None:
+            attention = native_attention(attn, self._attention_specs)
         if attention is None:
             return None
         rotary = self.model.rotary_emb

@@ -23,6 +23,7 @@ are computed once per forward and shared by all of its layers.
 from __future__ import annotations
 
 import weakref
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -69,9 +70,10 @@ class _BatchPlan:
     """One pool's batched segments in one forward: the kernel's plan, or the torch path's."""
 
     segments: list[Segment]
-    dense: bool
+    dense: bool | None
     """The segments are the whole step, back to back, all of one length (a decode or
-    verify step): queries, keys and outputs are views of the step's rows, no gathers."""
+    verify step): queries, keys and outputs are views of the step's rows, no gathers. None
+    for a plan built inside the stack's call (``_is_dense`` computes it if asked)."""
     native: PagedAttentionCall | None
     """The pool's call of the C kernel, which reads the pool in place (None: torch only),
     holding this plan while its generation is ``generation``."""
@@ -124,6 +126,59 @@ def _lists(pool: StatePool, segs: list[Segment], window: int | None, covers_own:
     return _Lists(unit_lists, key_base, firsts, token_index, write_units, write_rows)
 
 
+def _group_by_pool(cache: ModelCache, layers) -> list | None:
+    """Layers (``native_args``' tuples) by pool: per pool, in the order of its first layer,
+    the pool, its window, the fields its layers share (heads, head_dim, scale, softcap) and
+    their local indices in the pool. None when the layers of a pool differ in those (a
+    pool's native call holds one plan and one set of fields)."""
+    groups: dict[str, list] = {}
+    for layer_id, window, heads, head_dim, scale, softcap in layers:
+        pool, local = cache.layer_map[layer_id]
+        fields = (heads, head_dim, scale, softcap)
+        group = groups.setdefault(pool.name, [pool, window, fields, []])
+        if (window, fields) != (group[1], group[2]):
+            return None
+        group[3].append(local)
+    return [tuple(group) for group in groups.values()]
+
+
+class _StackPlans:
+    """``baton.kernels.layer.StackPlans`` of one forward: its pools' plans, built inside the
+    stack's call from the inputs ``PagedAttentionCall.prepare`` keeps."""
+
+    def __init__(self, attn: PagedAttention, pools: list, calls: list, layer_args: list) -> None:
+        """pools: per plan (pool, the window of its layers)."""
+        self.attn, self.pools, self.calls = attn, pools, calls
+        self.layer_args = layer_args
+        self.batch = len(attn.segments)
+        self._segs = array("i")
+        for seg in attn.segments:
+            self._segs.extend((seg.offset, seg.start, seg.num_tokens, seg.floor))
+        self._num_queries = sum(seg.num_tokens for seg in attn.segments)
+
+    def fill(self, plans) -> tuple[int, int]:
+        segments = self.attn.segments
+        for i, ((pool, window), call) in enumerate(zip(self.pools, self.calls, strict=True)):
+            entry = plans[i]
+            tables = [pool.unit_table(seg.request_id) for seg in segments]
+            entry.tables, entry.table_lens, entry.buffer, entry.capacity = call.prepare(
+                tables, self._num_queries, pool.rows, window, isinstance(pool, RingPool)
+            )
+            entry.args, entry.keep, entry.covers_own = call.address, pool.store_keep, 0
+        return self._segs.buffer_info()[0], len(self.calls)
+
+    def grow(self, index: int) -> None:
+        self.calls[index].grow()
+
+    def planned(self) -> None:
+        attn = self.attn
+        for (pool, _), call in zip(self.pools, self.calls, strict=True):
+            plan = _BatchPlan(attn.segments, None, call, generation=call.planned(self.batch))
+            plan.counted = True
+            attn._count(pool, plan)
+            attn._plans[pool.name] = (plan, [])
+
+
 class PagedAttention:
     """``AttentionBackend`` over a ``ModelCache``; one instance per forward."""
 
@@ -168,6 +223,59 @@ class PagedAttention:
         plan = self._build(pool, batched, window, native) if batched else None
         self._plans[pool.name] = (plan, others)
         return plan, others
+
+    def _is_dense(self, plan: _BatchPlan) -> bool:
+        if plan.dense is None:
+            segs = plan.segments
+            num_queries = max(s.num_tokens for s in segs)
+            plan.dense = all(
+                s.offset == b * num_queries and s.num_tokens == num_queries
+                for b, s in enumerate(segs)
+            ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
+        return plan.dense
+
+    def stack_plans(
+        self, layers: list[tuple[int, int | None, int, int, float, float | None]]
+    ) -> _StackPlans | None:
+        """``native_args`` for ``NativeStack``, whose call builds the pools' plans itself
+        (``baton_paged_plan`` there, from the inputs kept by each pool's
+        ``PagedAttentionCall``: no plan is built here) -- or None where ``native_args``
+        would be None, or a pool's plan is built already (then ``native_args``)."""
+        if not self.native_layers:
+            return None
+        groups = self.cache.stack_plans
+        batch = len(self.segments)
+        key = (id(layers), batch)  # NOTE: a model asks with the same list every step
+        found = groups.get(key)
+        if found is not None and found[0] is layers:
+            _, pools, calls, layer_args = found
+            if any(pool.name in self._plans for pool, _ in pools):
+                return None
+            return _StackPlans(self, pools, calls, layer_args)
+        by_pool = _group_by_pool(self.cache, layers)
+        if by_pool is None:
+            return None
+        pools, calls, by_layer = [], [], {}
+        for pool, window, fields, locals_ in by_pool:
+            if pool.name in self._plans or not PagedAttentionCall.supports(pool.storage):
+                return None
+            found = _CALLS.get(pool)
+            if found is None:
+                found = _CALLS[pool] = {}
+            call = found.get(False)
+            if call is None:
+                call = found[False] = PagedAttentionCall()
+            pools.append((pool, window))
+            calls.append(call)
+            for local in locals_:
+                by_layer[(pool.name, local)] = call.for_layer(pool.storage, local, *fields)
+        layer_args = []
+        for layer_id, *_ in layers:
+            pool, local = self.cache.layer_map[layer_id]
+            address, _, keys, values = by_layer[(pool.name, local)]
+            layer_args.append((address, batch, keys, values))
+        groups[key] = (layers, pools, calls, layer_args)
+        return _StackPlans(self, pools, calls, layer_args)
 
     def _build(
         self, pool: StatePool, segs: list[Segment], window: int | None, native: bool
@@ -270,7 +378,7 @@ class PagedAttention:
         # q: [1, N, heads, D]; k, v: [1, N, kv_heads, D]
         pool, local = self.cache.layer_map[layer_id]
         plan, others = self._plan(pool, window)
-        if plan is not None and plan.dense:
+        if plan is not None and self._is_dense(plan):
             return self._attend_batched(pool, local, plan, q, k, v, None, scale, softcap, window)
         out = torch.empty_like(q)
         if plan is not None:
@@ -283,7 +391,7 @@ class PagedAttention:
         """Attend and store the segments' K/V; into ``out``, or returned when ``plan.dense``."""
         if plan.native is not None:  # reads the pool, then stores the step's K/V in it
             _check(plan)
-            result = torch.empty_like(q) if plan.dense else out
+            result = torch.empty_like(q) if self._is_dense(plan) else out
             plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
             self._count(pool, plan)
             return result
@@ -300,7 +408,7 @@ class PagedAttention:
         keys = storage[:, local, 0][read_units].view(shape)  # [B, L, kv, D]
         values = storage[:, local, 1][read_units].view(shape)
         # [B, Q, heads, D]
-        queries = q[0].reshape(batch, -1, *q.shape[2:]) if plan.dense else q[0, q_index]
+        queries = q[0].reshape(batch, -1, *q.shape[2:]) if self._is_dense(plan) else q[0, q_index]
         attn = masked_attention(
             queries.transpose(1, 2),
             keys.transpose(1, 2),
@@ -309,7 +417,7 @@ class PagedAttention:
             scale,
             softcap,
         )  # [B, heads, Q, D]
-        if plan.dense:
+        if self._is_dense(plan):
             return attn.transpose(1, 2).reshape(q.shape)
         out[0, q_index[q_valid]] = attn.transpose(1, 2)[q_valid]
         return out
