@@ -103,7 +103,7 @@ def test_streaming_deltas_add_up_to_the_final_output(llm):
 @pytest.mark.parametrize("stop", [None, "held back"])
 def test_each_streamed_output_keeps_what_it_had_when_it_was_made(llm, stop):
     """A step's cumulative ids and logprobs are a ``Prefix`` of lists the engine goes on
-    appending to, its text a ``TextPrefix`` of the request's ``Text``: read after the
+    appending to, its text a ``Prefix`` of the request's ``Text``: read after the
     request finished, every output still holds what it had (lists and a str: the deltas so
     far; with a stop string the text held back too), and the first read's copy is what
     later reads return."""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from baton.engine.outputs import CompletionOutput, Text, TextPrefix
+from baton.engine.outputs import CompletionOutput, Prefix, Text
 
 PIECES = st.lists(st.text(max_size=6), max_size=40)
 
@@ -16,7 +16,7 @@ PIECES = st.lists(st.text(max_size=6), max_size=40)
 @given(pieces=PIECES, fold=st.integers(1, 5), data=st.data())
 def test_text_reads_as_the_concatenation_of_its_pieces(pieces, fold, data):
     """Whatever the pieces (empty ones too) and however often they fold, the text, its
-    length, every ``since`` and every earlier ``TextPrefix`` read as plain str
+    length, every ``since`` and every earlier ``Prefix`` read as plain str
     concatenation would; a cut keeps the first characters and appends go on after it."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(Text, "FOLD", fold)
@@ -28,7 +28,7 @@ def _check_text(pieces: list[str], data) -> None:
     for piece in pieces:
         text.append(piece)
         reference += piece
-        prefixes.append((TextPrefix(text, len(text)), reference))
+        prefixes.append((Prefix(text), reference))
         assert len(text) == len(reference)
         start = data.draw(st.integers(0, len(reference)))
         assert text.since(start) == reference[start:]
@@ -44,9 +44,9 @@ def _check_text(pieces: list[str], data) -> None:
     assert text.since(cut) == "tail"
 
 
-def test_text_prefix_refuses_a_text_cut_below_it():
+def test_a_text_prefix_refuses_a_text_cut_below_it():
     text = Text("hello world")
-    prefix = TextPrefix(text, len(text))
+    prefix = Prefix(text)
     text.cut(5)
     with pytest.raises(AssertionError, match="cut below"):
         prefix.copy()
@@ -54,7 +54,7 @@ def test_text_prefix_refuses_a_text_cut_below_it():
 
 def test_completion_output_reads_a_text_prefix_as_str_once():
     text = Text("ab")
-    out = CompletionOutput(index=0, text=TextPrefix(text, 2), token_ids=[1, 2])
+    out = CompletionOutput(index=0, text=Prefix(text, 2), token_ids=[1, 2])
     text.append("cd")
     assert type(out.text) is str and out.text == "ab"
     assert out.text is out.text  # joined once

@@ -129,19 +129,22 @@ class RequestMetrics:
 
 
 class Prefix:
-    """The first ``len(items)`` items of an append-only list, as they are now: what a
-    step's cumulative output holds instead of a copy of every id generated so far (a copy
-    per request and step is quadratic in the output's length: ~7 us per step at 4,096
-    tokens). ``CompletionOutput`` copies it when the field is first read."""
+    """The first ``length`` items of an append-only list (or characters of a ``Text``),
+    all it holds now by default: what a step's cumulative output holds instead of a copy of
+    every id generated so far (a copy per request and step is quadratic in the output's
+    length: ~7 us per step at 4,096 tokens). ``CompletionOutput`` copies it when the field
+    is first read."""
 
     __slots__ = ("items", "length")
 
-    def __init__(self, items: list) -> None:
+    def __init__(self, items: list | Text, length: int | None = None) -> None:
         self.items = items
-        self.length = len(items)
+        self.length = len(items) if length is None else length
 
-    def copy(self) -> list:
-        assert len(self.items) >= self.length, "a Prefix's list must only grow"
+    def copy(self) -> list | str:
+        assert len(self.items) >= self.length, (
+            "a Prefix's items must only grow, not be cut below it"
+        )
         return self.items[: self.length]
 
 
@@ -151,7 +154,7 @@ class Text:
     at 3-4K tokens. The pieces are joined when read (one ``str.join``: atomic for a reader
     on another thread, the server's) and folded into one every ``FOLD`` pieces by the
     engine's thread, the one that appends. ``Track.output``'s cumulative text is a
-    ``TextPrefix`` of it."""
+    ``Prefix`` of it."""
 
     FOLD = 256
 
@@ -179,6 +182,9 @@ class Text:
         if len(pieces) >= self.FOLD:
             self._pieces = ["".join(pieces)]
 
+    def __getitem__(self, key: slice) -> str:
+        return str(self)[key]
+
     def since(self, start: int) -> str:
         """The text from character ``start`` on (0 <= start <= len), joining only the
         pieces that hold it."""
@@ -198,29 +204,12 @@ class Text:
         self._length = len(kept)
 
 
-class TextPrefix:
-    """The first ``length`` characters of a ``Text``, joined when first read: what a
-    step's cumulative output holds (as ``Prefix`` does for ids). A ``Text`` is only cut
-    past what any output held (a stop string's cut starts after the text held back)."""
-
-    __slots__ = ("text", "length")
-
-    def __init__(self, text: Text, length: int) -> None:
-        self.text = text
-        self.length = length
-
-    def copy(self) -> str:
-        joined = str(self.text)
-        assert len(joined) >= self.length, "a TextPrefix's text was cut below it"
-        return joined[: self.length]
-
-
 @dataclass
 class CompletionOutput:
     index: int
     text: str
-    """The text generated so far (given as a str or a ``TextPrefix``; always read as a
-    str)."""
+    """The text generated so far (given as a str or a ``Prefix`` of a ``Text``; always read
+    as a str)."""
     token_ids: list[int]
     """The ids generated so far (given as a list or a ``Prefix``; always read as a list)."""
     cumulative_logprob: float | None = None
@@ -234,17 +223,17 @@ class CompletionOutput:
 
 
 def _copied_on_read(name: str) -> property:
-    """A field that stores a list or a ``Prefix`` (a str or a ``TextPrefix``) and reads as
-    a list (a str): the copy made once, on the first read."""
+    """A field that stores a list or str, or a ``Prefix`` of one, and reads as a list or
+    str: the copy made once, on the first read."""
     key = f"_{name}"
 
     def read(self: CompletionOutput) -> list | str | None:
         value = self.__dict__[key]
-        if isinstance(value, (Prefix, TextPrefix)):
+        if isinstance(value, Prefix):
             value = self.__dict__[key] = value.copy()
         return value
 
-    def write(self: CompletionOutput, value: list | Prefix | str | TextPrefix | None) -> None:
+    def write(self: CompletionOutput, value: list | str | Prefix | None) -> None:
         self.__dict__[key] = value
 
     return property(read, write)

@@ -20,7 +20,6 @@ from baton.engine.outputs import (
     RequestMetrics,
     RequestOutput,
     Text,
-    TextPrefix,
 )
 from baton.engine.runner import Committed
 from baton.request import FinishReason, Request
@@ -119,7 +118,7 @@ class Track:
         logprobs = self.logprobs
         completion = CompletionOutput(
             index=0,
-            text=TextPrefix(self.text, length),  # joined if read
+            text=Prefix(self.text, length),  # joined if read
             token_ids=Prefix(self.request.output_token_ids),  # copied if read
             cumulative_logprob=self.cumulative_logprob,
             logprobs=Prefix(logprobs) if logprobs is not None else None,
