@@ -457,22 +457,19 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
     small at first (the call refuses before computing anything, the buffer grows, the call
     runs again)."""
     from baton.kernels.paged_attention import PagedAttentionCall
+    from baton.model.attention_plans import _StackPlans
     from baton.model.paged_attention import PagedAttention
 
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    prepare, grow, stack_plans = (
-        PagedAttentionCall.prepare,
-        PagedAttentionCall.grow,
-        PagedAttention.stack_plans,
-    )
+    fill, grow, stack_plans = _StackPlans.fill, PagedAttentionCall.grow, PagedAttention.stack_plans
     events = []
 
-    def short_first(self, *args):
-        tables, lengths, buffer, capacity = prepare(self, *args)
-        if "short" not in events:  # the first plan of the run: 1 int32, too small
+    def short_first(self, plans):
+        found = fill(self, plans)
+        if "short" not in events:  # the stack's first plan of the run: 1 int32, too small
             events.append("short")
-            return tables, lengths, buffer, 1
-        return tables, lengths, buffer, capacity
+            plans[0].capacity = 1
+        return found
 
     def run(mode_of_plans: str):
         events.clear()
@@ -486,7 +483,7 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
                     lambda self, layers: events.append("asked") or stack_plans(self, layers),
                 )
             if mode_of_plans == "short":
-                patch.setattr(PagedAttentionCall, "prepare", short_first)
+                patch.setattr(_StackPlans, "fill", short_first)
                 patch.setattr(
                     PagedAttentionCall, "grow", lambda call: events.append("grow") or grow(call)
                 )

@@ -142,15 +142,11 @@ class ModelRunner:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
         row_states = [states[c.request.request_id] for c, _ in picked]
-        if greedy is not None:
-            fused = [greedy[0][r] for r in rows], [greedy[1][r] for r in rows]
-        else:
-            x = take_rows(hidden, rows)
-            fused = self._greedy_head(x, row_states)
+        fused = self._greedy_rows(hidden, rows, row_states, greedy)
         if fused is not None:
             out = SamplerOutput(*fused, [None] * len(rows))
         else:
-            scores = self.model.head(x)  # [B, V]
+            scores = self.model.head(take_rows(hidden, rows))  # [B, V]
             out = self._greedy(scores, row_states)
             if out is None:
                 out = self.sampler.sample(self.model.logits_of(scores), row_states)
@@ -166,18 +162,14 @@ class ModelRunner:
         read ``greedy``: every row's, when the forward's call computed them)."""
         rows = [r for c, s in verified for r in range(s.offset, s.offset + c.num_tokens)]
         row_states = [states[c.request.request_id] for c, _ in verified]
-        if greedy is not None:
-            fused = [greedy[0][r] for r in rows], [greedy[1][r] for r in rows]
-        else:
-            x = take_rows(hidden, rows)
-            fused = self._greedy_head(x, row_states)
+        fused = self._greedy_rows(hidden, rows, row_states, greedy)
         if fused is not None:
             best, logprobs = fused
             self._commit_greedy(
                 verified, best, lambda at: [logprobs[i] for i in at], chains, row_states, result
             )
             return
-        scores = self.model.head(x)  # [R, V]
+        scores = self.model.head(take_rows(hidden, rows))  # [R, V]
         if self._verify_greedy(verified, scores, chains, row_states, result):
             return
         logits = self.model.logits_of(scores)
@@ -231,6 +223,16 @@ class ModelRunner:
         best, value = found
         lse = logsumexp_rows(scores, list(range(scores.shape[0])))
         return SamplerOutput(best.tolist(), (value - lse).tolist(), [None] * len(best))
+
+    def _greedy_rows(
+        self, hidden: torch.Tensor, rows: list[int], states: list[SamplingState], greedy
+    ) -> tuple[list[int], list[float]] | None:
+        """Each of ``rows``' argmax and log-probability: read from ``greedy`` where the
+        forward's call computed every row's, else ``_greedy_head`` on those rows."""
+        if greedy is not None:
+            best, logprobs = greedy
+            return [best[r] for r in rows], [logprobs[r] for r in rows]
+        return self._greedy_head(take_rows(hidden, rows), states)
 
     def _greedy_head(
         self, x: torch.Tensor, states: list[SamplingState]

@@ -100,29 +100,19 @@ class PagedAttentionCall:
         positions too (``baton.kernels.chain``'s steps read them from the pool). What the
         lists hold is ``baton_paged_plan``'s comment; the torch path of
         ``baton.model.paged_attention`` computes the same from the pool in Python."""
-        addresses, lengths = array.array("q"), array.array("i")
-        for table in tables:
-            address, length = table.buffer_info()
-            addresses.append(address)
-            lengths.append(length)
         flat = array.array("i", [v for segment in segments for v in segment])
-        batch = len(tables)
-        capacity = batch * (max(lengths) + 6) + 3 * sum(count for _, _, count, _ in segments)
-        if capacity > len(self._buffer):  # grown, never shrunk (the plan points into it)
-            self._buffer = array.array("i", bytes(4 * max(capacity, 2 * len(self._buffer))))
-        args = self.args
-        args.rows, args.window, args.is_ring = rows, window or 0, int(is_ring)
-        buffer, size = self._buffer.buffer_info()
+        num_queries = sum(count for _, _, count, _ in segments)
+        addresses, lengths, buffer, size = self.prepare(tables, num_queries, rows, window, is_ring)
         status = library().baton_paged_plan(
-            self._address, batch, addresses.buffer_info()[0], lengths.buffer_info()[0],
-            flat.buffer_info()[0], keep, int(covers_own), buffer, size,
+            self._address, len(tables), addresses, lengths, flat.buffer_info()[0], keep,
+            int(covers_own), buffer, size,
         )  # fmt: skip
-        self.generation += 1  # the old plan is gone even if this one failed
-        if status == -2:
-            raise AssertionError(f"a plan needs a unit its request does not hold: {segments}")
-        assert status == 0, status
-        self.batch = batch
-        return self.generation
+        if status != 0:
+            self.generation += 1  # the old plan is gone even though this one failed
+            if status == -2:
+                raise AssertionError(f"a plan needs a unit its request does not hold: {segments}")
+            raise AssertionError(status)  # -1: ``prepare`` sizes the buffer for the most it takes
+        return self.planned(len(tables))
 
     def prepare(
         self,

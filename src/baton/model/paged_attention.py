@@ -22,10 +22,6 @@ are computed once per forward and shared by all of its layers.
 
 from __future__ import annotations
 
-import weakref
-from array import array
-from dataclasses import dataclass
-
 import torch
 
 from baton.kernels.paged_attention import PagedAttentionCall
@@ -33,150 +29,19 @@ from baton.memory.cache import ModelCache
 from baton.memory.pools import StatePool
 from baton.memory.ring_pool import RingPool
 from baton.model.attention import masked_attention, visibility_mask
+from baton.model.attention_plans import (
+    Segment,
+    _BatchPlan,
+    _call_of,
+    _check,
+    _first_visible,
+    _group_by_pool,
+    _lists,
+    _StackPlans,
+)
 
 BATCHED_MAX_TOKENS = 8
 """Segments up to this many tokens are attended together (padded)."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    request_id: str
-    offset: int
-    """Index of the segment's first token in the flattened step."""
-    start: int
-    """Position of the segment's first token in its request."""
-    num_tokens: int
-    floor: int = 0
-    """No position below this is read from the pool (the draft-state ablation switch)."""
-
-
-@dataclass
-class _Lists:
-    """The torch path's index lists of a batch plan (``_lists``)."""
-
-    unit_lists: list[list[int]]
-    """Per segment, the units holding its context (pages in order, or its ring)."""
-    key_base: list[int | None]
-    """Per segment, the position held by row 0 of its first unit (None: a ring)."""
-    firsts: list[int]
-    """Per segment, the lowest visible position."""
-    token_index: list[int]  # [T] the segments' stored tokens in the flattened step
-    write_units: list[int]  # [T] where each goes
-    write_rows: list[int]  # [T]
-
-
-@dataclass
-class _BatchPlan:
-    """One pool's batched segments in one forward: the kernel's plan, or the torch path's."""
-
-    segments: list[Segment]
-    dense: bool | None
-    """The segments are the whole step, back to back, all of one length (a decode or
-    verify step): queries, keys and outputs are views of the step's rows, no gathers. None
-    for a plan built inside the stack's call (``_is_dense`` computes it if asked)."""
-    native: PagedAttentionCall | None
-    """The pool's call of the C kernel, which reads the pool in place (None: torch only),
-    holding this plan while its generation is ``generation``."""
-    generation: int = 0
-    lists: _Lists | None = None
-    """The torch path's lists (None with ``native``)."""
-    gathered: tuple | None = None
-    """The torch path's tensors (``_gather_plan``), built on its first use."""
-    counted: bool = False
-    """``native_args`` counted the segments' tokens as stored (once for all layers)."""
-
-
-_CALLS: weakref.WeakKeyDictionary[StatePool, dict[bool, PagedAttentionCall]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Per pool, its kernel calls by ``one_at_a_time``: planned again by every forward (a
-proposal's first draft step and its chain hold one plan each on the draft's pool)."""
-
-
-def _check(plan: _BatchPlan) -> None:
-    if plan.native.generation != plan.generation:
-        raise AssertionError("a later forward planned this pool's kernel call over this one's")
-
-
-def _first_visible(seg: Segment, window: int | None) -> int:
-    first = 0 if window is None else max(0, seg.start - window + 1)
-    return min(max(first, seg.floor), seg.start)
-
-
-def _lists(pool: StatePool, segs: list[Segment], window: int | None, covers_own: bool) -> _Lists:
-    """What the segments read and store, from the pool's tables: per segment the units
-    covering [first visible, start) -- [.., start + n) with ``covers_own`` -- and the step's
-    rows worth storing (a ring or a sliding pool keeps a tail only), where they go. The
-    native plan (``PagedAttentionCall``) holds the same lists."""
-    firsts = [_first_visible(s, window) for s in segs]
-    unit_lists, key_base = [], []
-    for seg, first in zip(segs, firsts, strict=True):
-        end = seg.start + seg.num_tokens if covers_own else seg.start
-        units, base = pool.read_units(seg.request_id, first, end)
-        unit_lists.append(units)
-        key_base.append(base)
-    token_index, write_units, write_rows = [], [], []
-    for seg in segs:
-        end = seg.start + seg.num_tokens
-        store = pool._store_from(seg.start, end)
-        units, rows = pool.slot_lists(seg.request_id, store, end)
-        write_units += units
-        write_rows += rows
-        token_index += range(seg.offset + store - seg.start, seg.offset + seg.num_tokens)
-    return _Lists(unit_lists, key_base, firsts, token_index, write_units, write_rows)
-
-
-def _group_by_pool(cache: ModelCache, layers) -> list | None:
-    """Layers (``native_args``' tuples) by pool: per pool, in the order of its first layer,
-    the pool, its window, the fields its layers share (heads, head_dim, scale, softcap) and
-    their local indices in the pool. None when the layers of a pool differ in those (a
-    pool's native call holds one plan and one set of fields)."""
-    groups: dict[str, list] = {}
-    for layer_id, window, heads, head_dim, scale, softcap in layers:
-        pool, local = cache.layer_map[layer_id]
-        fields = (heads, head_dim, scale, softcap)
-        group = groups.setdefault(pool.name, [pool, window, fields, []])
-        if (window, fields) != (group[1], group[2]):
-            return None
-        group[3].append(local)
-    return [tuple(group) for group in groups.values()]
-
-
-class _StackPlans:
-    """``baton.kernels.layer.StackPlans`` of one forward: its pools' plans, built inside the
-    stack's call from the inputs ``PagedAttentionCall.prepare`` keeps."""
-
-    def __init__(self, attn: PagedAttention, pools: list, calls: list, layer_args: list) -> None:
-        """pools: per plan (pool, the window of its layers)."""
-        self.attn, self.pools, self.calls = attn, pools, calls
-        self.layer_args = layer_args
-        self.batch = len(attn.segments)
-        self._segs = array("i")
-        for seg in attn.segments:
-            self._segs.extend((seg.offset, seg.start, seg.num_tokens, seg.floor))
-        self._num_queries = sum(seg.num_tokens for seg in attn.segments)
-
-    def fill(self, plans) -> tuple[int, int]:
-        segments = self.attn.segments
-        for i, ((pool, window), call) in enumerate(zip(self.pools, self.calls, strict=True)):
-            entry = plans[i]
-            tables = [pool.unit_table(seg.request_id) for seg in segments]
-            entry.tables, entry.table_lens, entry.buffer, entry.capacity = call.prepare(
-                tables, self._num_queries, pool.rows, window, isinstance(pool, RingPool)
-            )
-            entry.args, entry.keep, entry.covers_own = call.address, pool.store_keep, 0
-        return self._segs.buffer_info()[0], len(self.calls)
-
-    def grow(self, index: int) -> None:
-        self.calls[index].grow()
-
-    def planned(self) -> None:
-        attn = self.attn
-        for (pool, _), call in zip(self.pools, self.calls, strict=True):
-            plan = _BatchPlan(attn.segments, None, call, generation=call.planned(self.batch))
-            plan.counted = True
-            attn._count(pool, plan)
-            attn._plans[pool.name] = (plan, [])
 
 
 class PagedAttention:
@@ -225,6 +90,7 @@ class PagedAttention:
         return plan, others
 
     def _is_dense(self, plan: _BatchPlan) -> bool:
+        """``plan.dense``, computed on its first read."""
         if plan.dense is None:
             segs = plan.segments
             num_queries = max(s.num_tokens for s in segs)
@@ -259,12 +125,7 @@ class PagedAttention:
         for pool, window, fields, locals_ in by_pool:
             if pool.name in self._plans or not PagedAttentionCall.supports(pool.storage):
                 return None
-            found = _CALLS.get(pool)
-            if found is None:
-                found = _CALLS[pool] = {}
-            call = found.get(False)
-            if call is None:
-                call = found[False] = PagedAttentionCall()
+            call = _call_of(pool, one_at_a_time=False)
             pools.append((pool, window))
             calls.append(call)
             for local in locals_:
@@ -280,19 +141,10 @@ class PagedAttention:
     def _build(
         self, pool: StatePool, segs: list[Segment], window: int | None, native: bool
     ) -> _BatchPlan:
-        num_queries = max(s.num_tokens for s in segs)
-        dense = all(
-            s.offset == b * num_queries and s.num_tokens == num_queries for b, s in enumerate(segs)
-        ) and len(segs) * num_queries == sum(s.num_tokens for s in self.segments)
         if not native:  # the torch path writes first, then reads its own positions too
-            return _BatchPlan(segs, dense, None, lists=_lists(pool, segs, window, covers_own=True))
+            return _BatchPlan(segs, None, None, lists=_lists(pool, segs, window, covers_own=True))
         # The kernel reads the pool before the step's K/V are stored (a chain's steps after).
-        calls = _CALLS.get(pool)
-        if calls is None:
-            calls = _CALLS[pool] = {}
-        call = calls.get(self.one_at_a_time)
-        if call is None:
-            call = calls[self.one_at_a_time] = PagedAttentionCall()
+        call = _call_of(pool, self.one_at_a_time)
         generation = call.plan(
             [pool.unit_table(s.request_id) for s in segs],
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
@@ -302,7 +154,7 @@ class PagedAttention:
             is_ring=isinstance(pool, RingPool),
             covers_own=self.one_at_a_time,
         )
-        return _BatchPlan(segs, dense, call, generation=generation)
+        return _BatchPlan(segs, None, call, generation=generation)
 
     @staticmethod
     def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
