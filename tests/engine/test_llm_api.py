@@ -183,3 +183,50 @@ def test_outputs_carry_timing(llm):
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
     assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generated_tokens == 24
+
+
+def test_a_final_only_request_gives_one_output_with_the_streamed_text(llm):
+    """``final_only`` (what ``generate`` asks for): no output before the request finishes,
+    and its text decoded once equals what every-step outputs streamed -- over sampled
+    tokens of a random model (byte pieces splitting characters included), finishing by
+    length, by EOS, or aborted part-way."""
+    engine = llm.engine
+    pairs = {}
+    for seed in range(12):
+        params = SamplingParams(temperature=1.5, max_tokens=40, seed=seed, logprobs=1)
+        prompt = {"prompt_token_ids": [10 + seed, 200, 3000]}
+        pairs[engine.add_request(prompt, params, final_only=True)] = engine.add_request(
+            prompt, params
+        )
+    streamed: dict[str, str] = {}
+    finals: dict[str, object] = {}
+    for step in range(200):
+        if step == 6:  # abort two pairs part-way: both sides at the same point
+            for final_id in list(pairs)[:2]:
+                finals[final_id] = engine.abort_request(final_id)
+                finals[pairs[final_id]] = engine.abort_request(pairs[final_id])
+                streamed[pairs[final_id]] = streamed.get(pairs[final_id], "") + (
+                    finals[pairs[final_id]].delta.text
+                )
+        for out in engine.step():
+            assert out.request_id not in pairs or out.finished, "a final-only output mid-way"
+            if out.request_id not in pairs:
+                streamed[out.request_id] = streamed.get(out.request_id, "") + out.delta.text
+            if out.finished:
+                finals[out.request_id] = out
+        if not engine.has_unfinished_requests():
+            break
+    assert len(finals) == 24
+    reasons = set()
+    for final_id, every_id in pairs.items():
+        a, b = finals[final_id].outputs[0], finals[every_id].outputs[0]
+        assert (a.text, a.token_ids) == (b.text, b.token_ids)
+        # (the two sit in other rows of the batch: logprobs equal within rounding)
+        assert [list(e) for e in a.logprobs] == [list(e) for e in b.logprobs]
+        got = [v for e in a.logprobs for v in e.values()]
+        assert got == pytest.approx([v for e in b.logprobs for v in e.values()], abs=1e-4)
+        assert a.text == streamed[every_id] == finals[final_id].delta.text
+        assert a.text == llm.tokenizer.decode(a.token_ids) or a.finish_reason != "length"
+        reasons.add(a.finish_reason)
+    assert {"length", "abort"} <= reasons
+    assert _all_free(llm)

@@ -242,7 +242,8 @@ class LLMEngine(RequestIntake, StatsKeeper):
             if spec[request_id]:
                 self._record_acceptance(track.metrics, committed, spec[request_id])
             self.append(track, committed, now)
-            outputs.append(track.output(finish=track.finish_reason))
+            if not track.final_only or track.finish_reason is not None:
+                outputs.append(track.output(finish=track.finish_reason))
             self._offer_pages(track.request)  # before a finish frees them
             if track.finish_reason is not None:
                 self.finish(track, committed)

@@ -95,10 +95,14 @@ class RequestIntake:
         prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        final_only: bool = False,
     ) -> str:
         """Queue a request to compute here (colocated); returns its id (``req-N`` unless
-        given). Raises ``ValueError`` for a bad request, keeping nothing."""
+        given). Raises ``ValueError`` for a bad request, keeping nothing. ``final_only``:
+        ``step`` returns only the request's finished output (``LLM.generate``), and its text
+        is decoded once rather than token by token (``Track.final_only``)."""
         track = self._new_track(prompt, params, request_id)
+        track.final_only = final_only
         self.scheduler.add(track.request)
         return track.request.request_id
 

@@ -65,7 +65,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Outputs in prompt order."""
-        ids = [self.engine.add_request(p, s) for p, s in self._requests(prompts, sampling_params)]
+        requests = self._requests(prompts, sampling_params)
+        # Only finished outputs are read here: the engine builds no other (nor decodes text
+        # token by token).
+        ids = [self.engine.add_request(p, s, final_only=True) for p, s in requests]
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         try:

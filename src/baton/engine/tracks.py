@@ -45,6 +45,12 @@ class Track:
     new_token_ids: list[int] = field(default_factory=list)
     hold: bool = False
     """PD prefill: keep every unit after finishing, until ``Handoff.release``."""
+    final_only: bool = False
+    """Only the finished output is read (``LLM.generate``): ``step`` builds no other, and
+    without stop strings the text is decoded once, when it is read (``_settle_text``),
+    rather than every step."""
+    unsettled: list[int] = field(default_factory=list)
+    """``final_only``: ids whose text is not decoded yet (in order, after the text)."""
 
     def append(
         self, committed: Committed, now: float, eos_token_ids: frozenset[int], max_model_len: int
@@ -82,11 +88,23 @@ class Track:
             if self.finish_reason is not None:
                 break
         if text_ids:
-            self.text.append(self.detok.step(text_ids))
+            if self.final_only:
+                self.unsettled += text_ids
+            else:
+                self.text.append(self.detok.step(text_ids))
         if self.finish_reason is not None:
             self.metrics.finished_time = now
             if self.finish_reason is FinishReason.LENGTH and request.stop_reason is None:
+                self._settle_text()
                 self.text.append(self.detok.flush())
+
+    def _settle_text(self) -> None:
+        """Decode the ids ``final_only`` deferred, in one detokenizer step: the text a stream
+        of the same ids converges to (a stream differs only where it had to force out a run
+        of 64 tokens that never ended a character: U+FFFD where this has the character)."""
+        if self.unsettled:
+            self.text.append(self.detok.step(self.unsettled))
+            self.unsettled = []
 
     def _check_stop_strings(self, delta_start: int) -> None:
         params = self.request.sampling_params
@@ -108,6 +126,7 @@ class Track:
     def output(self, finish: FinishReason | None, error: str | None = None) -> RequestOutput:
         """The request's output now: the whole completion and the delta since the last one."""
         params = self.request.sampling_params
+        self._settle_text()
         length = len(self.text)
         if finish is None and params.stop:
             # Hold back what could still become a stop string.
