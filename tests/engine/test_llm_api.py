@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from baton import LLM, SamplingParams
+from baton.engine.runner import Committed
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -189,12 +192,18 @@ def test_a_final_only_request_gives_one_output_with_the_streamed_text(llm):
     """``final_only`` (what ``generate`` asks for): no output before the request finishes,
     and its text decoded once equals what every-step outputs streamed -- over sampled
     tokens of a random model (byte pieces splitting characters included), finishing by
-    length, by EOS, or aborted part-way."""
+    length, by a stop id, or aborted part-way."""
     engine = llm.engine
-    pairs = {}
+    requests = []
     for seed in range(12):
         params = SamplingParams(temperature=1.5, max_tokens=40, seed=seed, logprobs=1)
         prompt = {"prompt_token_ids": [10 + seed, 200, 3000]}
+        if seed >= 9:  # these stop at their 11th token (a stop id: no flush, as at EOS)
+            stop = llm.generate(prompt, params)[0].outputs[0].token_ids[10]
+            params = dataclasses.replace(params, stop_token_ids=[stop])
+        requests.append((prompt, params))
+    pairs = {}
+    for prompt, params in requests:
         pairs[engine.add_request(prompt, params, final_only=True)] = engine.add_request(
             prompt, params
         )
@@ -228,5 +237,36 @@ def test_a_final_only_request_gives_one_output_with_the_streamed_text(llm):
         assert a.text == streamed[every_id] == finals[final_id].delta.text
         assert a.text == llm.tokenizer.decode(a.token_ids) or a.finish_reason != "length"
         reasons.add(a.finish_reason)
-    assert {"length", "abort"} <= reasons
+    assert reasons == {"length", "abort", "stop"}
     assert _all_free(llm)
+
+
+@pytest.mark.parametrize("end", ["length", "stop id"])
+def test_a_final_only_text_ends_as_a_streamed_one_mid_character(llm, end):
+    """The ids deferred by ``final_only`` are decoded before the end's flush: a request
+    cut by its length mid-character ends with U+FFFD as a stream does (and as
+    ``tokenizer.decode``), one cut by a stop id without it -- the same text both ways."""
+    engine, tokenizer = llm.engine, llm.tokenizer
+    lead = tokenizer.encode("é")[0]  # a byte-level token: the first byte of two
+    assert tokenizer.decode([lead]) == "\ufffd"
+    head = tokenizer.encode("x = 1")
+    stop = tokenizer.encode(" y")[-1]
+    groups = [head[:2], [*head[2:], lead]] + ([[stop]] if end == "stop id" else [])
+    max_tokens = sum(map(len, groups[:2])) if end == "length" else 64
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[stop])
+    texts = []
+    for final_only in (True, False):
+        track = engine._new_track({"prompt_token_ids": [5, 6, 7]}, params, f"twin-{final_only}")
+        track.final_only = final_only
+        try:
+            for ids in groups:
+                track.append(Committed(ids, [0.0] * len(ids), [None] * len(ids)), 0.0,
+                             frozenset(), engine.max_model_len)  # fmt: skip
+            assert track.finish_reason is not None
+            texts.append(track.output(track.finish_reason).outputs[0].text)
+        finally:
+            del engine.tracks[track.request.request_id]
+    expected = tokenizer.decode([*head, lead])
+    if end == "stop id":
+        expected = expected.removesuffix("\ufffd")
+    assert texts == [expected, expected] and expected.startswith("x = 1")
