@@ -257,6 +257,11 @@ class AsyncEngine:
             command.accepted.set_result(request_id)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their asyncio queues: one ``call_soon_threadsafe`` per
+        event loop per step, not per output: each call wakes the loop with a socket write,
+        and at concurrency 8 ~10% of the engine thread's py-spy samples sat in those writes
+        (served throughput at 8, 9 alternating pairs on a Zen 4: 1.00-1.17x, median 1.01x)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -264,11 +269,14 @@ class AsyncEngine:
             if out.finished:
                 del self._streams[out.request_id]
             loop, outputs_queue = stream
+            by_loop.setdefault(loop, []).append((outputs_queue, out))
+        for loop, deliveries in by_loop.items():
             try:
-                loop.call_soon_threadsafe(outputs_queue.put_nowait, out)
+                loop.call_soon_threadsafe(_deliver, deliveries)
             except RuntimeError:  # its event loop is closed: nobody is listening any more
-                self._streams.pop(out.request_id, None)
-                self.engine.abort_request(out.request_id)
+                for _, out in deliveries:
+                    self._streams.pop(out.request_id, None)
+                    self.engine.abort_request(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every request: those running (their units freed, when the engine still can)
@@ -288,3 +296,9 @@ class AsyncEngine:
                 return
             if isinstance(command, _Add):
                 command.accepted.set_exception(RuntimeError("the engine thread is not running"))
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    """On the event loop: put each of a step's outputs on its request's queue."""
+    for outputs_queue, out in deliveries:
+        outputs_queue.put_nowait(out)
