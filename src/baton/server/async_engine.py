@@ -260,7 +260,7 @@ class AsyncEngine:
         """Hand a step's outputs to their asyncio queues: one ``call_soon_threadsafe`` per
         event loop per step, not per output: each call wakes the loop with a socket write,
         and at concurrency 8 ~10% of the engine thread's py-spy samples sat in those writes
-        (served throughput at 8, 9 alternating pairs on a Zen 4: 1.00-1.17x, median 1.01x)."""
+        (served throughput at 8, 9 alternating pairs on a Zen 4: 0.95-1.17x, median 1.02x)."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
