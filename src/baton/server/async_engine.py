@@ -6,7 +6,8 @@ main thread and HTTP on another) -- fed from asyncio.
 The engine is not thread-safe, so only the engine thread touches it. Coroutines send
 commands (add / abort / stop) through a thread-safe queue; the thread blocks on that queue
 while there is no work (no spinning), otherwise steps the engine and hands each
-``RequestOutput`` back to the request's asyncio queue with ``loop.call_soon_threadsafe``.
+``RequestOutput`` back to the request's asyncio queue: one ``loop.call_soon_threadsafe`` per
+event loop per step (``_dispatch``).
 Aborts (a client that left) are commands too, so they apply between steps, never inside one.
 
 If the engine loop raises, every request in flight ends with an ``EngineFailed`` naming the
