@@ -148,6 +148,12 @@ class RecurrentRows:
         row = self.rows.get(request_id)
         return UnitRange((row,) if row is not None else (), 0, self.num_tokens.get(request_id, 0))
 
+    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
+        return self.index(request_id).unit_ids  # one row holds the whole range
+
+    def num_leading_cached(self, end: int, num_cached: int) -> int:
+        return 0  # not cached (``Caching.NONE``)
+
 
 def _recurrent(is_writer: bool):
     def factory(registry, config, allocator):

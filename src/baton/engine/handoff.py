@@ -54,7 +54,7 @@ import torch
 
 from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed
-from baton.memory.state import PushPhase, StateComponent
+from baton.memory.state import PushPhase, StateComponent, handoff_units, num_held_cached
 from baton.request import FinishReason, RequestStatus, SamplingParams
 from baton.speculative.proposer import PendingPairs
 
@@ -169,16 +169,15 @@ class Handoff:
                     engine.free_units(request_id)  # the shared pages go back
                 break  # no room now: it stays queued, oldest first
             unit_ids, num_held = {}, {}
+            num_prompt = request.num_prompt_tokens
             for c in components:
                 start, end = ranges[c.name]
                 c.owner.grow(request_id, start, end)
                 c.owner.trim(request_id, end)  # reserved for [start, end): index them so
-                held = c.index(request_id)
-                unit_ids[c.name] = list(held.unit_ids)
-                # With a hit, the leading pages below it are the cache's: not pushed.
-                first_page = held.token_start // c.page_size if c.page_size else 0
-                below = num_cached // c.page_size - first_page if c.page_size else 0
-                num_held[c.name] = max(0, min(len(held.unit_ids), below))
+                # The same function prefill pushes by: these units, the leading ones
+                # restored from the cache (a hit) not pushed.
+                unit_ids[c.name] = list(handoff_units(c, request_id, num_prompt))
+                num_held[c.name] = num_held_cached(c, num_prompt, num_cached)
             request.status = RequestStatus.WAITING_FOR_STATE
             self.queued.pop(0)
             if cache is not None:

@@ -93,6 +93,12 @@ class AuxPool:
         if request_id in self.slots:
             self.blocks.free([self.slots.pop(request_id)])
 
+    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
+        return self.index(request_id).unit_ids
+
+    def num_leading_cached(self, end: int, num_cached: int) -> int:
+        return 0
+
     def index(self, request_id: str) -> UnitRange:
         slot = self.slots.get(request_id)
         return UnitRange((slot,) if slot is not None else (), 0, 0)

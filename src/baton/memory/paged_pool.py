@@ -162,9 +162,35 @@ class PagedPool(StatePool):
 
     # -- prefix cache ----------------------------------------------------------------------
     def prefix_pages(self, num_tokens: int) -> range:
-        """The logical pages a request holds once [0, num_tokens) is computed (a sliding
-        pool: those of its window, page-floored)."""
-        return self._needed_pages("", 0, num_tokens)
+        """The logical pages a request holds once [0, num_tokens) is computed and trimmed
+        there (a sliding pool: those of its window, page-floored)::
+
+            keep = window - 1 + slack = 10, page_size 4, num_tokens 21
+            positions  0...3 4...7 8..11 12.15 16.19 20
+            pages        0     1     2     3     4    5      -> range(2, 6): from
+                                   ^ (21 - 10) // 4                       (21 - keep) // 4
+
+        NOTE: not ``_needed_pages``: a pool storing every position (``store_all``) would
+        answer every page, and a hit restoring those held pages behind the window that
+        no handoff covers (issue 47: prefill held them, decode reserved the window)."""
+        if num_tokens <= 0:
+            return range(0)
+        return range(self.first_kept_page(num_tokens), (num_tokens - 1) // self.page_size + 1)
+
+    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
+        table = self.tables.get(request_id, {})
+        pages = self.prefix_pages(end)
+        missing = [p for p in pages if p not in table]
+        if missing:
+            raise LookupError(
+                f"`{self.name}`: the request holds no page {missing[0]} of its handoff pages "
+                f"{pages.start}..{pages.stop - 1} (positions < {end})"
+            )
+        return tuple(table[p] for p in pages)
+
+    def num_leading_cached(self, end: int, num_cached: int) -> int:
+        pages = self.prefix_pages(end)
+        return max(0, min(len(pages), num_cached // self.page_size - pages.start))
 
     def share(self, request_id: str, pages: dict[int, int], num_tokens: int) -> None:
         """Give a new request cached ``pages`` (logical index -> page id) as its state of

@@ -126,6 +126,13 @@ class StatePool(ABC):
     @abstractmethod
     def units_held(self, request_id: str) -> int: ...
 
+    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
+        """``UnitOwner.handoff_units``: every unit held (a ring, a row); pages override."""
+        return self.index(request_id).unit_ids
+
+    def num_leading_cached(self, end: int, num_cached: int) -> int:
+        return 0  # only pages are cached
+
     @abstractmethod
     def peak_units(self, num_tokens: int) -> int:
         """The most units one request of ``num_tokens`` tokens can hold at once."""

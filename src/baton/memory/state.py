@@ -92,6 +92,14 @@ class UnitOwner(Protocol):
     def peak_units(self, num_tokens: int) -> int:
         """The most units one request of ``num_tokens`` tokens holds at once."""
 
+    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
+        """The units, in logical order, holding what a query at ``end`` can read of
+        positions [0, end): what a PD handoff of that range moves (``handoff_units``)."""
+
+    def num_leading_cached(self, end: int, num_cached: int) -> int:
+        """Of ``handoff_units(.., end)``, how many lead with positions below ``num_cached``
+        only (a prefix-cache hit of ``num_cached`` restored them)."""
+
 
 @dataclass(frozen=True)
 class UnitRange:
@@ -176,6 +184,26 @@ class StateComponent:
             "token_lag": self.token_lag,
             "push": self.push.value,
         }  # NOTE: not ``caching``: how a worker reuses its own pages is its own business
+
+
+def handoff_units(
+    component: StateComponent, request_id: str, num_prompt_tokens: int
+) -> tuple[int, ...]:
+    """The units of ``component`` a PD handoff of a prompt this long covers, in logical
+    order: the one answer both sides use -- decode reserves exactly these (its cache's
+    leading ones included, ``num_held_cached``), prefill pushes exactly these after those.
+    A pool may hold more (a sliding one's pages a prefix-cache hit restored behind the
+    window): they are not part of the handoff."""
+    assert component.owner is not None, component.name
+    return component.owner.handoff_units(request_id, component.handoff_range(num_prompt_tokens)[1])
+
+
+def num_held_cached(component: StateComponent, num_prompt_tokens: int, num_cached: int) -> int:
+    """Of ``handoff_units``, the leading ones a prefix-cache hit of ``num_cached`` tokens
+    holds on decode already: ``ReserveState.num_held_units``, which prefill skips."""
+    assert component.owner is not None, component.name
+    end = component.handoff_range(num_prompt_tokens)[1]
+    return component.owner.num_leading_cached(end, num_cached)
 
 
 class StateRegistry:

@@ -12,7 +12,7 @@ Reads storage only; nothing calls it on a serving path unless ``Sender.keep_chec
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -36,16 +36,21 @@ def component_checksums(
     engine: LLMEngine,
     request_id: str,
     token_ranges: Mapping[str, tuple[int, int]] | None = None,
+    units: Mapping[str, Sequence[int]] | None = None,
 ) -> dict[str, str]:
-    """sha256 per component: raw units in logical order, or (components in
-    ``token_ranges``) the rows of tokens [start, end)."""
+    """sha256 per component: raw units in logical order -- those in ``units`` (the
+    sender's: the handoff's units, where it holds more), else every unit the request holds
+    -- or (components in ``token_ranges``) the rows of tokens [start, end)."""
     sums = {}
     for component in engine.registry:
         if token_ranges is not None and component.name in token_ranges:
             data = _token_rows(component, request_id, *token_ranges[component.name])
         else:
             assert component.storage is not None, component.name
-            data = component.storage[list(component.index(request_id).unit_ids)]
+            ids = (units or {}).get(component.name)
+            if ids is None:
+                ids = component.index(request_id).unit_ids
+            data = component.storage[list(ids)]
         raw = data.contiguous().view(-1).view(torch.uint8)
         sums[component.name] = hashlib.sha256(raw.numpy().tobytes()).hexdigest()
     return sums

@@ -16,7 +16,7 @@ import torch
 
 from baton.engine.engine import LLMEngine
 from baton.engine.handoff import num_complete_units
-from baton.memory.state import PushPhase
+from baton.memory.state import PushPhase, handoff_units
 from baton.transfer.checksums import component_checksums
 from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
 from baton.transfer.protocol import ComponentStats, ReserveState, StateDone, StateFailed
@@ -121,7 +121,7 @@ class SenderPushes:
         planned = self._plan_rest(out)
         if isinstance(planned, str):
             return StateFailed(room=msg.room, reason=planned, stopped_writing=True)
-        plan, checksum_ranges = planned
+        plan, checksum_ranges, sources = planned
         ops = plan_ops(plan)
         if ops:
             moved = self._transfer(ops, [msg.room])
@@ -140,7 +140,9 @@ class SenderPushes:
         aux = self.engine.aux
         aux.write(request_id, msg.nonce, token, logprob, hidden)
         if self.keep_checksums:
-            sums = component_checksums(self.engine, request_id, checksum_ranges or None)
+            sums = component_checksums(
+                self.engine, request_id, checksum_ranges or None, units=sources
+            )
             self.checksums[msg.room] = sums
             if checksum_ranges:
                 self.checksum_ranges[msg.room] = checksum_ranges
@@ -164,11 +166,15 @@ class SenderPushes:
             first_valid_tokens=first_valid_tokens(self.engine.registry, request_id, msg),
         )
 
-    def _plan_rest(self, out: Outgoing) -> tuple[TransferPlan, dict[str, tuple[int, int]]] | str:
-        """The plan of a finished request's state not pushed yet, and the tokens each
-        translated component's checksum covers; or why it cannot be pushed."""
+    def _plan_rest(
+        self, out: Outgoing
+    ) -> tuple[TransferPlan, dict[str, tuple[int, int]], dict[str, list[int]]] | str:
+        """The plan of a finished request's state not pushed yet, the tokens each
+        translated component's checksum covers and the units each other one's covers (the
+        handoff's: decode's cached ones and those pushed); or why it cannot be pushed."""
         msg, request_id = out.reserve, out.request_id
         components, translated, checksum_ranges = {}, {}, {}
+        sources: dict[str, list[int]] = {}
         for component in self.engine.registry:
             name = component.name
             if component.push is PushPhase.LAST:
@@ -182,7 +188,11 @@ class SenderPushes:
                     translated[name] = tokens[0]
                 checksum_ranges[name] = tokens[1]
                 continue
-            src = list(component.index(request_id).unit_ids)
+            try:  # what decode reserved, by the same function (its cache's leading ones too)
+                src = list(handoff_units(component, request_id, len(msg.prompt_token_ids)))
+            except LookupError as e:
+                return str(e)
+            sources[name] = src
             dst = msg.dst_unit_ids.get(name)
             num_held = msg.num_held_units.get(name, 0)  # decode has them cached
             if dst is None or len(dst) + num_held != len(src):
@@ -193,4 +203,4 @@ class SenderPushes:
             if name not in self.debug_skip_components:
                 first = out.num_sent_units.get(name, num_held)
                 components[name] = (src[first:], dst[first - num_held :], component.unit_bytes)
-        return {**plan_request(components), **translated}, checksum_ranges
+        return {**plan_request(components), **translated}, checksum_ranges, sources
