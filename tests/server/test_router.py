@@ -242,15 +242,18 @@ def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
     assert resp.status_code == 201 and resp.json()["healthy"], resp.text
     try:
         retries_before = _metrics(deployment.router).get(
-            "baton_router_retries_total{reason=prefill_failed}", 0.0
+            "baton_router_retries_total{reason=prefill_refused}", 0.0
         )
         want = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
         for _ in range(3):  # round robin over three prefills: one lands on the bf16 one
             resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
                                              temperature=0)  # fmt: skip
             assert resp.choices[0].text == want.outputs[0].text
-        retries = _metrics(deployment.router)["baton_router_retries_total{reason=prefill_failed}"]
-        assert retries > retries_before
+        # A refused pairing is a refusal (the prefill answered), not a failure.
+        metrics = _metrics(deployment.router)
+        assert metrics["baton_router_retries_total{reason=prefill_refused}"] > retries_before
+        assert metrics["baton_router_prefill_errors_total{kind=prefill_refused}"] >= 1
+        assert "baton_router_prefill_errors_total{kind=prefill_failed}" not in metrics
         assert "refused pairing" in deployment.log("prefill-bf16")
     finally:
         resp = httpx.request("DELETE", admin, json=body, headers=auth, timeout=10)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.outputs import HandoffReason
 from baton.router.router import Router, build_router_app
-from baton.server.protocol import LOCAL_PREFILL_HEADER, PREFILL_HEADER
+from baton.server.protocol import HANDOFF_HEADER, LOCAL_PREFILL_HEADER, PREFILL_HEADER
 
 pytestmark = pytest.mark.integration
 
@@ -168,6 +168,49 @@ def test_no_healthy_prefill_sends_the_request_to_decode_alone(servers):
     assert health.status_code == 200 and health.json()["status"] == "degraded"
     listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
     assert "pd_endpoint" in next(i for i in listed if i["role"] == "prefill")["last_error"]
+
+
+def _refusing_decode_app(reason: str) -> tuple[FastAPI, list[dict]]:
+    """A decode whose named prefill always refuses or fails the request (decode's 503
+    ``prefill_failed`` with its handoff header), and which serves a request sent alone."""
+    app, seen = FastAPI(), []
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(dict(request.headers))
+        if PREFILL_HEADER in request.headers:
+            error = {"message": "prefill failed the request: component `draft.swa`: ...",
+                     "type": "server_error", "param": None, "code": "prefill_failed"}  # fmt: skip
+            headers = {HANDOFF_HEADER: f"failed; reason={reason}"}
+            return JSONResponse({"error": error}, status_code=503, headers=headers)
+        return JSONResponse({"choices": [{"text": "ok"}]})
+
+    return app, seen
+
+
+@pytest.mark.parametrize("reason", [HandoffReason.PREFILL_REFUSED, HandoffReason.PREFILL_FAILED])
+def test_a_prefill_that_refused_is_the_reason_decode_computes_alone(servers, reason):
+    """Issue 47: the only prefill refused (or failed) the request; the router then sends it
+    to the decode alone, telling it why -- ``prefill_refused`` / ``prefill_failed``, never
+    ``no_healthy_prefill`` (a healthy prefill was there) -- and counts the kind."""
+    prefill = servers(_prefill_app())
+    app, seen = _refusing_decode_app(reason)
+    decode = servers(app)
+    router = _router(servers, [prefill.url], [decode.url], interval_s=600)
+    resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    named, alone = seen
+    assert named[PREFILL_HEADER] == "tcp://127.0.0.1:1"
+    assert alone[LOCAL_PREFILL_HEADER] == reason and PREFILL_HEADER not in alone
+    metrics = httpx.get(f"{router}/metrics", timeout=10).text
+    assert f'baton_router_prefill_errors_total{{kind="{reason}"}} 1.0' in metrics
+    assert f'baton_router_retries_total{{reason="{reason}"}} 1.0' in metrics
+    listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()["instances"]
+    assert next(i for i in listed if i["role"] == "prefill")["healthy"]
 
 
 @pytest.mark.parametrize(

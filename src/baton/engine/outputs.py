@@ -30,7 +30,8 @@ class HandoffReason(StrEnum):
     """The prefill refused it before writing anything (or refused to pair)."""
     # failed
     PREFILL_FAILED = "prefill_failed"
-    """The prefill reported a failure after accepting it."""
+    """The prefill reported a failure after accepting it (``local_prefill``: a router sent
+    the request to a decode alone after the prefills it tried failed it)."""
     PREFILL_UNREACHABLE = "prefill_unreachable"
     """The prefill died, went silent, was fenced, or could not be sent the request."""
     STATE_TIMEOUT = "state_timeout"
@@ -44,10 +45,16 @@ class HandoffReason(StrEnum):
 
 
 LOCAL_PREFILL_REASONS = frozenset(
-    {HandoffReason.POLICY, HandoffReason.NO_HEALTHY_PREFILL, HandoffReason.PREFILL_REFUSED}
+    {
+        HandoffReason.POLICY,
+        HandoffReason.NO_HEALTHY_PREFILL,
+        HandoffReason.PREFILL_REFUSED,
+        HandoffReason.PREFILL_FAILED,
+    }
 )
-"""The reasons a ``local_prefill`` outcome has (``prefill_refused`` can end a ``failed`` one
-too: with the fallback off, or a prefill a router named)."""
+"""The reasons a ``local_prefill`` outcome has (``prefill_refused`` and ``prefill_failed``
+end a ``failed`` one too: with the fallback off, or a prefill a router named; a router
+that then sends the request to a decode alone names the reason it had)."""
 
 
 @dataclass(frozen=True)

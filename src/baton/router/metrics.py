@@ -22,6 +22,11 @@ class RouterMetrics:
         )
         self.retries = Counter("baton_router_retries", "requests retried, by reason", ["reason"],
                                registry=r)  # fmt: skip
+        self.prefill_errors = Counter(
+            "baton_router_prefill_errors",
+            "requests a prefill refused (it is up: not a health matter) or failed, by kind",
+            ["kind"], registry=r,
+        )  # fmt: skip
         self.healthy = Gauge("baton_router_instance_healthy", "1 if the instance is healthy",
                              ["role", "url"], registry=r)  # fmt: skip
         self.outstanding = Gauge("baton_router_instance_outstanding", "requests in flight",

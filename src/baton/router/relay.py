@@ -15,12 +15,14 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import NamedTuple
 
 import httpx
 from fastapi.responses import StreamingResponse
 
+from baton.engine.outputs import HandoffReason
 from baton.router.policy import Instance
-from baton.server.protocol import ApiError
+from baton.server.protocol import HANDOFF_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
 
@@ -48,9 +50,19 @@ class Release:
         self.instances = ()
 
 
-async def prefill_failure(upstream: httpx.Response) -> str | None:
-    """Decode's message if ``upstream`` is its 503 ``prefill_failed`` (then the small body
-    is read and the response closed), else None (nothing read)."""
+class PrefillFailure(NamedTuple):
+    """Decode's 503 ``prefill_failed``: the prefill's message, and whether it *refused* the
+    request before writing anything (full, a schema or reservation it cannot serve: the
+    prefill is healthy) rather than failed it (died, went silent, a transfer broke)."""
+
+    message: str
+    refused: bool
+
+
+async def prefill_failure(upstream: httpx.Response) -> PrefillFailure | None:
+    """Decode's failure if ``upstream`` is its 503 ``prefill_failed`` (then the small body
+    is read and the response closed), else None (nothing read). Refused or failed: from
+    decode's handoff outcome header (``failed; reason=prefill_refused``)."""
     if upstream.status_code != 503:
         return None
     content = await upstream.aread()
@@ -58,7 +70,9 @@ async def prefill_failure(upstream: httpx.Response) -> str | None:
         error = json.loads(content)["error"]
         if error.get("code") == "prefill_failed":
             await upstream.aclose()
-            return str(error.get("message", ""))
+            outcome = upstream.headers.get(HANDOFF_HEADER, "")
+            refused = f"reason={HandoffReason.PREFILL_REFUSED}" in outcome
+            return PrefillFailure(str(error.get("message", "")), refused)
     except (ValueError, KeyError, TypeError, AttributeError):
         pass
     return None

@@ -11,11 +11,15 @@ Failure handling:
 
 - decode answers 503 ``prefill_failed`` (its prefill refused, died or stayed silent before
   the first token; decode has ended that leg and will free its units): retried once on
-  another healthy prefill, then on decode alone;
-- no healthy prefill (or every one tried failed the request): the request goes to a decode
-  with ``LOCAL_PREFILL_HEADER`` instead of a prefill, and decode computes the prompt itself
-  (its handoff outcome ``local_prefill``, reason ``no_healthy_prefill``; a decode started
-  with ``--no-local-fallback`` answers 503 instead);
+  another healthy prefill, then on decode alone. A refusal (decode's handoff header says
+  ``prefill_refused``: the prefill answered, it could not serve this request) does not put
+  the prefill's health in question; a failure triggers a health check of it. Both are
+  counted (``baton_router_prefill_errors{kind}``) and logged with the prefill's reason;
+- no healthy prefill (or every one tried refused or failed the request): the request goes
+  to a decode with ``LOCAL_PREFILL_HEADER`` instead of a prefill, and decode computes the
+  prompt itself; its handoff outcome is ``local_prefill`` with the true reason --
+  ``no_healthy_prefill`` (none to ask), ``prefill_refused`` (one refused it) or
+  ``prefill_failed`` -- and a decode started with ``--no-local-fallback`` answers 503;
 - decode unreachable: marked unhealthy and the request retried once on another decode;
 - client gone (before or during the answer): the upstream request is cancelled, which makes
   the decode abort the request, which makes it send ``Abort`` to the prefill;
@@ -43,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from baton.engine.outputs import HandoffReason
 from baton.router.admin import add_admin_routes
 from baton.router.metrics import RouterMetrics
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
@@ -139,6 +144,9 @@ class Router:
         tried_prefills: set[str] = set()
         tried_decodes: set[str] = set()
         failure: ApiError | None = None
+        local_reason = HandoffReason.NO_HEALTHY_PREFILL
+        """Why decode alone computes the prompt, if it comes to that: no prefill was there,
+        or the ones tried refused (healthy, but could not serve it) or failed it."""
         for attempt in range(3):  # a prefill, another one, then (all failed) decode alone
             decode = self.choose("decode", tried_decodes, key)
             prefill = self.choose("prefill", tried_prefills, key)
@@ -152,7 +160,7 @@ class Router:
             release = Release(*(i for i in (decode, prefill) if i is not None))
             try:
                 upstream = await self._send_once_more_if_dropped(
-                    request, decode, prefill, room, path, body
+                    request, decode, prefill, room, path, body, local_reason
                 )
             except httpx.TransportError as exc:
                 release()
@@ -171,18 +179,25 @@ class Router:
             if prefill_error is not None and prefill is not None:
                 release()
                 tried_prefills.add(prefill.url)
+                refused = prefill_error.refused
+                kind = HandoffReason.PREFILL_REFUSED if refused else HandoffReason.PREFILL_FAILED
+                if refused or local_reason is HandoffReason.NO_HEALTHY_PREFILL:
+                    local_reason = kind
+                verb = "refused" if refused else "failed"
                 failure = ApiError(
-                    f"prefill {prefill.url} failed the request (room {room}): "
-                    f"{prefill_error}", 503, type="server_error",
+                    f"prefill {prefill.url} {verb} the request (room {room}): "
+                    f"{prefill_error.message}", 503, type="server_error",
                     code="prefill_failed",
                 )  # fmt: skip
                 logger.warning("router: %s", failure.message)
-                asyncio.get_running_loop().create_task(self.check(prefill))
+                self.metrics.prefill_errors.labels(kind.value).inc()
+                if not refused:  # a refusal is an answer: the prefill is up
+                    asyncio.get_running_loop().create_task(self.check(prefill))
                 if attempt == 0:
-                    self.metrics.retries.labels("prefill_failed").inc()
+                    self.metrics.retries.labels(kind.value).inc()
                 continue
             self.metrics.requests.labels(str(upstream.status_code)).inc()
-            via = f"prefill {prefill.url}" if prefill else "no healthy prefill"
+            via = f"prefill {prefill.url}" if prefill else f"no prefill ({local_reason})"
             access = f"room {room} {path} -> decode {decode.url}, {via}"
             return relay(upstream, release, decode, access)
         assert failure is not None
@@ -191,33 +206,34 @@ class Router:
 
     async def _send_once_more_if_dropped(
         self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
-        body: bytes,
+        body: bytes, local_reason: HandoffReason,
     ) -> httpx.Response:  # fmt: skip
         """``_send``, sent a second time to the same decode when the first found its pooled
         connection closed by the decode (it had closed it after an error): that is no sign
         the decode is down, and taking it for one ejected the only decode for a health
         interval and answered an innocent request 502."""
         try:
-            return await self._send(request, decode, prefill, room, path, body)
+            return await self._send(request, decode, prefill, room, path, body, local_reason)
         except CONNECTION_DROPPED as exc:
             logger.warning("router: decode %s dropped a pooled connection (%s); sending again "
                            "on a new one", decode.url, exc or type(exc).__name__)  # fmt: skip
             self.metrics.retries.labels("connection_dropped").inc()
-            return await self._send(request, decode, prefill, room, path, body)
+            return await self._send(request, decode, prefill, room, path, body, local_reason)
 
     async def _send(
         self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
-        body: bytes,
+        body: bytes, local_reason: HandoffReason = HandoffReason.NO_HEALTHY_PREFILL,
     ) -> httpx.Response:  # fmt: skip
         """The decode's response head, or ``ClientGone`` if the client left while waiting.
-        Without ``prefill`` decode is told there is none healthy (``LOCAL_PREFILL_HEADER``)."""
+        Without ``prefill`` decode is told to compute the prompt itself and why
+        (``LOCAL_PREFILL_HEADER``: ``local_reason``)."""
         assert self.http is not None
         headers = {
             "content-type": request.headers.get("content-type", "application/json"),
             ROOM_HEADER: str(room),
         }
         if prefill is None:
-            headers[LOCAL_PREFILL_HEADER] = "no_healthy_prefill"
+            headers[LOCAL_PREFILL_HEADER] = local_reason.value
         else:
             assert prefill.pd_endpoint is not None
             headers[PREFILL_HEADER] = prefill.pd_endpoint
