@@ -20,22 +20,29 @@ only the window: ``draft.swa: prefill holds 6 units, decode reserved 0 (+2 cache
 
 from __future__ import annotations
 
+import secrets
+import time
+
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, note, settings
+from hypothesis import HealthCheck, Phase, example, given, note, settings
 from hypothesis import strategies as st
 
-from baton.config import EngineConfig
+from baton.config import Deadlines, EngineConfig, LocalPrefill
 from baton.engine.engine import LLMEngine
+from baton.engine.outputs import HandoffKind
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
 from baton.request import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.checksums import component_checksums
+from baton.transfer.decode import DecodeEngine
 from baton.transfer.handshake import build_hello, check_pairing
 from baton.transfer.protocol import StateDone, request_id_of
 from baton.transfer.receiver import Receiver
 from baton.transfer.sender import Sender
+from tests.transfer.conftest import TEST_PREFIX, require_backend
+from tests.transfer.test_pd_processes import TOKEN, start_prefill
 
 VOCAB = 256
 MAX_TOKENS = 6
@@ -264,15 +271,77 @@ def test_pd_over_random_streams_equals_cold_colocated(pd_dir, reference, stream)
     check_stream(pd_dir, reference, stream)
 
 
-def test_a_prefill_hit_of_the_whole_draft_range_still_hands_off(pd_dir, reference):
-    """The issue-47 case, found by the property test: a prompt of 8 k + 1 tokens served
-    twice -- the second time prefill's cache holds [0, P - 1), which is every slot of the
-    draft's handoff range, so the draft computes nothing on prefill. Decode (a fresh cache,
-    then its own hit) must get the draft's window and continue as a cold run."""
+def _issue_47_stream() -> tuple:
+    """A prompt of 8 k + 1 tokens served twice, then with a prefix of itself: the second
+    time prefill's cache holds [0, P - 1), every slot of the draft's handoff range, so the
+    draft computes nothing on prefill (issue 47's failure, found by the property test)."""
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (8 * 6 + 1,), generator=g).tolist()
     rounds = [([prompt], {}), ([prompt], {}), ([prompt, prompt[:33]], {})]
     both = {"prefill": 8, "decode": 8}
-    check_stream(
-        pd_dir, reference, (both, {s: 32 for s in both}, {s: 2 for s in both}, rounds, 0.0)
-    )
+    return both, {s: 32 for s in both}, {s: 2 for s in both}, rounds, 0.0
+
+
+ISSUE_47 = _issue_47_stream()
+
+
+def test_a_prefill_hit_of_the_whole_draft_range_still_hands_off(pd_dir, reference):
+    """Decode (a fresh cache, then its own hit) gets the draft's window and continues as a
+    cold run (``_issue_47_stream``)."""
+    check_stream(pd_dir, reference, ISSUE_47)
+
+
+# -- the same over real processes and transfer engines (slow) ----------------------------------
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_over_random_streams(pd_dir, reference, backend, tmp_path):
+    """A prefill worker process and a decode here (``DecodeEngine``) over ``backend``, a few
+    random streams each (own page sizes, pool sizes and prefix caches on both sides): every
+    request transferred, outputs and acceptance equal a cold colocated run, decode's units
+    all back. Aborts and preemption are the in-process test's: here the wire and the
+    engines' processes are what is new."""
+    require_backend(backend)
+
+    @settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(stream=streams())
+    @example(stream=ISSUE_47)
+    def check(stream):
+        page, pages, seqs, rounds, temperature = stream
+        note(f"pages {page} pools {pages} seqs {seqs} rounds {rounds}")
+        extra = [
+            f"--engine=page_size={page['prefill']}", f"--engine=num_pages={pages['prefill']}",
+            f"--engine=max_num_seqs={seqs['prefill']}", "--engine=max_num_batched_tokens=32",
+            "--backend", backend,
+        ]  # fmt: skip
+        prefill = start_prefill(pd_dir, tmp_path / f"prefill-{secrets.token_hex(3)}.log", *extra)
+        params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=5,
+                                ignore_eos=True)  # fmt: skip
+        decode_config = config(page["decode"], pages["decode"], seqs["decode"])
+        deadlines = Deadlines(bootstrap_s=30.0, waiting_for_state_s=30.0, abort_grace_s=5.0)
+        try:
+            with DecodeEngine(
+                pd_dir, decode_config, prefill.endpoint, TOKEN, backend, deadlines,
+                shm_prefix=f"{TEST_PREFIX}-{secrets.token_hex(3)}",
+                local_prefill=LocalPrefill(0, fallback=False),
+            ) as client:  # fmt: skip
+                for prompts, _ in rounds:
+                    ids = [client.add_request(p, params) for p in prompts]
+                    done, deadline = {}, time.monotonic() + 60
+                    while client.routes:
+                        assert time.monotonic() < deadline, "decode did not finish"
+                        done.update({o.request_id: o for o in client.step() if o.finished})
+                    for request_id, prompt in zip(ids, prompts, strict=True):
+                        out = done[request_id]
+                        assert out.error is None, out.error
+                        assert out.metrics.handoff.kind is HandoffKind.TRANSFERRED
+                        want_ids, accepted = reference(page["decode"], prompt, params)
+                        assert out.outputs[0].token_ids == want_ids
+                        assert out.metrics.accepted_lengths == accepted
+                assert client.engine.runner.num_computed_prompt_tokens == 0
+                assert all(n == 0 for n in client.engine.units_in_use().values())
+        finally:
+            prefill.stop()
+
+    check()
