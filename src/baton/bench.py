@@ -240,10 +240,8 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
         for url, before, after in zip(workers, workers_before, workers_after, strict=True)
     }
     server_metrics = metrics_delta(metrics_before, metrics_after)
-    config_dict = asdict(config)
-    config_dict["request_rate"] = str(config.request_rate)  # JSON has no inf
     return {
-        "config": config_dict,
+        "config": config_record(config),
         "summary": {
             **summarize(records, duration),
             **engine_summary([server_metrics, *worker_metrics.values()]),
@@ -252,6 +250,20 @@ async def _run(config: BenchConfig, show_progress: bool) -> dict[str, Any]:
         "worker_metrics": worker_metrics,
         "requests": [{**asdict(r), "tpot_s": r.tpot_s} for r in records],
     }
+
+
+SECRET_FIELDS = frozenset({"admin_token"})
+"""``BenchConfig`` fields never written into a result (people share result files): the
+record says only whether each was set."""
+
+
+def config_record(config: BenchConfig) -> dict[str, Any]:
+    """The config as a result file keeps it: JSON-able, secrets replaced by whether set."""
+    record = asdict(config)
+    record["request_rate"] = str(config.request_rate)  # JSON has no inf
+    for name in SECRET_FIELDS:
+        record[name] = "(set)" if record[name] else None
+    return record
 
 
 def run_bench(

@@ -47,6 +47,17 @@ def test_per_token_itl_splits_multi_token_chunks():
     assert record.tpot_s == pytest.approx(0.1)
 
 
+def test_a_result_never_holds_the_admin_token():
+    """Issue 39: ``--admin-token-file F --out results.json`` wrote the token in clear."""
+    from baton.bench import config_record
+
+    secret = "tok-" + "9f3a" * 8
+    record = config_record(BenchConfig(url="http://x", admin_token=secret))
+    assert secret not in json.dumps(record)
+    assert record["admin_token"] == "(set)"
+    assert config_record(BenchConfig(url="http://x"))["admin_token"] is None
+
+
 def test_config_and_range_errors():
     assert parse_range("16") == (16, 16) and parse_range("8:32") == (8, 32)
     with pytest.raises(ValueError, match="A or A:B"):
