@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
-# Optional cross-host transfer engines (DESIGN.md §4, the `transfer` extra of pyproject.toml);
-# .ci/run calls this after Debian's libibverbs1 (which mooncake loads) is on the machine.
+# Optional cross-host transfer engines (docs/design.md §4, the `transfer` extra of
+# pyproject.toml); .ci/run calls this after Debian's libibverbs1 (which mooncake loads) is on
+# the machine.
 # NOTE: nixl-cu12 goes in with --no-deps: its declared dependencies pull a multi-GB CUDA torch.
 .PHONY: extras
 extras: $(STAMP)
