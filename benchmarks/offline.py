@@ -331,7 +331,7 @@ def bench_bandwidth(args: argparse.Namespace, sizes: Sizes, tmp: Path) -> dict:
         "fraction_of_memcpy_read_only": achieved / (copy / 2),
         "target_fraction": targets()["bandwidth"],
         "target_met": achieved / copy >= targets()["bandwidth"],
-        # NOTE: ../shared/NOTES-measured.md (the figures the target was set against) gives
+        # NOTE: docs/measurements/ (the figures the target was set against) gives
         # memcpy as bytes copied per second (~18-19 GB/s): the same target, that convention.
         "target_met_bytes_copied": achieved / (copy / 2) >= targets()["bandwidth"],
     }

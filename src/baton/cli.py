@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     print(f"--- {llm.engine.platform_line}")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)
-    prompts = args.prompt or DEFAULT_PROMPTS
+    prompts = [*args.prompts, *(args.prompt or [])] or DEFAULT_PROMPTS
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -60,10 +60,9 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import logging
-
     from baton.config import read_secret_env
     from baton.router.router import Router, build_router_app
+    from baton.server.http import configure_logging
     from baton.server.http import server as http_server
 
     admin_token = read_secret_env(args.admin_token_env) or None
@@ -80,9 +79,10 @@ def _router(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # one access line per relayed request, health changes, retries
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    http_server(build_router_app(router), args.host, args.port, log_level="info").run()
+    # health changes and retries (one line per relayed request with --access-log)
+    uvicorn_level = configure_logging("router", args.log_level, args.access_log)
+    http_server(build_router_app(router), args.host, args.port, log_level=uvicorn_level,
+                access_log=args.access_log).run()  # fmt: skip
     return 0
 
 
@@ -105,6 +105,7 @@ def _launch(args: argparse.Namespace) -> int:
         num_prefill=args.num_prefill, num_decode=args.num_decode, policy=args.policy,
         prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
         restart=args.restart, decode_args=_local_prefill_argv(args),
+        log_level=args.log_level, access_log=args.access_log, ready_timeout_s=args.ready_timeout,
     )  # fmt: skip
 
 
@@ -157,24 +158,47 @@ _COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"baton {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true",
+        help="show the traceback of an error (default: one line naming what was wrong)",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in _COMMANDS.values():
         add_parser(sub)
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("baton")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
+USER_ERRORS = (ValueError, FileNotFoundError, NotADirectoryError, PermissionError)
+"""What a command raises for bad input (a model directory, a prompt too long, a flag's
+value): one ``error:`` line and exit status 2, the traceback only with ``--debug``."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("generate", "serve", "launch"):
-        from baton import platform
-
-        try:
-            platform.current()  # a bad BATON_CPU_ISA is an error line, not a traceback
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
     _, run = _COMMANDS[args.command]
-    return run(args)
+    try:
+        if args.command in ("generate", "serve", "launch"):
+            from baton import platform
+
+            platform.current()  # a bad BATON_CPU_ISA is an error line, not a traceback
+        return run(args)
+    except USER_ERRORS as e:
+        if args.debug:
+            raise
+        print(f"error: {e} (--debug shows where)", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

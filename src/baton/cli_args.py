@@ -13,6 +13,16 @@ from pathlib import Path
 BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "baton-stdlib-qwen3"
 
 
+def _add_log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+        help="console detail: info (default) says what changes -- start-up, a worker "
+        "healthy or not, restarted; debug adds every health check and HTTP-client line",
+    )  # fmt: skip
+    p.add_argument("--access-log", action="store_true",
+                   help="one line per request (default: none)")  # fmt: skip
+
+
 def _cpu_list(text: str) -> list[int]:
     try:
         cpus = [int(c) for c in text.split(",")]
@@ -109,6 +119,7 @@ def _policy_names() -> tuple[str, ...]:
 def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="offline generation on a local model directory")
     gen.add_argument("--model", default=str(BUNDLED_MODEL), help="Hugging Face model directory")
+    gen.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt text (any number)")
     gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -125,6 +136,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     _add_engine_args(serve)
+    _add_log_args(serve)
     serve.add_argument(
         "--role", choices=("colocated", "prefill", "decode"), default="colocated",
         help="colocated: one engine; prefill / decode: one half of a PD deployment",
@@ -166,6 +178,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--prefill", action="append", help="a prefill's HTTP URL (repeatable)")
     router.add_argument("--decode", action="append", help="a decode's HTTP URL (repeatable)")
     router.add_argument("--policy", default="round_robin", choices=_policy_names())
+    _add_log_args(router)
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
         "--admin-token-env", default=ADMIN_TOKEN_ENV,
@@ -193,6 +206,12 @@ def _add_local_prefill_args(p: argparse.ArgumentParser) -> None:
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
     launch = sub.add_parser("launch", help="local PD deployment: router + prefill + decode")
     _add_engine_args(launch)
+    _add_log_args(launch)
+    launch.add_argument(
+        "--ready-timeout", type=float, default=600.0,
+        help="seconds a worker may take to become healthy once the native kernels are "
+        "built (loading the model, pairing); default 600",
+    )  # fmt: skip
     # NOTE: launch pins prefill and decode to halves of the cores, one thread per core.
     launch.set_defaults(threads=None)
     launch.add_argument("--num-prefill", type=int, default=1)

@@ -45,20 +45,18 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import logging
 
     from baton.config import EngineConfig, RuntimeEnv
     from baton.server.api import build_app
     from baton.server.async_engine import AsyncEngine
+    from baton.server.http import configure_logging
     from baton.server.http import server as http_server
 
     if (problem := _unreachable_transfer_host(args)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
     # the engine's start-up line (platform, dtype) and the PD layers' warnings
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s {args.role} %(levelname)s %(message)s"
-    )
+    args.uvicorn_log_level = configure_logging(args.role, args.log_level, args.access_log)
     config = EngineConfig.from_kwargs(**engine_options(args))
     if args.role == "prefill":
         return _serve_prefill(args, config)
@@ -75,7 +73,8 @@ def serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.model).name
     try:
         app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))
-        server = http_server(app, args.host, args.port, log_level="info",
+        server = http_server(app, args.host, args.port, log_level=args.uvicorn_log_level,
+                             access_log=args.access_log,
                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
         # A failed engine stops the server: the process exits non-zero (below) for a
         # supervisor to restart, instead of staying up answering 503.
@@ -157,7 +156,8 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
         transfer_host=_transfer_host(args),
     )  # fmt: skip
     loop = PrefillLoop(server)
-    http = http_server(build_prefill_app(loop), args.host, args.port, log_level="warning",
+    http = http_server(build_prefill_app(loop), args.host, args.port,
+                       log_level=args.uvicorn_log_level, access_log=args.access_log,
                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     # A failed loop stops the server and the process exits 1 (see serve), never a prefill
     # that stays up answering 503.

@@ -63,17 +63,30 @@ def launch(
     decode_cpus: Sequence[int] | None = None,
     restart: bool = True,
     decode_args: Sequence[str] = (),
+    log_level: str = "info",
+    access_log: bool = False,
+    ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> int:
     """Run the deployment until SIGINT/SIGTERM (exit 0), or until a child dies when
     ``restart`` is off (exit 1); with it on, a dead child is started again (``Supervisor``).
-    ``decode_args``: more ``baton serve`` flags for the decode workers."""
+    ``decode_args``: more ``baton serve`` flags for the decode workers. Exit 2 before
+    anything starts when ``port`` is taken."""
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
+    if (taken := _port_taken(host, port)) is not None:
+        print(f"error: port {port} on {host} is in use ({taken}); choose another with --port",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    from baton.server.http import configure_logging
+
+    configure_logging("launch", log_level)
+    log_args = ["--log-level", log_level, *(["--access-log"] if access_log else [])]
     options = _child_engine_options(model, engine_options)
+    _build_kernels()  # before any worker waits on them (they would each wait for the lock)
     if prefill_cpus is None and decode_cpus is None:
         prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
-    shape = {"prefill": (num_prefill, prefill_cpus, ()),
-             "decode": (num_decode, decode_cpus, tuple(decode_args))}  # fmt: skip
+    shape = {"prefill": (num_prefill, prefill_cpus, tuple(log_args)),
+             "decode": (num_decode, decode_cpus, (*log_args, *decode_args))}  # fmt: skip
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
@@ -84,10 +97,12 @@ def launch(
     try:
         workers = _start_workers(supervisor, model, options, served_model_name, env, shm_prefix,
                                  shape)  # fmt: skip
-        for url in workers["prefill"] + workers["decode"]:
-            _wait_healthy(url, supervisor, stop)
-        url, token_path = _start_router(supervisor, workers, env, admin_dir, host, port, policy)
-        _wait_healthy(url, supervisor, stop)
+        for child, url in zip(supervisor.children, workers["prefill"] + workers["decode"],
+                              strict=True):  # fmt: skip
+            _wait_healthy(child, url, supervisor, stop, ready_timeout_s)
+        url, token_path = _start_router(supervisor, workers, env, admin_dir, host, port, policy,
+                                        log_args)  # fmt: skip
+        _wait_healthy(supervisor.children[-1], url, supervisor, stop, ready_timeout_s)
         if not stop.is_set():
             _print_banner(url, served_model_name or Path(model).name, workers, token_path)
         return _watch(supervisor, stop)
@@ -95,6 +110,8 @@ def launch(
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:
+        if stop.is_set():
+            print("baton: stopping ...", file=sys.stderr, flush=True)
         supervisor.stop_all()
         _remove_segments(shm_prefix)
         shutil.rmtree(admin_dir, ignore_errors=True)
@@ -110,13 +127,35 @@ def _child_engine_options(model: str, engine_options: dict | None) -> dict:
     return options
 
 
+def _port_taken(host: str, port: int) -> str | None:
+    """Why the router could not listen on ``host:port`` (None: it can), checked before any
+    worker starts -- the router, started last, found it taken only after the workers'
+    minutes of start-up."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
+
+
+def _build_kernels() -> None:
+    """Build (or find) the native kernels of this CPU's level once, here, with a line saying
+    so: the workers then load them at once instead of waiting on the build lock unseen."""
+    from baton import kernels
+
+    kernels.library()  # logs the build and its time when it builds; None: torch paths
+
+
 def _start_router(
     supervisor: Supervisor, workers: dict[str, list[str]], env: dict, admin_dir: str,
-    host: str, port: int, policy: str,
+    host: str, port: int, policy: str, log_args: Sequence[str] = (),
 ) -> tuple[str, str | None]:  # fmt: skip
     """Start the router child in front of ``workers``; its URL and the admin token's file
     (None: the token is ``$BATON_ADMIN_TOKEN``)."""
-    router_args = ["router", "--host", host, "--port", str(port), "--policy", policy]
+    router_args = ["router", "--host", host, "--port", str(port), "--policy", policy,
+                   *log_args]  # fmt: skip
     for role, urls in workers.items():
         router_args += [item for url in urls for item in (f"--{role}", url)]
     admin_token, token_path = admin_token_file(admin_dir)
@@ -179,11 +218,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, supervisor: Supervisor, stop: threading.Event) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
+def _wait_healthy(
+    child: Child, url: str, supervisor: Supervisor, stop: threading.Event, timeout_s: float
+) -> None:
+    """Wait until ``child`` answers 200 at ``url``/health; a child that exits or stays
+    unready past ``timeout_s`` (``--ready-timeout``) fails the launch, named."""
+    deadline = time.monotonic() + timeout_s
     while not stop.is_set():
         if dead := supervisor.dead():
-            raise LaunchError(f"{dead.name} exited ({dead.proc.returncode}) during start-up")
+            raise LaunchError(
+                f"{dead.name} exited with {dead.proc.returncode} during start-up (its lines "
+                "above say why)"
+            )
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -191,20 +237,26 @@ def _wait_healthy(url: str, supervisor: Supervisor, stop: threading.Event) -> No
         except (urllib.error.URLError, OSError):
             pass
         if time.monotonic() > deadline:
-            raise LaunchError(f"{url}/health did not answer 200 within {READY_TIMEOUT_S} s")
+            raise LaunchError(
+                f"{child.name} ({url}) was not healthy within {timeout_s:g} s; its lines above "
+                "say how far it got (a slow machine: raise --ready-timeout)"
+            )
         time.sleep(0.25)
 
 
 def _print_banner(
     url: str, model_name: str, workers: dict[str, list[str]], token_path: str | None
 ) -> None:
-    body = json.dumps({"model": model_name, "prompt": "def fibonacci(n):", "max_tokens": 32})
+    # NOTE: a prompt longer than --local-prefill-tokens (16), so that it is computed on the
+    # prefill and handed off: the x-baton-handoff header curl -i shows says ``transferred``.
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number, iteratively."""\n'
+    body = json.dumps({"model": model_name, "prompt": prompt, "max_tokens": 32})
     counts = ", ".join(f"{len(urls)} {role}" for role, urls in workers.items())
     where = f"in {token_path}" if token_path else f"${ADMIN_TOKEN_ENV}"
     print(
         f"baton: PD deployment ready ({counts}; router in front)\n"
         f"baton: serving the OpenAI API at {url}/v1\n"
-        f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
+        f"  curl -i {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'\n"
         f"baton: the admin API ({url}/admin/instances) takes the bearer token {where}\n"
         "baton: Ctrl-C stops it",
         flush=True,

@@ -118,9 +118,14 @@ class Supervisor:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
+        # NOTE: a session of its own: a terminal's Ctrl-C reaches the launcher alone, which
+        # stops the children in order (``stop_all``) -- all at once, a decode outlived its
+        # prefill and warned about messages it could not send. Its stdout (the prefill's
+        # machine-readable ready line) is not the console's.
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", *child.args],
-            env=child.env, stdin=subprocess.DEVNULL, preexec_fn=in_child,
+            env=child.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            preexec_fn=in_child, start_new_session=True,
         )  # fmt: skip
         child.started_at, child.restart_at = time.monotonic(), None
 

@@ -102,6 +102,27 @@ def _check_admin_token(base_url: str, banner: str) -> str:
     return token_path
 
 
+def _check_no_secret_anywhere(base_url: str, children: list[int], *paths) -> None:
+    """Neither the PD pairing token (in the children's environment only) nor the admin
+    token appears in anything the deployment wrote or answers with: its output, the
+    router's and the workers' /health and /metrics, the admin listing (issue 39)."""
+    import httpx
+
+    token_path = paths[-1]
+    admin = Path(token_path).read_text().strip()
+    environ = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"\0")
+    (pd,) = [e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"BATON_PD_TOKEN=")]
+    assert len(admin) >= 32 and len(pd) >= 32
+    root = base_url.removesuffix("/v1")
+    auth = {"authorization": f"Bearer {admin}"}
+    listed = httpx.get(f"{root}/admin/instances", headers=auth, timeout=10)
+    texts = [listed.text, *(Path(p).read_text() for p in paths[:-1])]
+    for url in [root, *(i["url"] for i in listed.json()["instances"])]:
+        texts += [httpx.get(f"{url}/{page}", timeout=10).text for page in ("health", "metrics")]
+    for text in texts:
+        assert admin not in text and pd not in text
+
+
 def _start_launch(model_dir, tmp_path, flags: list[str], env: dict):
     """``baton launch`` of ``model_dir`` on a free port; (process, stdout path, stderr path)."""
     out_path, err_path = tmp_path / "stdout", tmp_path / "stderr"
@@ -158,8 +179,25 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert text == want_chat.outputs[0].text
 
+        # A prompt past --local-prefill-tokens is computed on the prefill and handed off.
+        import httpx
+
+        long_prompt = PROMPT + "\n".join(f"    x{i} = a + {i}" for i in range(8))
+        raw = httpx.post(f"{base_url}/completions", timeout=30, json={
+            "model": model, "prompt": long_prompt, "max_tokens": 4, "temperature": 0})  # fmt: skip
+        assert raw.headers["x-baton-handoff"].startswith("transferred; bytes="), raw.headers
+
+        # Idle, the console stays quiet (no health-check or access lines: issue 39).
+        said = out_path.read_text() + err_path.read_text()
+        time.sleep(5)
+        assert out_path.read_text() + err_path.read_text() == said
+
+        _check_no_secret_anywhere(base_url, children, out_path, err_path, token_path)
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0, err_path.read_text()
+        stopping = err_path.read_text().split("baton: stopping ...", 1)
+        assert len(stopping) == 2, err_path.read_text()
+        assert " WARNING " not in stopping[1], stopping[1]  # a clean stop warns of nothing
         assert not [pid for pid in children if _is_running(pid)]
         leftover = [n for n in os.listdir(SHM_DIR) if n.startswith(f"baton-launch-{proc.pid}-")]
         assert not leftover, leftover
@@ -287,3 +325,45 @@ def test_launch_passes_the_local_prefill_flags_to_its_decodes():
         DEFAULT_LOCAL_PREFILL_TOKENS,
         True,
     )
+
+
+def test_launch_with_its_port_taken_fails_at_once_naming_the_flag(tmp_path):
+    """Issue 39: the router, started last, found its port taken only after the workers'
+    start-up (114 s). Now nothing starts: exit 2 in seconds, the message names --port."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "baton", "launch", "--port", str(port)],
+            capture_output=True, text=True, cwd=REPO, timeout=60,
+        )  # fmt: skip
+        assert time.monotonic() - start < 5 + 5  # + the interpreter's start on a busy machine
+    assert proc.returncode == 2, proc.stderr
+    assert f"port {port}" in proc.stderr and "--port" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [(["generate", "--model", "/nonexistent"], "/nonexistent/config.json not found"),
+     (["generate", "--max-tokens", "100000", "def f(x):"], "exceeds the context")],
+)  # fmt: skip
+def test_a_user_error_is_one_line_and_exit_2(argv, says):
+    """Issue 39: a bad model directory or a prompt too long printed a traceback."""
+    proc = subprocess.run([sys.executable, "-m", "baton", *argv], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
+
+
+def test_version_and_positional_prompts():
+    from baton.cli import build_parser
+
+    proc = subprocess.run([sys.executable, "-m", "baton", "--version"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.startswith("baton ")
+    args = build_parser().parse_args(["generate", "a b", "--prompt", "c"])
+    assert (args.prompts, args.prompt) == (["a b"], ["c"])

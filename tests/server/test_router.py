@@ -108,7 +108,7 @@ def deployment(text_model_dir, tmp_path_factory):
         d.wait_healthy(url, name)
     d.router = d.start(
         "router", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],
-        "--decode", d.decode, "--health-interval", "0.5",
+        "--decode", d.decode, "--health-interval", "0.5", "--access-log",
     )  # fmt: skip
     d.wait_healthy(d.router, "router")
     yield d
@@ -171,7 +171,7 @@ def test_router_answers_like_the_offline_engine(deployment, client, offline):
                                        want_lp[0].outputs[0].logprobs, strict=True)]  # fmt: skip
     assert resp.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     assert all(len(top) == 2 for top in resp.choices[0].logprobs.top_logprobs)
-    # the router's access log: one line per relayed request
+    # the router's access log (--access-log): one line per relayed request
     deadline = time.monotonic() + 5
     while "/v1/chat/completions -> decode" not in deployment.log("router"):
         assert time.monotonic() < deadline, deployment.log("router")

@@ -27,8 +27,10 @@ import logging
 import os
 import platform as _stdlib_platform
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -94,6 +96,20 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """In the compiler's process, before exec: killed when the process that started it
+    dies (a worker killed with its launcher left its compiler running)."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _build(compiler: str, level: str) -> Path:
     here = Path(__file__).parent
     sources = [here / name for name in SOURCES]
@@ -127,17 +143,21 @@ def _build(compiler: str, level: str) -> Path:
         # Build beside the target and rename: a reader never sees half a file.
         fd, tmp = tempfile.mkstemp(prefix=f"{BUILDING}{os.getpid()}-", suffix=".so", dir=cache_dir)
         os.close(fd)
+        log.info("building native kernels for %s (first use, ~20 s on 2 cores) ...", level)
+        start = time.monotonic()
         try:
             subprocess.run(
                 [compiler, *flags, "-o", tmp, *map(str, sources)],
                 capture_output=True,
                 text=True,
                 check=True,
+                preexec_fn=_die_with_parent,
             )
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
+        log.info("built native kernels for %s in %.1f s", level, time.monotonic() - start)
     return target
 
 

@@ -22,9 +22,12 @@ from fastapi.responses import StreamingResponse
 
 from baton.engine.outputs import HandoffReason
 from baton.router.policy import Instance
+from baton.server.http import ACCESS_LOGGER
 from baton.server.protocol import HANDOFF_HEADER, ApiError
 
 logger = logging.getLogger("baton.router")
+access_logger = logging.getLogger(ACCESS_LOGGER)
+"""The one line per relayed request (``--access-log``)."""
 
 
 _HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection",
@@ -104,8 +107,9 @@ def relay(
         finally:  # also on a client disconnect: closing upstream aborts decode's request
             await upstream.aclose()
             release()
-            logger.info("router: %s: %d, %d bytes in %.3f s, %s", access, upstream.status_code,
-                        num_bytes, time.monotonic() - start, ending)  # fmt: skip
+            access_logger.info("router: %s: %d, %d bytes in %.3f s, %s", access,
+                               upstream.status_code, num_bytes, time.monotonic() - start,
+                               ending)  # fmt: skip
 
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)

@@ -1,6 +1,6 @@
 """``build_router_app``: the OpenAI API in front of a PD deployment.
 
-Per request (DESIGN.md §5) the router picks a decode and a prefill instance by its policy,
+Per request (docs/design.md §5) the router picks a decode and a prefill instance by its policy,
 draws a room id, and forwards the client's body unchanged to the decode's
 ``/v1/completions`` or ``/v1/chat/completions`` with two headers naming the prefill's
 control endpoint and the room; decode reserves its units, asks that prefill for the state
@@ -118,8 +118,11 @@ class Router:
             if is_gone or instance.failed_checks >= HEALTH_FAILURES_TO_EJECT:
                 instance.healthy = False
         if was != instance.healthy:
-            state = "healthy" if instance.healthy else f"unhealthy ({instance.last_error})"
-            logger.warning("router: %s %s is %s", instance.role, instance.url, state)
+            if instance.healthy:  # good news is not a warning
+                logger.info("router: %s %s is healthy", instance.role, instance.url)
+            else:
+                logger.warning("router: %s %s is unhealthy (%s)", instance.role, instance.url,
+                               instance.last_error)  # fmt: skip
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(i) for i in self.table.all()))

@@ -12,6 +12,7 @@ SSE stream included -- are not limited.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import h11
@@ -66,3 +67,23 @@ def server(app: Any, host: str, port: int, **options: Any) -> uvicorn.Server:
     return uvicorn.Server(
         uvicorn.Config(app, host=host, port=port, http=ReadDeadlineH11Protocol, **options)
     )
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ACCESS_LOGGER = "baton.access"
+"""One line per request (the router's relay line); off unless ``--access-log``."""
+
+
+def configure_logging(tag: str, level: str = "info", access_log: bool = False) -> str:
+    """The console of a baton process: ``level`` for baton's own lines (state changes at
+    INFO: a worker healthy or not, restarted, a peer gone), HTTP-client lines (httpx: one per
+    health check) and uvicorn's start-up chatter only at DEBUG, per-request lines only with
+    ``access_log``. Returns the level to give uvicorn (``server(..., log_level=...)``)."""
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s {tag} %(levelname)s %(message)s", force=True
+    )
+    quiet = logging.DEBUG if level == "debug" else logging.WARNING
+    for name in ("httpx", "httpcore"):
+        logging.getLogger(name).setLevel(quiet)
+    logging.getLogger(ACCESS_LOGGER).setLevel(logging.INFO if access_log else logging.WARNING)
+    return "debug" if level == "debug" else "warning"

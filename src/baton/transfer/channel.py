@@ -17,7 +17,7 @@ must be read to make progress, which every caller does); a server hands the appl
 nothing of a connection before the client has proven the key. A frame that is malformed,
 has a bad MAC, is replayed or reordered, comes before or outside a session, or is not a
 valid message is refused: counted, logged on ``baton.transfer`` at most once a minute per
-peer address (with the count), never raised into the caller's loop (DESIGN.md principle 6).
+peer address (with the count), never raised into the caller's loop (docs/design.md principle 6).
 Every wait takes a timeout; ``send`` never blocks and reports a full queue, an unknown peer
 or a peer without a session by returning False.
 
@@ -124,7 +124,10 @@ class Endpoint:
             self.last_send_error = zmq.EAGAIN
             return False
         except zmq.ZMQError as e:
-            logger.warning("control message to %s not sent: %s", peer, e)
+            # A peer gone (its process stopped) is the caller's news to tell, once, with what
+            # it means (a prefill forgets that decode); anything else is a warning here.
+            level = logging.INFO if e.errno == zmq.EHOSTUNREACH else logging.WARNING
+            logger.log(level, "control message to %s not sent: %s", peer, e)
             self.last_send_error = e.errno
             return False
         return True

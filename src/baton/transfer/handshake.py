@@ -1,4 +1,4 @@
-"""The pairing rules: who may hand state to whom (DESIGN.md principle 3).
+"""The pairing rules: who may hand state to whom (docs/design.md principle 3).
 
 This module owns (a) building a worker's own ``Hello`` from its engine and model directory
 and (b) ``check_pairing``, the one place that decides whether a prefill and a decode worker

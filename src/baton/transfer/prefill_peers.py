@@ -98,6 +98,13 @@ class PrefillPeers:
         peer = self.peers.pop(identity, None)
         if peer is None:
             return
+        # A decode that stopped while idle is news, not trouble: a warning only if it had
+        # rooms in flight here.
+        level = (
+            logging.WARNING
+            if any(r.peer == identity for r in self.rooms.values())
+            else (logging.INFO)
+        )
         for room in [r for r, info in self.rooms.items() if info.peer == identity]:
             self._discard(room, peer)
             del self.rooms[room]
@@ -106,7 +113,7 @@ class PrefillPeers:
         # NOTE: a batch of its that timed out may still be in flight; the backend's close
         # waits for nothing, but the memory it writes into is that dead decode's own.
         close_backend(peer.sender)
-        logger.warning("prefill: forgot decode %r: %s", peer.worker_id, reason)
+        logger.log(level, "prefill: forgot decode %r: %s", peer.worker_id, reason)
 
     def _make_room_for_peer(self, identity: bytes) -> None:
         """Forget the longest-paired idle decodes past ``MAX_PEERS`` (raises if all are busy)."""

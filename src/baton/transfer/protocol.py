@@ -1,7 +1,7 @@
 """The PD control protocol: typed, versioned messages and their wire encoding.
 
 This module owns the *shape* of every control message a prefill and a decode worker
-exchange (DESIGN.md §3, §5), of the two frames of the channel's own handshake
+exchange (docs/design.md §3, §5), of the two frames of the channel's own handshake
 (``ChannelOpen`` / ``ChannelChallenge``, see ``session.py``), and the one encoder/decoder
 pair for them. It is pure data: no sockets (``channel.py`` moves the bytes, ``session.py``
 authenticates them), no pairing rules (``handshake.py``), no scheduling. Sender, receiver,
@@ -26,7 +26,7 @@ Message flow of one PD request (``room`` is the router's random 63-bit id)::
             ◀────────────────────────────── FenceAck(epoch)  (nothing of decode's writes)
       Ping ◀──────────────────────────────▶ Pong (health)
 
-Fencing (DESIGN.md principle 6): every ``ReserveState`` carries the epoch of decode's link to
+Fencing (docs/design.md principle 6): every ``ReserveState`` carries the epoch of decode's link to
 that prefill. When decode gives up on the prefill it bumps the epoch and sends ``Fence``;
 prefill stops every room of that decode reserved under an older epoch -- it checks right
 before each push batch -- and answers ``FenceAck`` once nothing of them can still be in

@@ -1,6 +1,6 @@
 """``DecodeRooms``: the rooms a decode waits on, the quarantine of failed ones, and fencing.
 
-Who frees what when (DESIGN.md principle 6). A prefill writes into decode's units with
+Who frees what when (docs/design.md principle 6). A prefill writes into decode's units with
 one-sided writes that decode cannot cancel or refuse, so a failed room's units are freed
 (``Handoff.release``) only once nothing can still write into them:
 

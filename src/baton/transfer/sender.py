@@ -1,6 +1,6 @@
 """The prefill side of a PD handoff, message-level: ``Sender`` pushes one decode's requests.
 
-Per request (DESIGN.md §5): decode reserved units for every component of its registry and
+Per request (docs/design.md §5): decode reserved units for every component of its registry and
 sent ``ReserveState``; ``on_reserve`` queues the prompt (``Handoff.add_for_prefill``).
 After each engine step the sender pushes the units of ``PushPhase.STREAMED`` components
 that became complete (the target's full-attention pages; one batch for every request still

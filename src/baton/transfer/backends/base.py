@@ -1,7 +1,7 @@
 """The transfer backend interface: the data plane of a prefill/decode handoff.
 
 One interface for every way bytes move from a prefill worker's pools into a decode worker's
-pools (DESIGN.md §4): ``shm`` (same host), ``loopback`` (tests), later ``nixl`` and
+pools (docs/design.md §4): ``shm`` (same host), ``loopback`` (tests), later ``nixl`` and
 ``mooncake``. The sender (prefill) and the receiver (decode) each build one backend and
 call it like this::
 
