@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	# NOTE: pin torch first: any other request pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test]"
+	# The native kernels of this CPU, built now rather than by the first start.
+	$(PY) -m baton warmup
 	touch $@
 
 # Optional cross-host transfer engines (docs/design.md §4, the `transfer` extra of
@@ -35,4 +37,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15

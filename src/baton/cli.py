@@ -146,12 +146,30 @@ def _read_token(path: str | None) -> str | None:
         raise ValueError(f"cannot read the admin token file {path}: {e}") from e
 
 
+def _warmup(args: argparse.Namespace) -> int:
+    import logging
+
+    from baton import kernels, platform
+
+    logging.basicConfig(level=logging.INFO, format="baton: %(message)s")  # the build's lines
+    start = time.perf_counter()
+    level = kernels.active_level()
+    if kernels.library() is None:
+        print(f"baton: no native kernels for {level} (torch paths): see the warning above",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"baton: native kernels for {level} ready in {time.perf_counter() - start:.1f} s "
+          f"({platform.current().summary()})")  # fmt: skip
+    return 0
+
+
 _COMMANDS = {
     "generate": (cli_args.add_generate_parser, _generate),
     "serve": (cli_args.add_serve_parser, serve),
     "router": (cli_args.add_router_parser, _router),
     "launch": (cli_args.add_launch_parser, _launch),
     "bench": (cli_args.add_bench_parser, _bench),
+    "warmup": (cli_args.add_warmup_parser, _warmup),
 }
 """Sub-command -> (the function that adds its parser, the function that runs it)."""
 
@@ -187,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _, run = _COMMANDS[args.command]
     try:
-        if args.command in ("generate", "serve", "launch"):
+        if args.command in ("generate", "serve", "launch", "warmup"):
             from baton import platform
 
             platform.current()  # a bad BATON_CPU_ISA is an error line, not a traceback

@@ -225,6 +225,13 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
                             help=f"pin {role} workers to these cores, e.g. 0 or 0,1")  # fmt: skip
 
 
+def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
+    sub.add_parser(
+        "warmup", help="build the native kernels for this CPU now (make does it at install; "
+        "otherwise the first start does, ~20 s on 2 cores)",
+    )  # fmt: skip
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench = sub.add_parser("bench", help="benchmark a running OpenAI-compatible server")
     bench.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")

@@ -191,3 +191,24 @@ def test_state_group_grows_what_its_pools_would(steps):
         for ours, theirs in zip(mine, alone, strict=True):
             assert ours.units_held(rid) == theirs.units_held(rid)
             assert ours.num_tokens.get(rid) == theirs.num_tokens.get(rid)
+
+
+def test_a_dead_owners_segments_are_removed_and_a_live_ones_kept(tmp_path):
+    """Issue 39: a decode killed hard leaves ``baton-<pid>-...`` segments; the next decode
+    to start removes those whose owner is gone (here: a fake /dev/shm directory)."""
+    import subprocess
+    import sys
+
+    from baton.memory.allocator import remove_orphan_segments
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    import os
+
+    names = [f"baton-{gone}-ab12-target.full", f"baton-launch-{gone}-cd-0-aux",
+             f"baton-{os.getpid()}-ef-target.full", "baton-stdlib-notes", "other-1-x"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_orphan_segments(str(tmp_path))
+    assert removed == sorted(names[:2])
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])

@@ -31,8 +31,10 @@ crash-cleans) a segment.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
+import re
 import secrets
 import sys
 import threading
@@ -168,6 +170,44 @@ def attach(
     except ValueError:
         shm.close()
         raise
+
+
+_OWNER_PID = re.compile(r"^baton-(?:launch-|test-)?(\d+)-")
+"""A baton segment's owner: ``baton-<pid>-`` (a decode's own prefix), ``baton-launch-<pid>-``
+(the launcher's), ``baton-test-<pid>-`` (a test session's)."""
+
+
+def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the baton segments whose owner process (the pid in the name) is gone: those
+    of a decode killed hard, whose resource tracker died with it. A decode calls this at
+    start-up, so they last until the next one starts on this host rather than for ever.
+    NOTE: pids of another pid namespace sharing this /dev/shm are not told apart."""
+    if not os.path.isdir(shm_dir):
+        return []
+    removed = []
+    for name in sorted(os.listdir(shm_dir)):
+        match = _OWNER_PID.match(name)
+        if match is None or _is_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another decode removed it first
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+    if removed:
+        logging.getLogger("baton.memory").info(
+            "removed %d shared-memory segments of processes that are gone (%s ...)",
+            len(removed), removed[0],
+        )  # fmt: skip
+    return removed
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 class SharedMemoryAllocator:

@@ -46,7 +46,7 @@ from baton.config import Deadlines, EngineConfig, LocalPrefill
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
-from baton.memory.allocator import SharedMemoryAllocator
+from baton.memory.allocator import SharedMemoryAllocator, remove_orphan_segments
 from baton.request import SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS, TransferBackend, new_worker_backend
 from baton.transfer.decode_inbox import DecodeInbox
@@ -105,6 +105,7 @@ class DecodeEngine(DecodeInbox):
         self.deadlines = deadlines or Deadlines()
         self.local_prefill = local_prefill or LocalPrefill()
         """When a prompt is computed here instead of on a prefill (conditional PD)."""
+        remove_orphan_segments()  # a decode killed hard left its segments behind
         self.allocator = SharedMemoryAllocator(shm_prefix)
         self.backend: TransferBackend | None = None
         self.links: PrefillLinks | None = None
