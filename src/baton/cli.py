@@ -75,6 +75,7 @@ def _router(args: argparse.Namespace) -> int:
             args.prefill or [], args.decode or [], args.policy,
             admin_token=admin_token,
             health_interval_s=args.health_interval,
+            max_body_bytes=int(args.max_body_mb * 2**20),
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -179,6 +179,8 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--decode", action="append", help="a decode's HTTP URL (repeatable)")
     router.add_argument("--policy", default="round_robin", choices=_policy_names())
     _add_log_args(router)
+    router.add_argument("--max-body-mb", type=float, default=16.0,
+                        help="largest request body relayed (413 past it), in MiB")  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
         "--admin-token-env", default=ADMIN_TOKEN_ENV,

@@ -53,3 +53,22 @@ def test_processes_building_at_once_run_the_compiler_once(tmp_path):
     assert Path(path).read_text() == "library\n"
     assert not orphan.exists()
     assert not list(cache.glob("building-*")) and not list(cache.glob("tmp*"))
+
+
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path, monkeypatch):
+    """Issue 46: a cached .so truncated or with a flipped byte killed the worker (SIGBUS)
+    and was never rebuilt. Each build records its sha256 beside it; a mismatch rebuilds."""
+    from baton import kernels
+
+    cc, cache, count = _fake_compiler(tmp_path), tmp_path / "cache", tmp_path / "count"
+    monkeypatch.setenv("BATON_KERNEL_CACHE", str(cache))
+    monkeypatch.setenv("COUNT_FILE", str(count))
+    path = kernels._build(str(cc), "baseline")
+    assert kernels._build(str(cc), "baseline") == path  # intact: found, not built again
+    assert count.read_text().splitlines() == ["run"]
+    path.write_text("librarz\n")  # a flipped byte
+    assert kernels._build(str(cc), "baseline") == path
+    assert path.read_text() == "library\n" and len(count.read_text().splitlines()) == 2
+    path.write_text("")  # truncated
+    kernels._build(str(cc), "baseline")
+    assert path.read_text() == "library\n" and len(count.read_text().splitlines()) == 3

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from baton import kernels, platform
-from baton.config import EngineConfig
+from baton.config import EngineConfig, RuntimeEnv
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestOutput
@@ -88,7 +88,12 @@ class LLMEngine(RequestIntake, StatsKeeper):
         dtype = resolve_dtype(config.dtype, spec.dtype)
         self.dtype_name = str(dtype).removeprefix("torch.")
         auto = f" (auto; checkpoint {spec.dtype})" if config.dtype == "auto" else ""
-        self.platform_line = f"{platform.current().summary()}; dtype {self.dtype_name}{auto}"
+        fallback = ""
+        if RuntimeEnv.from_environ().native_kernels and kernels.library() is None:
+            fallback = " (native kernels unavailable: torch paths, see the warning above)"
+        self.platform_line = (
+            f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
+        )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
         log.info(self.platform_line)
         self.proposer = self._build_state(dtype, allocator)

@@ -77,6 +77,23 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _digest_path(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_intact(library: Path) -> bool:
+    """Whether ``library`` is there and its bytes are those built (the sha256 recorded beside
+    it at build time; ~1 ms): a damaged cached library is rebuilt, never loaded."""
+    try:
+        return _digest_path(library).read_text().strip() == _file_digest(library)
+    except OSError:
+        return False
+
+
 def _remove_orphans(cache_dir: Path) -> None:
     """Half-built libraries of processes that died mid-build (killed with their worker);
     the caller holds the build lock, so no live build of this library is among them."""
@@ -130,15 +147,23 @@ def _build(compiler: str, level: str) -> Path:
     env = RuntimeEnv.from_environ()
     cache_dir = Path(env.kernel_cache or Path.home() / ".cache" / "baton" / "kernels")
     target = cache_dir / f"baton_kernels_{level}_{key.hexdigest()[:16]}.so"
-    if target.is_file():
+    if _is_intact(target):
         return target
     cache_dir.mkdir(parents=True, exist_ok=True)
     # One build per library at a time, machine-wide: workers starting together (``baton
     # launch``'s prefill and decode) wait for the first one's build rather than each running
     # the compiler (on a busy 2-core machine two builds took 183 s where one takes 20).
     with _exclusive(cache_dir / f"{target.name}.lock"):
-        if target.is_file():  # built by another process while this one waited
+        if _is_intact(target):  # built by another process while this one waited
             return target
+        if target.exists():  # truncated, flipped: loading it killed the worker (SIGBUS)
+            if _digest_path(target).exists():
+                log.warning("cached native kernels %s do not match their recorded hash: "
+                            "rebuilding them", target)  # fmt: skip
+            else:
+                log.info("cached native kernels %s have no recorded hash (an older "
+                         "baton's build): rebuilding them", target)  # fmt: skip
+            target.unlink()
         _remove_orphans(cache_dir)
         # Build beside the target and rename: a reader never sees half a file.
         fd, tmp = tempfile.mkstemp(prefix=f"{BUILDING}{os.getpid()}-", suffix=".so", dir=cache_dir)
@@ -153,6 +178,8 @@ def _build(compiler: str, level: str) -> Path:
                 check=True,
                 preexec_fn=_die_with_parent,
             )
+            # The library's hash beside it first: a library without one is never loaded.
+            _digest_path(target).write_text(_file_digest(Path(tmp)))
             os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):

@@ -37,7 +37,13 @@ from baton.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from baton.server.request_body import MAX_BODY_BYTES, openapi_body, parse_body, validation_error
+from baton.server.request_body import (
+    MAX_BODY_BYTES,
+    BodyLimits,
+    openapi_body,
+    parse_body,
+    validation_error,
+)
 from baton.server.response_body import (
     chat_chunks,
     chat_logprobs,
@@ -57,12 +63,12 @@ def _error(exc: ApiError) -> JSONResponse:
 @dataclass
 class _Server:
     """What the routes share, kept on ``app.state.server``: the engine, the served model's
-    name, the platform ``/health`` reports, the body limit and the Prometheus metrics."""
+    name, the platform ``/health`` reports, the body limits and the Prometheus metrics."""
 
     engine: AsyncEngine
     model_name: str
     platform_info: dict | None
-    max_body_bytes: int
+    limits: BodyLimits
     tokenizer: Any
     metrics: ServerMetrics
 
@@ -76,8 +82,9 @@ def build_app(
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
     ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
+    limits = BodyLimits(max_body_bytes, max_prompt_ids=engine.max_model_len)
     app.state.server = _Server(
-        engine, model_name, platform_info, max_body_bytes, engine.tokenizer, ServerMetrics()
+        engine, model_name, platform_info, limits, engine.tokenizer, ServerMetrics()
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
@@ -121,7 +128,7 @@ async def _internal(_: Request, exc: Exception) -> JSONResponse:
 # -- routes (no docstrings: FastAPI would publish them in /openapi.json) ---------------------
 async def _completions(request: Request) -> Response:
     server = _server(request)
-    req: CompletionRequest = await parse_body(request, CompletionRequest, server.max_body_bytes)
+    req: CompletionRequest = await parse_body(request, CompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
     outputs, headers = await _run(server, req.engine_prompt(), params, _route(request))
@@ -146,9 +153,7 @@ async def _completions(request: Request) -> Response:
 
 async def _chat_completions(request: Request) -> Response:
     server = _server(request)
-    req: ChatCompletionRequest = await parse_body(
-        request, ChatCompletionRequest, server.max_body_bytes
-    )
+    req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
     prompt = _chat_prompt(server.tokenizer, req)
