@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -97,16 +98,22 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
         added = time.monotonic()
         while time.monotonic() < added + 2.5:  # a stalled prefill still answers pings
             assert client.step() == []
-        stalled.proc.kill()
-        stalled.proc.wait()
-        killed = time.monotonic()
-        out = _run(client, timeout_s=10.0)[room]
-        assert out.outputs[0].finish_reason == "error"
-        assert time.monotonic() - killed < deadlines.peer_silence_s + 3.0
-        assert "answered nothing" in out.error
-        assert stalled.endpoint not in client.links
-        _drain_releases(client, timeout_s=5.0)
+        # Silent but connected (a killed one is seen at once: test_pd_processes).
+        os.kill(stalled.proc.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            out = _run(client, timeout_s=10.0)[room]
+            assert out.outputs[0].finish_reason == "error"
+            assert time.monotonic() - stopped < deadlines.peer_silence_s + 3.0
+            assert "answered nothing" in out.error
+        finally:
+            os.kill(stalled.proc.pid, signal.SIGCONT)  # it answers the Fence: units back
+        _drain_releases(client, timeout_s=10.0)
         assert _free_units(client.engine) == start_free
+        deadline = time.monotonic() + 5
+        while stalled.endpoint in client.links:  # settled: the fenced link closes
+            assert time.monotonic() < deadline
+            client.step()
 
         # The next request names a live prefill and is served.
         fresh = spawn_prefill()

@@ -14,6 +14,7 @@ import logging
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from baton.transfer.channel import MALFORMED, MAX_FRAME_BYTES, Endpoint
 from baton.transfer.protocol import Message, encode
@@ -57,12 +58,36 @@ class ControlClient(Endpoint):
         self._session: Session | None = None
         self._queued: list[bytes] = []
         """Payloads sent before the session exists."""
+        # Connection events: a prefill whose process ends (killed, restarted) closes its end
+        # of the TCP connection at once, on any host; zmq then reconnects by itself, so
+        # without this a dead prefill was seen only after peer_silence_s of silence.
+        self._monitor: zmq.Socket | None = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._disconnected = False
         try:
             self._socket.connect(endpoint)
         except zmq.ZMQError:
             self.close()
             raise
         self._send(open_frames(self._token, self._nonce), self._peer)
+
+    def connection_closed(self) -> bool:
+        """Whether the prefill's end closed an established connection since this client
+        connected (whatever zmq reconnected to since is another process, or none)."""
+        while not self._disconnected and self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self._disconnected = event["event"] == zmq.EVENT_DISCONNECTED
+        return self._disconnected
+
+    def close(self) -> None:
+        if self._monitor is not None and not self._socket.closed:
+            self._socket.disable_monitor()
+        if self._monitor is not None:
+            self._monitor.close(linger=0)
+            self._monitor = None
+        super().close()
 
     @property
     def has_session(self) -> bool:

@@ -4,7 +4,9 @@ Owns one ``ControlClient`` per prefill endpoint and the pairing on it: a blockin
 (``DecodeEngine`` construction) or a pairing on the way (Hello queued ahead of the first
 request on the same ordered channel, answered later), the check of the HelloAck, and
 liveness -- a ping every ``Deadlines.ping_interval_s`` to each prefill that owes decode
-state, and the verdict on links that never answered the handshake or went silent. What a
+state, and the verdict on links that never answered the handshake, whose prefill is gone
+(its process exited, same host; it closed the connection, any host: seen at once) or that
+went silent (``peer_silence_s``: a prefill alive but not answering). What a
 failed link means for its requests is ``DecodeRooms``' business; this module only reports
 the link and why, and keeps the link's fence state (``PrefillLink.epoch``, ``fenced``) and
 whether the prefill's process is known to be gone (``is_gone``: only where both share a
@@ -157,6 +159,10 @@ class PrefillLinks:
                 continue  # failed already; DecodeRooms resends its Fence instead of pings
             if link.peer is None and now > link.hello_deadline:
                 failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
+            elif link.peer is not None and (gone := self._gone(link)) is not None:
+                # Seen at once, owing state or not: a restarted prefill at the same endpoint
+                # is a new peer, paired afresh (the link closes once nothing is quarantined).
+                failed.append((link, f"the prefill at {link.endpoint} {gone}"))
             elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
                 silence = self.deadlines.peer_silence_s
                 failed.append((link, f"the prefill at {link.endpoint} answered nothing for "
@@ -170,6 +176,16 @@ class PrefillLinks:
                 link.last_ping = now
                 link.client.send(Ping(seq=link.ping_seq))
         return failed
+
+    @staticmethod
+    def _gone(link: PrefillLink) -> str | None:
+        """How a paired prefill is known to be gone: its process exited (same host), or it
+        closed the connection (any host); None while neither is seen."""
+        if link.is_gone():
+            return "exited (its process is gone)"
+        if link.client.connection_closed():
+            return "closed the control connection (its process ended or restarted)"
+        return None
 
     def close(self, link: PrefillLink) -> None:
         """Forget ``link`` (queued messages are dropped); a later request pairs afresh."""
