@@ -179,6 +179,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--decode", action="append", help="a decode's HTTP URL (repeatable)")
     router.add_argument("--policy", default="round_robin", choices=_policy_names())
     _add_log_args(router)
+    router.add_argument(
+        "--token-env", default="BATON_PD_TOKEN",
+        help="env var with the deployment's PD token: it signs the routing headers, which a "
+        "decode takes from nobody else",
+    )  # fmt: skip
     router.add_argument("--max-body-mb", type=float, default=16.0,
                         help="largest request body relayed (413 past it), in MiB")  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")

@@ -72,7 +72,9 @@ def serve(args: argparse.Namespace) -> int:
     engine = AsyncEngine(core, fail_after_steps=fault, keep_warm_s=config.keep_warm_s)
     name = args.served_model_name or Path(args.model).name
     try:
-        app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20))
+        route_token = _route_token(args) if args.role == "decode" else None
+        app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20),
+                        route_token)  # fmt: skip
         server = http_server(app, args.host, args.port, log_level=args.uvicorn_log_level,
                              access_log=args.access_log,
                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
@@ -204,6 +206,14 @@ def _unreachable_transfer_host(args: argparse.Namespace) -> str | None:
         f"and {flag} {bound!r} is a wildcard: give --transfer-host ADDRESS, one the other "
         "hosts reach this host at"
     )
+
+
+def _route_token(args: argparse.Namespace) -> bytes | None:
+    """The decode's PD token, which a router's routing headers must be signed with."""
+    from baton.config import read_secret_env
+
+    token = read_secret_env(args.token_env)
+    return token.encode() if token else None
 
 
 def _deadlines(args: argparse.Namespace):

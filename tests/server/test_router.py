@@ -450,3 +450,42 @@ def test_prefix_affinity_keeps_a_prefix_on_one_decode(deployment, offline):
     finally:
         d.stop("router-affinity")
         d.stop("decode-b")
+
+
+def test_a_decode_takes_routing_headers_only_signed_by_the_deployments_token(deployment):
+    """Issue 46: anyone who reached a decode's port could name prefills and rooms (300
+    requests naming dead endpoints held its capacity for 30 s). Now the routing headers
+    count only with the router's signature: a forged, unsigned, stale or tampered route is
+    a 403 and reserves nothing; a signed one is served."""
+    import time as _time
+
+    from baton.server.protocol import (
+        LOCAL_PREFILL_HEADER,
+        PREFILL_HEADER,
+        ROOM_HEADER,
+        ROUTE_MAC_HEADER,
+        sign_route,
+    )
+
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    url = deployment.decode + "/v1/completions"
+    forged = {PREFILL_HEADER: "tcp://127.0.0.1:9", ROOM_HEADER: "12345"}
+    token = deployment.env["BATON_PD_TOKEN"].encode()
+    stale, tampered = dict(forged), dict(forged)
+    sign_route(token, stale, _time.time() - 3600)
+    sign_route(token, tampered, _time.time())
+    tampered[ROOM_HEADER] = "12346"
+    wrong = dict(forged)
+    sign_route(b"another deployment's token", wrong, _time.time())
+    for headers, says in [(forged, "missing"), (stale, "off this host's clock"),
+                          (tampered, "does not match"), (wrong, "does not match")]:  # fmt: skip
+        resp = httpx.post(url, json=body, headers=headers, timeout=30)
+        assert resp.status_code == 403, resp.text
+        assert says in resp.json()["error"]["message"]
+    local = {LOCAL_PREFILL_HEADER: "no_healthy_prefill"}
+    sign_route(token, local, _time.time())
+    assert ROUTE_MAC_HEADER in local
+    resp = httpx.post(url, json=body, headers=local, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-baton-handoff"] == "local_prefill; reason=no_healthy_prefill"
+    assert httpx.post(url, json=body, timeout=30).status_code == 200  # no route: its own

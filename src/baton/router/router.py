@@ -40,6 +40,7 @@ import contextlib
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
 
 import httpx
@@ -52,7 +53,13 @@ from baton.router.admin import add_admin_routes
 from baton.router.metrics import RouterMetrics
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
 from baton.router.relay import ClientGone, Release, prefill_failure, relay
-from baton.server.protocol import LOCAL_PREFILL_HEADER, PREFILL_HEADER, ROOM_HEADER, ApiError
+from baton.server.protocol import (
+    LOCAL_PREFILL_HEADER,
+    PREFILL_HEADER,
+    ROOM_HEADER,
+    ApiError,
+    sign_route,
+)
 from baton.server.request_body import MAX_BODY_BYTES, read_body
 
 logger = logging.getLogger("baton.router")
@@ -83,10 +90,14 @@ class Router:
         admin_token: str | None = None,
         health_interval_s: float = HEALTH_INTERVAL_S,
         max_body_bytes: int = MAX_BODY_BYTES,
+        route_token: str | None = None,
     ) -> None:
         """``max_body_bytes``: the largest request body relayed (a 413 past it, refused as
-        soon as it is known: one 1 GiB body took a router to 3.25 GB before)."""
+        soon as it is known: one 1 GiB body took a router to 3.25 GB before).
+        ``route_token``: the deployment's PD token, which signs the routing headers
+        (a decode takes them from nobody else); None: unsigned."""
         self.max_body_bytes = max_body_bytes
+        self.route_token = route_token.encode() if route_token else None
         self.table = InstanceTable()
         self.policies = {role: make_policy(policy) for role in ROLES}
         self.policy_name = policy
@@ -245,6 +256,8 @@ class Router:
         else:
             assert prefill.pd_endpoint is not None
             headers[PREFILL_HEADER] = prefill.pd_endpoint
+        if self.route_token is not None:
+            sign_route(self.route_token, headers, time.time())
         upstream = self.http.build_request("POST", f"{decode.url}{path}", content=body,
                                            headers=headers)  # fmt: skip
         task = asyncio.ensure_future(self.http.send(upstream, stream=True))

@@ -36,6 +36,7 @@ from baton.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    route_problem,
 )
 from baton.server.request_body import (
     MAX_BODY_BYTES,
@@ -71,6 +72,8 @@ class _Server:
     limits: BodyLimits
     tokenizer: Any
     metrics: ServerMetrics
+    route_token: bytes | None = None
+    """A PD decode's token: routing headers count only when a router signed them with it."""
 
 
 def build_app(
@@ -78,13 +81,16 @@ def build_app(
     model_name: str,
     platform_info: dict | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
+    route_token: bytes | None = None,
 ) -> FastAPI:
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
-    ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413)."""
+    ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413);
+    ``route_token`` (a PD decode): the routing headers count only when signed with it
+    (``protocol.route_problem``; a 403 otherwise)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
     limits = BodyLimits(max_body_bytes, max_prompt_ids=engine.max_model_len)
     app.state.server = _Server(
-        engine, model_name, platform_info, limits, engine.tokenizer, ServerMetrics()
+        engine, model_name, platform_info, limits, engine.tokenizer, ServerMetrics(), route_token
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _request_validation)
@@ -283,6 +289,9 @@ async def _observed(
 
 
 def _route(request: Request) -> dict:
+    token = _server(request).route_token
+    if token is not None and (problem := route_problem(token, request.headers, time.time())):
+        raise ApiError(problem, 403, type="permission_error")
     route: dict[str, Any] = {}
     if prefill := request.headers.get(PREFILL_HEADER):
         route["prefill"] = prefill
