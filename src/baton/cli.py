@@ -77,6 +77,7 @@ def _router(args: argparse.Namespace) -> int:
             health_interval_s=args.health_interval,
             max_body_bytes=int(args.max_body_mb * 2**20),
             route_token=read_secret_env(args.token_env) or None,
+            launch_id=args.launch_id,
         )  # fmt: skip
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

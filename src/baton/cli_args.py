@@ -184,6 +184,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
         help="env var with the deployment's PD token: it signs the routing headers, which a "
         "decode takes from nobody else",
     )  # fmt: skip
+    router.add_argument("--launch-id", default=None, help=argparse.SUPPRESS)  # baton launch's
     router.add_argument("--max-body-mb", type=float, default=16.0,
                         help="largest request body relayed (413 past it), in MiB")  # fmt: skip
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")

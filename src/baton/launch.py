@@ -100,9 +100,10 @@ def launch(
         for child, url in zip(supervisor.children, workers["prefill"] + workers["decode"],
                               strict=True):  # fmt: skip
             _wait_healthy(child, url, supervisor, stop, ready_timeout_s)
+        launch_id = secrets.token_hex(8)  # its router says it in /health: ours, not another's
         url, token_path = _start_router(supervisor, workers, env, admin_dir, host, port, policy,
-                                        log_args)  # fmt: skip
-        _wait_healthy(supervisor.children[-1], url, supervisor, stop, ready_timeout_s)
+                                        [*log_args, "--launch-id", launch_id])  # fmt: skip
+        _wait_healthy(supervisor.children[-1], url, supervisor, stop, ready_timeout_s, launch_id)
         if not stop.is_set():
             _print_banner(url, served_model_name or Path(model).name, workers, token_path)
         return _watch(supervisor, stop)
@@ -219,9 +220,11 @@ def _free_port() -> int:
 
 
 def _wait_healthy(
-    child: Child, url: str, supervisor: Supervisor, stop: threading.Event, timeout_s: float
-) -> None:
-    """Wait until ``child`` answers 200 at ``url``/health; a child that exits or stays
+    child: Child, url: str, supervisor: Supervisor, stop: threading.Event, timeout_s: float,
+    launch_id: str | None = None,
+) -> None:  # fmt: skip
+    """Wait until ``child`` answers 200 at ``url``/health (with ``launch_id``: saying it, or
+    another server answers there and the launch fails at once); a child that exits or stays
     unready past ``timeout_s`` (``--ready-timeout``) fails the launch, named."""
     deadline = time.monotonic() + timeout_s
     while not stop.is_set():
@@ -232,9 +235,17 @@ def _wait_healthy(
             )
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
+                if response.status == 200 and launch_id is None:
                     return
-        except (urllib.error.URLError, OSError):
+                if response.status == 200:
+                    answered = json.loads(response.read() or b"{}").get("launch_id")
+                    if answered == launch_id:
+                        return
+                    raise LaunchError(
+                        f"{url} is answered by another server, not this launch's {child.name} "
+                        "(another deployment on that port?): choose another with --port"
+                    )
+        except (urllib.error.URLError, OSError, ValueError):
             pass
         if time.monotonic() > deadline:
             raise LaunchError(

@@ -367,3 +367,42 @@ def test_version_and_positional_prompts():
     assert proc.returncode == 0 and proc.stdout.startswith("baton ")
     args = build_parser().parse_args(["generate", "a b", "--prompt", "c"])
     assert (args.prompts, args.prompt) == (["a b"], ["c"])
+
+
+def test_launch_waits_for_its_own_router_not_whatever_answers_its_port():
+    """Issue 46: a second launch on a busy port reported ready -- the first deployment's
+    router answered. Readiness is the router's /health naming this launch's id."""
+    import http.server
+    import threading
+
+    from baton import launch
+    from baton.supervisor import Child
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = b'{"status": "ok", "launch_id": "someone-else"}'
+            self.send_response(200)
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    class Alive:
+        def dead(self):
+            return None
+
+    child = Child("router", [], {})
+    try:
+        start = time.monotonic()
+        with pytest.raises(launch.LaunchError, match="another server.*--port"):
+            launch._wait_healthy(child, url, Alive(), threading.Event(), 30, "mine")
+        assert time.monotonic() - start < 5
+        launch._wait_healthy(child, url, Alive(), threading.Event(), 30, "someone-else")
+    finally:
+        server.shutdown()

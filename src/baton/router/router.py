@@ -91,12 +91,16 @@ class Router:
         health_interval_s: float = HEALTH_INTERVAL_S,
         max_body_bytes: int = MAX_BODY_BYTES,
         route_token: str | None = None,
+        launch_id: str | None = None,
     ) -> None:
         """``max_body_bytes``: the largest request body relayed (a 413 past it, refused as
         soon as it is known: one 1 GiB body took a router to 3.25 GB before).
         ``route_token``: the deployment's PD token, which signs the routing headers
         (a decode takes them from nobody else); None: unsigned."""
         self.max_body_bytes = max_body_bytes
+        self.launch_id = launch_id
+        """``baton launch``'s id for this run, in ``/health``: the launcher waits for its own
+        router, not whatever else answers on the port."""
         self.route_token = route_token.encode() if route_token else None
         self.table = InstanceTable()
         self.policies = {role: make_policy(policy) for role in ROLES}
@@ -350,8 +354,10 @@ async def _health(request: Request) -> Response:
     router: Router = request.app.state.router
     counts = {role: len(router.table.healthy(role)) for role in ROLES}
     if counts["decode"]:  # with no prefill healthy, decodes compute prompts themselves
-        return JSONResponse({"status": "ok" if all(counts.values()) else "degraded",
-                             "healthy": counts})  # fmt: skip
+        body = {"status": "ok" if all(counts.values()) else "degraded", "healthy": counts}
+        if router.launch_id:
+            body["launch_id"] = router.launch_id
+        return JSONResponse(body)
     error = ApiError("no healthy decode instance", 503, type="server_error")
     return JSONResponse(error.body(), status_code=503)
 
