@@ -80,7 +80,10 @@ class Tokenizer:
         tokenizer_file = path / TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise ValueError(f"no {TOKENIZER_FILE} in {path} (looked for {tokenizer_file})")
-        backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        try:
+            backend = _BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the tokenizers library raises plain Exception
+            raise ValueError(f"{tokenizer_file}: not a readable tokenizer ({e})") from e
         config = _read_json_if_present(path / TOKENIZER_CONFIG_FILE)
         generation = _read_json_if_present(path / GENERATION_CONFIG_FILE)
         add_bos = config.get("add_bos_token")

@@ -111,3 +111,20 @@ def test_draft_spec_rejects_unknown_fields():
         DraftSpec.from_json({"sliding_window": 8, "bogus": 1})
     with pytest.raises(ValueError, match="sliding_window"):
         DraftSpec(sliding_window=0)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "tokenizer.json"])
+def test_a_truncated_checkpoint_file_is_named_in_the_error(tmp_path, damaged):
+    """Issue 46: a truncated safetensors or tokenizer file raised the library's bare message
+    ('incomplete metadata'), not which file."""
+    import os
+    import shutil
+
+    from baton.engine.engine import LLMEngine
+    from tests.conftest import BUNDLED
+
+    model = tmp_path / "model"
+    shutil.copytree(BUNDLED, model)
+    os.truncate(model / damaged, os.path.getsize(model / damaged) // 2)
+    with pytest.raises(ValueError, match=f"{damaged}: not a readable"):
+        LLMEngine(model)

@@ -8,14 +8,17 @@ a missing or unexpected tensor is a ``ValueError`` naming it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -78,12 +81,27 @@ def _weight_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json")
 
 
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator[Any]:
+    """``safe_open`` of ``path``; a damaged file (truncated, not safetensors) is a
+    ``ValueError`` naming it, not the library's bare 'incomplete metadata'."""
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from e
+    with handle as f:
+        try:
+            yield f
+        except SafetensorError as e:
+            raise ValueError(f"{path}: a tensor could not be read ({e})") from e
+
+
 def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") -> None:
     """Copy every tensor of ``files`` into ``module``'s parameters of the same name."""
     params = dict(module.named_parameters())  # tied weights appear once
     loaded: set[str] = set()
     for path in files:
-        with safe_open(str(path), framework="pt") as f:
+        with _opened(path) as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name = key[len(prefix) :] if key.startswith(prefix) else None
                 if name is None or name.endswith(IGNORED_SUFFIXES):
