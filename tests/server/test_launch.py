@@ -406,3 +406,43 @@ def test_launch_waits_for_its_own_router_not_whatever_answers_its_port():
         launch._wait_healthy(child, url, Alive(), threading.Event(), 30, "someone-else")
     finally:
         server.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir(SHM_DIR), reason="needs Linux /dev/shm")
+def test_two_launches_on_a_busy_machine_build_the_kernels_once_and_get_ready(
+    text_model_dir, tmp_path
+):
+    """Issue 39's first contact: the first ``make launch`` on a busy machine timed out (two
+    workers compiling the same library at once, 183 s at load 5-18). Here every core is
+    held by a busy loop and two launches start against one empty kernel cache: both become
+    ready, and the kernels are built once (one launcher builds, the other waits for it)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(len(os.sched_getaffinity(0)))]  # fmt: skip
+    env = {"BATON_KERNEL_CACHE": str(tmp_path / "kernels")}
+    launches = []
+    try:
+        for i in range(2):
+            (tmp_path / f"launch-{i}").mkdir()
+            launches.append(_start_launch(text_model_dir, tmp_path / f"launch-{i}",
+                                          ["--dtype", "float32"], env))  # fmt: skip
+        deadline = time.monotonic() + 540
+        for proc, out_path, err_path in launches:
+            while "serving the OpenAI API at" not in out_path.read_text():
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline, err_path.read_text()
+                time.sleep(0.5)
+        said = "".join(err.read_text() for _, _, err in launches)
+        assert said.count("building native kernels for") == 1, said
+        for proc, _, err_path in launches:
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(60) == 0, err_path.read_text()
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+        for proc, _, _ in launches:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
