@@ -207,3 +207,26 @@ def test_a_prefix_hit_without_the_draft_state_shows_in_early_acceptance(held_out
     tokens_skip, accepted_skip, _ = run(debug_prefix_cache_skip_draft=True)
     assert tokens_skip == tokens
     assert early(accepted_skip) < early(accepted) - 0.2
+
+
+def test_the_bundled_model_is_found_by_name_from_any_directory(tmp_path):
+    """Issue 39: ``LLM("models/baton-stdlib-qwen3")`` worked only from the repository root."""
+    import subprocess
+    import sys
+
+    from baton.config import BUNDLED_MODEL_DIR, resolve_model_dir
+
+    assert resolve_model_dir("baton-stdlib-qwen3") == BUNDLED_MODEL_DIR
+    assert resolve_model_dir(tmp_path) == tmp_path  # a path is taken as given
+    (tmp_path / "baton-stdlib-qwen3").mkdir()  # a directory of that name here wins
+    code = ("import os; from baton.config import resolve_model_dir; "
+            "print(resolve_model_dir('baton-stdlib-qwen3'))")  # fmt: skip
+    here = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    assert here == "baton-stdlib-qwen3"
+    elsewhere = subprocess.run(
+        [sys.executable, "-m", "baton", "generate", "--model", "baton-stdlib-qwen3",
+         "--max-tokens", "4", "def f(x):"],
+        cwd=tmp_path / "baton-stdlib-qwen3", capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert elsewhere.returncode == 0, elsewhere.stderr

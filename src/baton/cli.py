@@ -207,6 +207,10 @@ value): one ``error:`` line and exit status 2, the traceback only with ``--debug
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _, run = _COMMANDS[args.command]
+    if getattr(args, "model", None) and args.command in ("generate", "serve", "launch"):
+        from baton.config import resolve_model_dir
+
+        args.model = str(resolve_model_dir(args.model))  # the bundled model by its name
     try:
         if args.command in ("generate", "serve", "launch", "warmup"):
             from baton import platform

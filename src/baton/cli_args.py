@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[2] / "models" / "baton-stdlib-qwen3"
+from baton.config import BUNDLED_MODEL_DIR as BUNDLED_MODEL  # light: no torch
 
 
 def _add_log_args(p: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 SLIDING_MODES = ("paged", "ring")
@@ -23,6 +24,21 @@ DTYPES = ("auto", "float32", "bfloat16")
 """``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 """``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
+
+
+BUNDLED_MODEL_NAME = "baton-stdlib-qwen3"
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / BUNDLED_MODEL_NAME
+"""The model the repository ships; ``LLM("baton-stdlib-qwen3")`` and ``--model
+baton-stdlib-qwen3`` find it from any directory (``resolve_model_dir``)."""
+
+
+def resolve_model_dir(model: str | os.PathLike[str]) -> Path:
+    """``model`` as a directory: the path as given, or -- when nothing is there and it is
+    the bundled model's name -- the bundled model."""
+    path = Path(model)
+    if not path.exists() and str(model) == BUNDLED_MODEL_NAME and BUNDLED_MODEL_DIR.is_dir():
+        return BUNDLED_MODEL_DIR
+    return path
 
 
 @dataclass(frozen=True)

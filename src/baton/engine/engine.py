@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from baton import kernels, platform
-from baton.config import EngineConfig, RuntimeEnv
+from baton.config import EngineConfig, RuntimeEnv, resolve_model_dir
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestOutput
@@ -73,7 +73,7 @@ class LLMEngine(RequestIntake, StatsKeeper):
     ) -> None:
         """``allocator`` places the pools' storage (shared memory for a PD decode worker);
         ``extra_state`` adds per-request state components beside the model's pools."""
-        self.model_dir = Path(model_dir)
+        self.model_dir = model_dir = resolve_model_dir(model_dir)  # the bundled one by name
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
