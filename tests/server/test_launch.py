@@ -417,7 +417,8 @@ def test_two_launches_on_a_busy_machine_build_the_kernels_once_and_get_ready(
     """Issue 39's first contact: the first ``make launch`` on a busy machine timed out (two
     workers compiling the same library at once, 183 s at load 5-18). Here every core is
     held by a busy loop and two launches start against one empty kernel cache: both become
-    ready, and the kernels are built once (one launcher builds, the other waits for it)."""
+    ready, and the kernels are built once (one launcher builds, the other waits for it);
+    then both stay quiet for 30 s."""
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(len(os.sched_getaffinity(0)))]  # fmt: skip
     env = {"BATON_KERNEL_CACHE": str(tmp_path / "kernels")}
@@ -435,6 +436,10 @@ def test_two_launches_on_a_busy_machine_build_the_kernels_once_and_get_ready(
                 time.sleep(0.5)
         said = "".join(err.read_text() for _, _, err in launches)
         assert said.count("building native kernels for") == 1, said
+        # Idle, neither says anything for 30 s (was ~1.5 lines a second: health checks).
+        outputs = [out.read_text() + err.read_text() for _, out, err in launches]
+        time.sleep(30)
+        assert [out.read_text() + err.read_text() for _, out, err in launches] == outputs
         for proc, _, err_path in launches:
             proc.send_signal(signal.SIGINT)
             assert proc.wait(60) == 0, err_path.read_text()
