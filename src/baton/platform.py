@@ -22,6 +22,7 @@ an illegal instruction).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform as _stdlib_platform
 from dataclasses import asdict, dataclass
@@ -175,3 +176,31 @@ def detect(env: RuntimeEnv | None = None) -> Platform:
 def current() -> Platform:
     """This process's platform, probed on first use."""
     return detect()
+
+
+# -- processes: facts the launcher, the kernel build and the shared-memory cleanup share --------
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """In a child between fork and exec: ``sig`` when its parent dies (Linux's
+    ``PR_SET_PDEATHSIG``); False where the system has no such thing."""
+    if _prctl is None:
+        return False
+    _prctl(_PR_SET_PDEATHSIG, sig)
+    return True
+
+
+def is_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -15,7 +15,6 @@ It owns processes only: what they run is ``baton.launch``'s business.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,18 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from baton.platform import set_parent_death_signal
+
 STOP_TIMEOUT_S = 10.0
 """SIGTERM, then this long before SIGKILL."""
 BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
 """Waits before the 1st, 2nd, ... restart in a row of one child."""
 STABLE_S = 60.0
 """A child up this long has recovered: its next crash restarts it after the first wait."""
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
 
 
 @dataclass
@@ -111,10 +106,9 @@ class Supervisor:
         cpus = child.cpus
 
         def in_child() -> None:  # after fork, before exec: no allocation-heavy work here
-            if _prctl is not None:
-                _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-                if os.getppid() != parent:  # the launcher died before the line above
-                    os.kill(os.getpid(), signal.SIGTERM)
+            # the launcher may have died before the signal was set: then go now
+            if set_parent_death_signal(signal.SIGTERM) and os.getppid() != parent:
+                os.kill(os.getpid(), signal.SIGTERM)
             if cpus:
                 os.sched_setaffinity(0, cpus)
 

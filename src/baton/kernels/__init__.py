@@ -99,32 +99,14 @@ def _remove_orphans(cache_dir: Path) -> None:
     the caller holds the build lock, so no live build of this library is among them."""
     for path in cache_dir.glob(f"{BUILDING}*.so"):
         pid = path.name[len(BUILDING) :].split("-", 1)[0]
-        if pid.isdigit() and not _is_alive(int(pid)):
+        if pid.isdigit() and not platform.is_alive(int(pid)):
             path.unlink(missing_ok=True)
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-_PR_SET_PDEATHSIG = 1
-try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
 
 
 def _die_with_parent() -> None:
     """In the compiler's process, before exec: killed when the process that started it
     dies (a worker killed with its launcher left its compiler running)."""
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    platform.set_parent_death_signal(signal.SIGKILL)
 
 
 def _build(compiler: str, level: str) -> Path:

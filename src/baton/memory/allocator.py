@@ -45,6 +45,8 @@ from typing import Protocol
 
 import torch
 
+from baton.platform import is_alive
+
 SHM_DIR = "/dev/shm"
 """Where Linux exposes POSIX shared-memory segments as files (tests look for leaks here)."""
 
@@ -187,7 +189,7 @@ def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
     removed = []
     for name in sorted(os.listdir(shm_dir)):
         match = _OWNER_PID.match(name)
-        if match is None or _is_alive(int(match.group(1))):
+        if match is None or is_alive(int(match.group(1))):
             continue
         with contextlib.suppress(FileNotFoundError):  # another decode removed it first
             os.unlink(os.path.join(shm_dir, name))
@@ -198,16 +200,6 @@ def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
             len(removed), removed[0],
         )  # fmt: skip
     return removed
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class SharedMemoryAllocator:
