@@ -245,7 +245,7 @@ class Router:
 
     async def _send(
         self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
-        body: bytes, local_reason: HandoffReason = HandoffReason.NO_HEALTHY_PREFILL,
+        body: bytes, local_reason: HandoffReason,
     ) -> httpx.Response:  # fmt: skip
         """The decode's response head, or ``ClientGone`` if the client left while waiting.
         Without ``prefill`` decode is told to compute the prompt itself and why
