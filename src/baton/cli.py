@@ -21,6 +21,7 @@ from pathlib import Path
 
 from baton import cli_args
 from baton.cli_serve import engine_options, serve
+from baton.platform import EXIT_PORT_IN_USE, PortInUse
 
 DEFAULT_PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
 
             platform.current()  # a bad BATON_CPU_ISA is an error line, not a traceback
         return run(args)
+    except PortInUse as e:  # not restarted by a supervisor (launch): nothing else will bind
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_PORT_IN_USE
     except USER_ERRORS as e:
         if args.debug:
             raise

@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+
+from baton.platform import listen_socket
 
 WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 """Bind addresses that name every interface: nothing a peer could be told to connect to."""
@@ -46,11 +49,8 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def serve(args: argparse.Namespace) -> int:
 
-    from baton.config import EngineConfig, RuntimeEnv
-    from baton.server.api import build_app
-    from baton.server.async_engine import AsyncEngine
+    from baton.config import EngineConfig
     from baton.server.http import configure_logging
-    from baton.server.http import server as http_server
 
     if (problem := _unreachable_transfer_host(args)) is not None:
         print(f"error: {problem}", file=sys.stderr)
@@ -58,8 +58,21 @@ def serve(args: argparse.Namespace) -> int:
     # the engine's start-up line (platform, dtype) and the PD layers' warnings
     args.uvicorn_log_level = configure_logging(args.role, args.log_level, args.access_log)
     config = EngineConfig.from_kwargs(**engine_options(args))
-    if args.role == "prefill":
-        return _serve_prefill(args, config)
+    # NOTE: the port first: a taken one is an error line (exit EXIT_PORT_IN_USE, which a
+    # supervisor does not restart) before minutes of loading, not after.
+    with listen_socket(args.host, args.port) as listener:
+        if args.role == "prefill":
+            return _serve_prefill(args, config, listener)
+        return _serve_engine(args, config, listener)
+
+
+def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> int:
+    """A colocated engine or a PD decode behind the OpenAI API on ``listener``."""
+    from baton.config import RuntimeEnv
+    from baton.server.api import build_app
+    from baton.server.async_engine import AsyncEngine
+    from baton.server.http import server as http_server
+
     if args.role == "decode":
         core = _decode_engine(args, config)
         if core is None:
@@ -75,7 +88,8 @@ def serve(args: argparse.Namespace) -> int:
         route_token = _route_token(args) if args.role == "decode" else None
         app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20),
                         route_token)  # fmt: skip
-        server = http_server(app, args.host, args.port, log_level=args.uvicorn_log_level,
+        server = http_server(app, args.host, args.port, listener,
+                             log_level=args.uvicorn_log_level,
                              access_log=args.access_log,
                              timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
         # A failed engine stops the server: the process exits non-zero (below) for a
@@ -140,7 +154,7 @@ def _decode_engine(args: argparse.Namespace, config):
         return None
 
 
-def _serve_prefill(args: argparse.Namespace, config) -> int:
+def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) -> int:
     """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
     import json
 
@@ -158,7 +172,7 @@ def _serve_prefill(args: argparse.Namespace, config) -> int:
         transfer_host=_transfer_host(args),
     )  # fmt: skip
     loop = PrefillLoop(server)
-    http = http_server(build_prefill_app(loop), args.host, args.port,
+    http = http_server(build_prefill_app(loop), args.host, args.port, listener,
                        log_level=args.uvicorn_log_level, access_log=args.access_log,
                        timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
     # A failed loop stops the server and the process exits 1 (see serve), never a prefill

@@ -23,8 +23,10 @@ an illegal instruction).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform as _stdlib_platform
+import socket
 from dataclasses import asdict, dataclass
 from functools import cache
 from pathlib import Path
@@ -204,3 +206,28 @@ def is_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+EXIT_PORT_IN_USE = 98
+"""A server's exit status when a port it must listen on is taken (EADDRINUSE's number on
+Linux): ``baton launch``'s supervisor does not restart such a child, it stops the launch."""
+
+
+class PortInUse(OSError):
+    """A port a server must listen on is taken; the message names the port and its flag."""
+
+
+def listen_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``SO_REUSEADDR``, as uvicorn binds), not yet
+    listening. Raises ``PortInUse`` naming ``flag`` when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PortInUse(f"port {port} on {host} is in use; choose another with {flag}") from e
+        raise
+    return sock

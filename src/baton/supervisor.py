@@ -5,7 +5,8 @@ Each child is a ``python -m baton.cli ...`` process. It dies with the launcher, 
 launcher ends (``kill -9`` included): Linux's ``PR_SET_PDEATHSIG`` sends it SIGTERM when its
 parent goes, so no orphan keeps serving or keeps shared memory. A child that exits is
 started again after a backoff (1, 2, 4 ... 30 s; back to 1 s once a child has stayed up
-``STABLE_S``) unless restarting is off, in which case the launcher stops everything. While
+``STABLE_S``) unless restarting is off, in which case the launcher stops everything -- as
+it does when a child exits with ``EXIT_PORT_IN_USE`` (its port is taken: never restarted). While
 a child is down the router's health checks keep it out of the rotation; a restarted prefill
 is re-read at its new control endpoint. A decode killed hard leaves its shared-memory
 segments: they are removed (by its prefix) before it starts again.
@@ -23,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from baton.platform import set_parent_death_signal
+from baton.platform import EXIT_PORT_IN_USE, set_parent_death_signal
 
 STOP_TIMEOUT_S = 10.0
 """SIGTERM, then this long before SIGKILL."""
@@ -79,6 +80,8 @@ class Supervisor:
                 continue
             if not self.restart:
                 return f"child {child.name} exited with {child.proc.returncode}"
+            if child.proc.returncode == EXIT_PORT_IN_USE:  # it would fail the same way forever
+                return f"{child.name} cannot listen on its port (its error line above names it)"
             if child.restart_at is None:
                 if now - child.started_at >= STABLE_S:
                     child.num_quick_restarts = 0

@@ -36,3 +36,22 @@ def test_generated_requests_never_get_a_server_error(server):  # noqa: F811
 
         check()
     assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hostile_bodies_never_get_a_server_error_or_drop_the_connection(server, path):  # noqa: F811
+    """Issue 46: keys that are lone surrogates were a 500 that dropped the keep-alive
+    connection. Bodies schemathesis does not make (``fuzz_bodies``), on one connection."""
+    from tests.server.fuzz_bodies import CHAT, COMPLETION, bodies, check_answer
+
+    base = server[1]
+    valid = CHAT if "chat" in path else COMPLETION
+    with httpx.Client(base_url=base, timeout=60, limits=httpx.Limits(max_connections=1)) as client:
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(body=bodies(valid))
+        def check(body: bytes) -> None:
+            check_answer(client, "POST", path, body)
+
+        check()
+        assert client.get("/health").status_code == 200

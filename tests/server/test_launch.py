@@ -346,6 +346,41 @@ def test_launch_with_its_port_taken_fails_at_once_naming_the_flag(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "argv",
+    [["serve", "--port", "{port}"],
+     ["serve", "--role", "prefill", "--port", "0", "--pd-port", "{port}", "--token-env", "T"],
+     ["router", "--port", "{port}", "--decode", "http://127.0.0.1:9"]],
+    ids=["serve", "prefill-pd-port", "router"],
+)  # fmt: skip
+def test_a_server_on_a_taken_port_exits_98_and_launch_does_not_restart_it(argv):
+    """Issue 46: a child of ``baton launch`` that could not bind its port restarted forever
+    (uvicorn logs the bind error and exits 1). Now each server says which port and flag in
+    one line and exits ``EXIT_PORT_IN_USE``, which the supervisor does not restart."""
+    from baton.platform import EXIT_PORT_IN_USE
+    from baton.supervisor import Child, Supervisor
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [a.format(port=port) for a in argv]
+        env = {**os.environ, "T": "a-token"}
+        proc = subprocess.run([sys.executable, "-m", "baton", *args], capture_output=True,
+                              text=True, cwd=REPO, timeout=120, env=env)  # fmt: skip
+        assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr
+        flag = "--pd-port" if "--pd-port" in args else "--port"
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+        assert errors == [f"error: port {port} on 127.0.0.1 is in use; choose another with {flag}"]
+        assert "Traceback" not in proc.stderr
+        if argv[0] == "router":  # the supervisor's side, with restarting on
+            supervisor = Supervisor(restart=True)
+            child = supervisor.start(Child("router", args, env))
+            child.proc.wait(60)
+            assert "router cannot listen on its port" in supervisor.watch()
+            assert supervisor.num_restarts == 0 and child.restart_at is None
+
+
+@pytest.mark.parametrize(
     ("argv", "says"),
     [(["generate", "--model", "/nonexistent"], "/nonexistent/config.json not found"),
      (["generate", "--max-tokens", "100000", "def f(x):"], "exceeds the context")],

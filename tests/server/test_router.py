@@ -228,6 +228,39 @@ def test_bad_input_through_the_router(deployment, body, status, param):
     assert [_prefill_done(u) for u in deployment.prefills] == done_before
 
 
+@pytest.mark.parametrize("target", ["router", "decode", "prefill"])
+def test_hostile_bodies_on_every_app_of_a_deployment(deployment, target):
+    """Issue 46, item 7: the router, the PD decode (asked directly, unsigned) and the
+    prefill's HTTP side: generated bodies (``fuzz_bodies``) never get a 5xx, never drop
+    the kept-alive connection, and leave every worker healthy with no unit held."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from tests.server.fuzz_bodies import CHAT, COMPLETION, bodies, check_answer
+
+    base = {"router": deployment.router, "decode": deployment.decode,
+            "prefill": deployment.prefills[0]}[target]  # fmt: skip
+    paths = ["/v1/completions", "/v1/chat/completions"]
+    if target == "prefill":
+        paths = ["/health", "/metrics", "/v1/completions", "/admin/instances"]
+    with httpx.Client(base_url=base, timeout=60, limits=httpx.Limits(max_connections=1)) as http:
+        ok = httpx.post(deployment.router + "/v1/completions", json=COMPLETION, timeout=60)
+        assert ok.status_code == 200, ok.text  # and the units gauge exists on decode
+
+        @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(path=st.sampled_from(paths), method=st.sampled_from(["POST", "GET", "PUT"]),
+               data=st.data())  # fmt: skip
+        def check(path: str, method: str, data) -> None:
+            body = data.draw(bodies(CHAT if "chat" in path else COMPLETION))
+            check_answer(http, method, path, body)
+
+        check()
+    for url in [deployment.router, deployment.decode, *deployment.prefills]:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+    units = {k: v for k, v in _metrics(deployment.decode).items() if "units_in_use" in k}
+    assert units and not any(units.values()), units
+
+
 def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
     bad = deployment.start(  # pairing with the float32 decode is refused by dtype
         "prefill-bf16", "serve", "--role", "prefill", "--model", str(deployment.model_dir),

@@ -538,3 +538,55 @@ def test_a_prefill_restarted_on_the_same_port_is_a_new_peer_at_once(pd_dir, spaw
         out = _run(client, timeout_s=20.0)[room]
         assert out.error is None and out.outputs[0].token_ids == want
         assert time.monotonic() - start < 3.0  # was peer_silence_s (10 s), then a failure
+
+
+def test_named_dead_prefills_cannot_park_decode_units(pd_dir, prefill_server):
+    """Issue 46: requests naming prefill endpoints that never answer held decode's units for
+    ``peer_silence_s`` each. Now: a refused connection fails the pairing at once, the
+    endpoint then fails requests at once for ``PAIRING_RETRY_S``, at most
+    ``MAX_PAIRINGS_IN_FLIGHT`` endpoints pair at once (listeners that accept but never
+    answer), the live prefill serves throughout, and every unit comes back."""
+    import socket
+
+    from baton.transfer.prefill_links import MAX_PAIRINGS_IN_FLIGHT, PAIRING_RETRY_S
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"  # closed again: nothing listens
+    mute = [socket.create_server(("127.0.0.1", 0)) for _ in range(MAX_PAIRINGS_IN_FLIGHT + 1)]
+    prompt, params = _requests()[3]
+    deadlines = Deadlines(bootstrap_s=30.0, waiting_for_state_s=20.0, peer_silence_s=30.0)
+    try:
+        with _client(pd_dir, prefill_server.endpoint, deadlines) as client:
+            start_free = _free_units(client.engine)
+            room = client.add_request(prompt, params)
+            want = _run(client)[room].outputs[0].token_ids
+            start = time.monotonic()
+            room = client.add_request(prompt, params, prefill=dead)
+            out = _run(client)[room]
+            assert "nothing accepts connections at " + dead in out.error
+            assert time.monotonic() - start < 1.0  # was peer_silence_s
+            room = client.add_request(prompt, params, prefill=dead)
+            assert room not in client.routes  # failed on arrival: the next step says so
+            again = next(o for o in client.step() if o.request_id == room)
+            assert f"failed to pair less than {PAIRING_RETRY_S:g} s ago" in again.error
+            assert client.stats().handoffs[("failed", "prefill_unreachable")] == 2
+
+            endpoints = [f"tcp://127.0.0.1:{m.getsockname()[1]}" for m in mute]
+            rooms = [client.add_request(prompt, params, prefill=e) for e in endpoints]
+            good = client.add_request(prompt, params)
+            done = {}
+            deadline = time.monotonic() + 10
+            while good not in done or rooms[-1] not in done:
+                assert time.monotonic() < deadline
+                done.update({o.request_id: o for o in client.step() if o.finished})
+            assert "pairings with new prefills are under way" in done[rooms[-1]].error
+            assert done[good].error is None and done[good].outputs[0].token_ids == want
+            assert all(r not in done for r in rooms[:-1])  # still pairing, not failed
+            for room in rooms[:-1]:
+                client.abort_request(room)
+            _drain_releases(client, 10.0)
+            assert _free_units(client.engine) == start_free
+    finally:
+        for m in mute:
+            m.close()

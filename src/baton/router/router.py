@@ -47,6 +47,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.engine.outputs import HandoffReason
 from baton.router.admin import add_admin_routes
@@ -58,6 +59,7 @@ from baton.server.protocol import (
     PREFILL_HEADER,
     ROOM_HEADER,
     ApiError,
+    route_not_found,
     sign_route,
 )
 from baton.server.request_body import MAX_BODY_BYTES, read_body
@@ -293,6 +295,7 @@ def build_router_app(router: Router) -> FastAPI:
     app = FastAPI(title="baton router", docs_url=None, redoc_url=None, lifespan=_lifespan)
     app.state.router = router
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, route_not_found)
     app.add_api_route("/v1/completions", _completions, methods=["POST"], name="completions")
     app.add_api_route(
         "/v1/chat/completions", _chat_completions, methods=["POST"], name="chat_completions"

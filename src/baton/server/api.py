@@ -24,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
@@ -36,6 +37,7 @@ from baton.server.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    route_not_found,
     route_problem,
 )
 from baton.server.request_body import (
@@ -93,6 +95,7 @@ def build_app(
         engine, model_name, platform_info, limits, engine.tokenizer, ServerMetrics(), route_token
     )
     app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, route_not_found)
     app.add_exception_handler(RequestValidationError, _request_validation)
     app.add_exception_handler(EngineFailed, _engine_failure)
     app.add_exception_handler(Exception, _internal)

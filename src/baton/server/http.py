@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from baton.platform import listen_socket
 
 REQUEST_READ_TIMEOUT_S = 30.0
 """From a request's first byte (or the connection's opening) to its last."""
@@ -61,12 +64,31 @@ class ReadDeadlineH11Protocol(H11Protocol):
             self.transport.close()
 
 
-def server(app: Any, host: str, port: int, **options: Any) -> uvicorn.Server:
+class _BoundServer(uvicorn.Server):
+    """A uvicorn server on a socket bound before it starts (``server``)."""
+
+    def __init__(self, config: uvicorn.Config, listener: socket.socket) -> None:
+        super().__init__(config)
+        self.listener = listener
+
+    def run(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            super().run(sockets=sockets or [self.listener])
+        finally:
+            self.listener.close()
+
+
+def server(
+    app: Any, host: str, port: int, listener: socket.socket | None = None, **options: Any
+) -> uvicorn.Server:
     """A uvicorn server with baton's connection settings (``options``: more of
-    ``uvicorn.Config``)."""
-    return uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, http=ReadDeadlineH11Protocol, **options)
-    )
+    ``uvicorn.Config``) on ``listener``, else on ``host:port`` bound now: raises
+    ``PortInUse`` (naming ``--port``) when it is taken -- uvicorn would log it and exit 1,
+    which a supervisor restarted forever. Bind first (``platform.listen_socket``) where
+    the app takes long to build."""
+    listener = listener or listen_socket(host, port)
+    config = uvicorn.Config(app, host=host, port=port, http=ReadDeadlineH11Protocol, **options)
+    return _BoundServer(config, listener)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")

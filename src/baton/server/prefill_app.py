@@ -24,9 +24,10 @@ from prometheus_client import (
     Gauge,
     generate_latest,
 )
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.server.metrics import TotalCounter
-from baton.server.protocol import ApiError
+from baton.server.protocol import ApiError, route_not_found
 from baton.transfer.prefill import PrefillServer
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class PrefillLoop:
 
 def build_prefill_app(loop: PrefillLoop) -> FastAPI:
     app = FastAPI(title="baton prefill", docs_url=None, redoc_url=None)
+    app.add_exception_handler(StarletteHTTPException, route_not_found)
     r = CollectorRegistry()
     in_flight = Gauge("baton_prefill_requests_in_flight", "rooms being computed or pushed",
                       registry=r)  # fmt: skip

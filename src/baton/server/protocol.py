@@ -16,6 +16,9 @@ from collections.abc import Mapping, MutableMapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Strict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
 
 from baton.request import SamplingParams
 
@@ -99,6 +102,15 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+
+def route_not_found(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's own errors -- no route for the path (404), not for that method (405) --
+    as OpenAI's error JSON, like every other error of baton's apps (an exception handler)."""
+    codes = {404: "not_found", 405: "method_not_allowed"}
+    message = f"{exc.detail}: {request.method} {request.url.path}"
+    error = ApiError(message, exc.status_code, code=codes.get(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 class StreamOptions(BaseModel):

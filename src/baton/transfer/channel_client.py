@@ -60,8 +60,12 @@ class ControlClient(Endpoint):
         """Payloads sent before the session exists."""
         # Connection events: a prefill whose process ends (killed, restarted) closes its end
         # of the TCP connection at once, on any host; zmq then reconnects by itself, so
-        # without this a dead prefill was seen only after peer_silence_s of silence.
-        self._monitor: zmq.Socket | None = self._socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        # without this a dead prefill was seen only after peer_silence_s of silence. A
+        # connect that fails before any connection existed means nothing listens there.
+        events = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+        self._monitor: zmq.Socket | None = self._socket.get_monitor_socket(events)
+        self._connected = False
+        self._refused = False
         self._disconnected = False
         try:
             self._socket.connect(endpoint)
@@ -73,13 +77,28 @@ class ControlClient(Endpoint):
     def connection_closed(self) -> bool:
         """Whether the prefill's end closed an established connection since this client
         connected (whatever zmq reconnected to since is another process, or none)."""
-        while not self._disconnected and self._monitor is not None:
+        self._read_events()
+        return self._disconnected
+
+    def never_connected(self) -> bool:
+        """Whether a connection attempt failed (refused: nothing listens at the endpoint)
+        and none has succeeded since this client was made."""
+        self._read_events()
+        return self._refused and not self._connected
+
+    def _read_events(self) -> None:
+        while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
             except zmq.Again:
-                break
-            self._disconnected = event["event"] == zmq.EVENT_DISCONNECTED
-        return self._disconnected
+                return
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECTED:
+                self._connected = True
+            elif kind == zmq.EVENT_CONNECT_RETRIED:
+                self._refused = True
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._disconnected = True
 
     def close(self) -> None:
         if self._monitor is not None and not self._socket.closed:

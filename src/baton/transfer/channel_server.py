@@ -10,11 +10,13 @@ owns the one server of a prefill worker and reads it in its loop).
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections import OrderedDict
 
 import zmq
 
+from baton.platform import PortInUse
 from baton.transfer.channel import MALFORMED, MAX_FRAME_BYTES, Endpoint
 from baton.transfer.protocol import Message, encode
 from baton.transfer.session import HANDSHAKE_SEQ, Session, answer_open, parse
@@ -63,8 +65,12 @@ class ControlServer(Endpoint):
                 port = self._socket.bind_to_random_port(f"tcp://{host}")
             else:
                 self._socket.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             self.close()
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(
+                    f"port {port} on {host} is in use; choose another with --pd-port"
+                ) from e
             raise
         self.port = port
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)

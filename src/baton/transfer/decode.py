@@ -51,7 +51,7 @@ from baton.request import SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS, TransferBackend, new_worker_backend
 from baton.transfer.decode_inbox import DecodeInbox
 from baton.transfer.handshake import build_hello
-from baton.transfer.prefill_links import PrefillLink, PrefillLinks
+from baton.transfer.prefill_links import PrefillLink, PrefillLinks, PrefillUnavailable
 from baton.transfer.protocol import new_room, request_id_of
 from baton.transfer.receiver import Receiver
 from baton.transfer.rooms import DecodeRooms
@@ -206,6 +206,9 @@ class DecodeEngine(DecodeInbox):
         except ValueError:
             self.engine.handoff.fail(request_id, "bad endpoint", stopped_writing=True)
             raise
+        except PrefillUnavailable as e:
+            self._unavailable(request_id, room, e, named=prefill is not None)
+            return request_id
         self.routes[request_id] = Route(room, endpoint, named=prefill is not None)
         self._reserve_queued(fail_stuck=False)
         if request_id in self.engine.handoff.queued and not self._is_busy():
@@ -213,6 +216,24 @@ class DecodeEngine(DecodeInbox):
             del self.routes[request_id]
             raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
         return request_id
+
+    def _unavailable(
+        self, request_id: str, room: int, why: PrefillUnavailable, named: bool
+    ) -> None:
+        """The request's prefill cannot be tried now: computed here (``local_prefill.
+        fallback``, no router named it), else it fails at the next ``step`` (a router's
+        503 ``prefill_failed``: it retries another prefill)."""
+        code = HandoffReason.PREFILL_REFUSED if why.refused else HandoffReason.PREFILL_UNREACHABLE
+        if self.local_prefill.fallback and not named:
+            metrics = self.engine.handoff.prefill_locally(request_id)
+            local = code if why.refused else HandoffReason.NO_HEALTHY_PREFILL
+            self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(local))
+            self.routes[request_id] = Route(room, "")
+            return
+        out = self.engine.handoff.fail(request_id, str(why), stopped_writing=True)
+        outcome = HandoffOutcome.failed(code, str(why))
+        self.rooms.outcomes.record(request_id, out.metrics, outcome)
+        self._outputs.append(out)
 
     def _local_reason(
         self, num_prompt: int, prefill: str | None, local: HandoffReason | None
@@ -257,7 +278,7 @@ class DecodeEngine(DecodeInbox):
     def has_unfinished_requests(self) -> bool:
         # NOTE: failed rooms still waiting for prefill's confirmation (``releasing``) need
         # steps too, or their units would only come back with the next request.
-        return self._is_busy() or bool(self.engine.handoff.queued)
+        return self._is_busy() or bool(self.engine.handoff.queued) or bool(self._outputs)
 
     def units_in_use(self) -> dict[str, int]:
         return self.engine.units_in_use()

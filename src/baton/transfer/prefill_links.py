@@ -29,6 +29,22 @@ from baton.transfer.protocol import Hello, HelloAck, Message, Ping, Pong
 
 logger = logging.getLogger("baton.transfer")
 
+PAIRING_RETRY_S = 2.0
+"""After a pairing on the way failed (nothing listening, no HelloAck, refused), requests
+naming that endpoint fail at once for this long instead of each waiting again."""
+MAX_PAIRINGS_IN_FLIGHT = 8
+"""New prefills being paired at once; a request naming a ninth fails at once (its router
+retries elsewhere), so endpoints that never answer cannot hold decode's units."""
+
+
+class PrefillUnavailable(Exception):
+    """A request's prefill cannot be tried now (``PrefillLinks.open``): the message says why;
+    ``refused``: its last pairing was refused (the prefill answered: it is up)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
 
 @dataclass
 class PrefillLink:
@@ -51,6 +67,8 @@ class PrefillLink:
     last_fence_sent: float = 0.0
     peer_start: str | None = None
     """The prefill process's start time (/proc), where decode can watch that process."""
+    on_the_way: bool = False
+    """Opened for a request (not at construction): a refused connection fails it at once."""
 
     def is_gone(self) -> bool:
         """Whether the prefill's process is known to have exited (so nothing of it writes)."""
@@ -79,6 +97,9 @@ class PrefillLinks:
         self.token = token
         self.deadlines = deadlines
         self._links: dict[str, PrefillLink] = {}
+        self._retry_after: dict[str, tuple[float, str | None]] = {}
+        """Endpoint -> when a request may try it again (its pairing on the way failed), and
+        the prefill's refusal if it refused."""
 
     def __contains__(self, endpoint: object) -> bool:
         return endpoint in self._links
@@ -91,15 +112,37 @@ class PrefillLinks:
 
     def open(self, endpoint: str, wait_s: float | None = None) -> PrefillLink:
         """A channel to ``endpoint`` with our Hello queued on it; the pairing is given up
-        after ``wait_s`` (default and at most ``bootstrap_s``). Raises ``zmq.ZMQError`` for
-        a malformed endpoint."""
-        client = ControlClient(endpoint, self.token)
+        after ``wait_s`` (default and at most ``bootstrap_s``). With ``wait_s`` (a pairing on
+        the way) the pairing also fails as soon as the connection is refused, and
+        ``PrefillUnavailable`` is raised, nothing opened, while the endpoint's last pairing
+        failed under ``PAIRING_RETRY_S`` ago or ``MAX_PAIRINGS_IN_FLIGHT`` are under way.
+        Raises ``zmq.ZMQError`` for a malformed endpoint."""
         now = time.monotonic()
+        if wait_s is not None:
+            self._check_may_pair(endpoint, now)
+        client = ControlClient(endpoint, self.token)
+        on_the_way = wait_s is not None
         wait_s = min(wait_s or self.deadlines.bootstrap_s, self.deadlines.bootstrap_s)
-        link = PrefillLink(endpoint, client, now + wait_s, last_heard=now)
+        link = PrefillLink(endpoint, client, now + wait_s, last_heard=now, on_the_way=on_the_way)
         self._links[endpoint] = link
         client.send(self.hello)
         return link
+
+    def _check_may_pair(self, endpoint: str, now: float) -> None:
+        self._retry_after = {e: t for e, t in self._retry_after.items() if t[0] > now}
+        if endpoint in self._retry_after:
+            refusal = self._retry_after[endpoint][1]
+            verb = f"refused to pair ({refusal})" if refusal else "failed to pair"
+            raise PrefillUnavailable(
+                f"the prefill at {endpoint} {verb} less than {PAIRING_RETRY_S:g} s ago",
+                refused=refusal is not None,
+            )
+        pairing = sum(1 for link in self._links.values() if link.peer is None)
+        if pairing >= MAX_PAIRINGS_IN_FLIGHT:
+            raise PrefillUnavailable(
+                f"{pairing} pairings with new prefills are under way (at most "
+                f"{MAX_PAIRINGS_IN_FLIGHT}): the prefill at {endpoint} is not tried now"
+            )
 
     def bootstrap(self, link: PrefillLink) -> None:
         """Wait for ``link``'s HelloAck and accept it (construction only). Raises
@@ -159,6 +202,9 @@ class PrefillLinks:
                 continue  # failed already; DecodeRooms resends its Fence instead of pings
             if link.peer is None and now > link.hello_deadline:
                 failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
+            elif link.peer is None and link.on_the_way and link.client.never_connected():
+                failed.append((link, f"nothing accepts connections at {link.endpoint} (is the "
+                                     "prefill running?)"))  # fmt: skip
             elif link.peer is not None and (gone := self._gone(link)) is not None:
                 # Seen at once, owing state or not: a restarted prefill at the same endpoint
                 # is a new peer, paired afresh (the link closes once nothing is quarantined).
@@ -186,6 +232,13 @@ class PrefillLinks:
         if link.client.connection_closed():
             return "closed the control connection (its process ended or restarted)"
         return None
+
+    def failed(self, link: PrefillLink, refusal: str | None = None) -> None:
+        """``link`` is given up (``refusal``: the prefill's, if it refused to pair): if it
+        never paired (a pairing on the way), requests naming its endpoint fail at once for
+        ``PAIRING_RETRY_S``."""
+        if link.peer is None and link.on_the_way:
+            self._retry_after[link.endpoint] = (time.monotonic() + PAIRING_RETRY_S, refusal)
 
     def close(self, link: PrefillLink) -> None:
         """Forget ``link`` (queued messages are dropped); a later request pairs afresh."""

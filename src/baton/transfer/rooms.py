@@ -154,7 +154,18 @@ class DecodeRooms:
         link = self.links.get(self.waiting[room].endpoint)
         if link is not None:
             link.client.send(Abort(room=room, reason="aborted by decode's client"))
-        return self.fail(room, "aborted", False, HandoffReason.ABORTED, FinishReason.ABORT)
+        out = self.fail(room, "aborted", False, HandoffReason.ABORTED, FinishReason.ABORT)
+        if (
+            link is not None
+            and not link.client.has_session
+            and all(p.endpoint != link.endpoint for p in self.waiting.values())
+        ):
+            # NOTE: nothing but our ChannelOpen has left this process (no challenge came
+            # back), and closing the link drops what is queued: no prefill can write.
+            for r in [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]:
+                self.release(r)
+            self.links.close(link)
+        return out
 
     def on_fence_ack(self, link: PrefillLink, msg: FenceAck) -> None:
         """Prefill confirms nothing below ``msg.epoch`` writes: free those rooms' units."""
@@ -182,6 +193,7 @@ class DecodeRooms:
         (``fence``) and the link stays open until its rooms are confirmed. A later request
         to that endpoint pairs afresh once the link is closed."""
         logger.warning("decode: %s", reason)
+        self.links.failed(link, reason if code is HandoffReason.PREFILL_REFUSED else None)
         for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
             outputs.append(self.fail(room, reason, stopped_writing, code))
         if stopped_writing:
