@@ -60,6 +60,9 @@ class RuntimeEnv:
     ``~/.cache/baton/kernels``)."""
     compiler: str | None = None
     """``CC``: the C compiler for the kernels (default: ``cc``, else ``gcc``)."""
+    omp_threads_set: bool = False
+    """``OMP_NUM_THREADS`` is set: torch's thread count is the user's (or the test's)
+    choice, which an engine without ``num_threads`` keeps (``baton.cores``)."""
     debug_engine_fault_after_steps: int | None = None
     """``BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS=N``, tests only: a server's engine loop raises
     after N engine steps (its requests must fail and the process must exit non-zero)."""
@@ -81,6 +84,7 @@ class RuntimeEnv:
             native_layers=environ.get("BATON_NATIVE_LAYERS", "1") != "0",
             kernel_cache=environ.get("BATON_KERNEL_CACHE") or None,
             compiler=environ.get("CC") or None,
+            omp_threads_set=bool(environ.get("OMP_NUM_THREADS")),
             debug_engine_fault_after_steps=_int_or_none(
                 environ, "BATON_DEBUG_ENGINE_FAULT_AFTER_STEPS"
             ),

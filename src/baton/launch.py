@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from baton.config import ADMIN_TOKEN_ENV, read_secret_env
+from baton.cores import Share, place, read_topology
 from baton.memory.allocator import SHM_DIR
 from baton.supervisor import Child, Supervisor
 
@@ -84,9 +85,11 @@ def launch(
     options = _child_engine_options(model, engine_options)
     _build_kernels()  # before any worker waits on them (they would each wait for the lock)
     if prefill_cpus is None and decode_cpus is None:
-        prefill_cpus, decode_cpus = split_cores(num_prefill, num_decode)
-    shape = {"prefill": (num_prefill, prefill_cpus, tuple(log_args)),
-             "decode": (num_decode, decode_cpus, (*log_args, *decode_args))}  # fmt: skip
+        prefill_share, decode_share = split_cores(num_prefill, num_decode)
+    else:
+        prefill_share, decode_share = _share(prefill_cpus), _share(decode_cpus)
+    shape = {"prefill": (num_prefill, prefill_share, tuple(log_args)),
+             "decode": (num_decode, decode_share, (*log_args, *decode_args))}  # fmt: skip
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
@@ -176,14 +179,16 @@ def _watch(supervisor: Supervisor, stop: threading.Event) -> int:
 def _start_workers(
     supervisor: Supervisor, model: str, options: dict, served_model_name: str | None,
     env: dict, shm_prefix: str,
-    shape: dict[str, tuple[int, Sequence[int] | None, Sequence[str]]],
+    shape: dict[str, tuple[int, Share | None, Sequence[str]]],
 ) -> dict[str, list[str]]:  # fmt: skip
-    """Start ``shape[role] = (count, cpus, more serve flags)`` workers of each role; their
+    """Start ``shape[role] = (count, cores, more serve flags)`` workers of each role; their
     URLs by role."""
     workers: dict[str, list[str]] = {"prefill": [], "decode": []}
-    for role, (count, cpus, extra) in shape.items():
+    for role, (count, share, extra) in shape.items():
         # NOTE: a pinned worker gets one thread per core it owns unless told otherwise.
-        threads = {"num_threads": len(cpus)} if cpus and "num_threads" not in options else {}
+        given = "num_threads" in options
+        threads = {"num_threads": share.threads} if share and not given else {}
+        cpus = share.cpus if share else None
         for i in range(count):
             url = f"http://127.0.0.1:{_free_port()}"
             args = ["serve", "--role", role, "--port", url.rsplit(":", 1)[1]]
@@ -201,16 +206,18 @@ def _start_workers(
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def split_cores(num_prefill: int, num_decode: int) -> tuple[list[int] | None, list[int] | None]:
-    """Default pinning of one prefill and one decode: the cores this process may use, split
-    in two (prefill the first half, decode the rest), so decode never waits behind a
-    prefill's matmuls on a shared core -- what disaggregating on one host is for. None
-    (no pinning) for other shapes or a single core."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if num_prefill != 1 or num_decode != 1 or len(cores) < 2:
-        return None, None
-    half = len(cores) // 2
-    return cores[:half], cores[half:]
+def split_cores(num_prefill: int, num_decode: int) -> tuple[Share | None, Share | None]:
+    """Default pinning of one prefill and one decode (``baton.cores.place``): never a shared
+    core -- decode would wait behind a prefill's matmuls, what disaggregating on one host is
+    for -- and a NUMA node each where there are two. None (no pinning) for other shapes or
+    a single core."""
+    shares = place(read_topology(), num_prefill, num_decode)
+    return shares if shares is not None else (None, None)
+
+
+def _share(cpus: Sequence[int] | None) -> Share | None:
+    """Cores given by hand (``--prefill-cpus``): one thread per physical core among them."""
+    return None if cpus is None else Share(tuple(cpus), read_topology(cpus=cpus).usable)
 
 
 def _free_port() -> int:

@@ -32,6 +32,7 @@ from functools import cache
 from pathlib import Path
 
 from baton.config import CPU_ISA_LEVELS, RuntimeEnv
+from baton.cores import read_topology
 
 ISA_LEVELS = CPU_ISA_LEVELS
 """Instruction-set levels of the native kernels, lowest first."""
@@ -103,7 +104,9 @@ class Platform:
     onednn_bf16: bool
     """oneDNN computes bf16 on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     num_cpus: int
-    """Cores this process may run on (its affinity mask)."""
+    """Logical CPUs this process may run on (its affinity mask)."""
+    cores: str
+    """How many threads a worker runs and why (``cores.Topology.describe``)."""
     torch_capability: str
     """The vector level torch's own CPU kernels dispatch to (``AVX2``, ``AVX512``, ...)."""
 
@@ -133,7 +136,7 @@ class Platform:
             f"platform: {self.cpu_name} [{self.machine}], kernels {self.isa}{forced}, "
             f"native bf16 {'yes' if self.native_bf16 else 'no'}"
             f"{', AMX' if self.has_amx else ''}, torch {self.torch_capability}, "
-            f"{self.num_cpus} usable cores"
+            f"{self.cores}"
         )
 
     def as_dict(self) -> dict:
@@ -158,10 +161,7 @@ def detect(env: RuntimeEnv | None = None) -> Platform:
             )
         isa = env.cpu_isa
     name = _cpuinfo_field(lines, "model name", "Model name", "cpu model") or machine
-    try:
-        num_cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        num_cpus = os.cpu_count() or 1
+    topology = read_topology()
     return Platform(
         machine=machine,
         cpu_name=name,
@@ -169,7 +169,8 @@ def detect(env: RuntimeEnv | None = None) -> Platform:
         isa=isa,
         has_amx="amx_bf16" in flags,
         onednn_bf16=_onednn_bf16(),
-        num_cpus=num_cpus,
+        num_cpus=len(topology.cpus),
+        cores=topology.describe(),
         torch_capability=torch.backends.cpu.get_cpu_capability(),
     )
 

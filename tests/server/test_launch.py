@@ -212,16 +212,6 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_launch_splits_the_cores_between_prefill_and_decode(monkeypatch):
-    from baton import launch
-
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {0, 1, 2, 3}, raising=False)
-    assert launch.split_cores(1, 1) == ([0, 1], [2, 3])
-    assert launch.split_cores(2, 1) == (None, None)  # several workers: no default pinning
-    monkeypatch.setattr(launch.os, "sched_getaffinity", lambda _: {5}, raising=False)
-    assert launch.split_cores(1, 1) == (None, None)
-
-
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

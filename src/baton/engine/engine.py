@@ -24,6 +24,7 @@ import torch
 
 from baton import kernels, platform
 from baton.config import EngineConfig, RuntimeEnv, resolve_model_dir
+from baton.cores import read_topology
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestOutput
@@ -75,8 +76,11 @@ class LLMEngine(RequestIntake, StatsKeeper):
         ``extra_state`` adds per-request state components beside the model's pools."""
         self.model_dir = model_dir = resolve_model_dir(model_dir)  # the bundled one by name
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        # NOTE: by itself torch runs one thread per logical CPU of the affinity mask, SMT
+        # siblings included and a container's CPU limit ignored: one per core (baton.cores),
+        # unless OMP_NUM_THREADS chose.
+        if config.num_threads or not RuntimeEnv.from_environ().omp_threads_set:
+            torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
         self.model = load_model(model_dir, config.dtype).fuse_projections()
         spec = self.model.spec
@@ -93,6 +97,7 @@ class LLMEngine(RequestIntake, StatsKeeper):
             fallback = " (native kernels unavailable: torch paths, see the warning above)"
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
+            + (f"; --threads {config.num_threads}" if config.num_threads else "")
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
         log.info(self.platform_line)
