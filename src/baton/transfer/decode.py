@@ -21,10 +21,10 @@ request staying queued, not an error::
             ◀────────────────────────────────── StateFailed(stopped_writing=True)
     its units are freed on that confirmation only (``rooms.py``: quarantine and fences)
 
-What the prefills send is handled in ``decode_inbox.py`` (``DecodeInbox``, a mixin); this
+What the prefills send is handled by its ``DecodeInbox`` (``decode_inbox.py``); this
 module keeps the engine-core protocol, routing and reservation. Nothing a peer sends raises
 into the loop: the channel drops bad frames, and messages that make no sense here are
-logged (``DecodeInbox._drain``). It touches the engine from one thread only (the engine
+logged (``DecodeInbox.drain``). It touches the engine from one thread only (the engine
 thread), apart from ``close`` once that thread has stopped.
 """
 
@@ -38,7 +38,6 @@ import secrets
 import socket
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import zmq
 
@@ -54,21 +53,10 @@ from baton.transfer.handshake import build_hello
 from baton.transfer.prefill_links import PrefillLink, PrefillLinks, PrefillUnavailable
 from baton.transfer.protocol import new_room, request_id_of
 from baton.transfer.receiver import Receiver
-from baton.transfer.rooms import DecodeRooms
+from baton.transfer.rooms import DecodeRooms, Route
 
 
-class Route(NamedTuple):
-    """Where a decode request's state comes from."""
-
-    room: int
-    endpoint: str
-    """The prefill's control endpoint ("" when computed here: ``local_prefill``)."""
-    named: bool = False
-    """A router named the prefill: its refusal fails the request (503 ``prefill_failed``)
-    so that the router tries another prefill before decode alone."""
-
-
-class DecodeEngine(DecodeInbox):
+class DecodeEngine:
     """A decode worker paired with one or more prefills.
 
     The prefills given at construction are paired before it returns; ``add_request(...,
@@ -125,12 +113,10 @@ class DecodeEngine(DecodeInbox):
         self.routes: dict[str, Route] = {}
         """Request id -> its room and prefill, from ``add_request`` until it ends."""
         self._outputs: list[RequestOutput] = []
-        self.transfer_bytes: dict[str, int] = {}
-        self.transfer_seconds: dict[str, float] = {}
-        """Per component: bytes prefill pushed here and seconds of the batches carrying them
-        (a batch carries several components: these seconds overlap)."""
-        self.push_seconds = 0.0
-        """Seconds prefills spent pushing state here, all components together."""
+        self.inbox = DecodeInbox(
+            self.engine, self.receiver, self.links, self.rooms, self.routes, self.local_prefill
+        )
+        """What the prefills send, handled (and the transfer figures it keeps)."""
 
     def _pair(
         self, model_dir, token: str | bytes, backend_kind: str, worker_id: str | None
@@ -254,7 +240,7 @@ class DecodeEngine(DecodeInbox):
         what now fits."""
         outputs, self._outputs = self._outputs, []
         is_busy = bool(outputs) or self.engine.has_unfinished_requests()
-        self._drain(0 if is_busy else self._idle_wait_ms(), outputs)
+        self.inbox.drain(0 if is_busy else self._idle_wait_ms(), outputs)
         owing = {p.endpoint for p in self.rooms.waiting.values()}
         for link, reason in self.links.failing(owing):
             self.rooms.drop_link(link, reason, stopped_writing=False, outputs=outputs)
@@ -284,11 +270,12 @@ class DecodeEngine(DecodeInbox):
         return self.engine.units_in_use()
 
     def stats(self) -> EngineStats:
-        seconds = self.transfer_seconds
-        transfer = {n: (b, seconds.get(n, 0.0)) for n, b in self.transfer_bytes.items()}
+        inbox = self.inbox
+        seconds = inbox.transfer_seconds
+        transfer = {n: (b, seconds.get(n, 0.0)) for n, b in inbox.transfer_bytes.items()}
         engine = self.engine.stats()
         return dataclasses.replace(
-            engine, transfer=transfer, push_seconds=self.push_seconds,
+            engine, transfer=transfer, push_seconds=inbox.push_seconds,
             handoffs=dict(self.rooms.outcomes.counts),
         )  # fmt: skip
 

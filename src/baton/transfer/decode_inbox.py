@@ -1,18 +1,19 @@
 """``DecodeInbox``: what decode's prefills send it -- pairing answers, landed state, failures.
 
-Owns the dispatch of every message ``PrefillLinks.poll`` yields (``_drain``): a
-``HelloAck`` accepted or refused, a ``FenceAck`` or a confirmation that frees quarantined
-units (``DecodeRooms``), a ``StateDone`` admitted into the engine (with the transfer
-metrics), a ``StateFailed`` failed -- or computed here, when the prefill refused before
-writing and the request may fall back (``_falls_back``). It sends nothing and reserves
-nothing (``DecodeEngine._reserve_queued``). A mixin of ``decode.DecodeEngine``, which owns
-every attribute it reads and calls ``_drain`` once per ``step``.
+Owns the dispatch of every message ``PrefillLinks.poll`` yields (``drain``): a ``HelloAck``
+accepted or refused, a ``FenceAck`` or a confirmation that frees quarantined units
+(``DecodeRooms``), a ``StateDone`` admitted into the engine (with the transfer metrics it
+keeps: ``transfer_bytes``, ``transfer_seconds``, ``push_seconds``), a ``StateFailed`` failed
+-- or computed here, when the prefill refused before writing and the request may fall back
+(``_falls_back``). It sends nothing and reserves nothing (``DecodeEngine._reserve_queued``).
+``DecodeEngine`` has one and calls ``drain`` once per ``step``; what it reads of the
+engine's is given at construction.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
 
 from baton.config import LocalPrefill
 from baton.engine.engine import LLMEngine
@@ -22,10 +23,7 @@ from baton.transfer.handshake import PairingError
 from baton.transfer.prefill_links import PrefillLink, PrefillLinks
 from baton.transfer.protocol import FenceAck, HelloAck, StateDone, StateFailed, request_id_of
 from baton.transfer.receiver import Receiver
-from baton.transfer.rooms import DecodeRooms
-
-if TYPE_CHECKING:
-    from baton.transfer.decode import Route
+from baton.transfer.rooms import DecodeRooms, Route
 
 logger = logging.getLogger("baton.transfer")
 
@@ -33,17 +31,27 @@ logger = logging.getLogger("baton.transfer")
 class DecodeInbox:
     """``DecodeEngine``'s receiving half: each message of its prefills, handled."""
 
-    engine: LLMEngine
-    receiver: Receiver
-    links: PrefillLinks
-    rooms: DecodeRooms
-    routes: dict[str, Route]
-    local_prefill: LocalPrefill
-    transfer_bytes: dict[str, int]
-    transfer_seconds: dict[str, float]
-    push_seconds: float
+    def __init__(
+        self,
+        engine: LLMEngine,
+        receiver: Receiver,
+        links: PrefillLinks,
+        rooms: DecodeRooms,
+        routes: Mapping[str, Route],
+        local_prefill: LocalPrefill,
+    ) -> None:
+        self.engine, self.receiver, self.links, self.rooms = engine, receiver, links, rooms
+        self.routes = routes
+        """The decode's routes (read only: whether a router named a request's prefill)."""
+        self.local_prefill = local_prefill
+        self.transfer_bytes: dict[str, int] = {}
+        self.transfer_seconds: dict[str, float] = {}
+        """Per component: bytes prefill pushed here and seconds of the batches carrying them
+        (a batch carries several components: these seconds overlap)."""
+        self.push_seconds = 0.0
+        """Seconds prefills spent pushing state here, all components together."""
 
-    def _drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
+    def drain(self, timeout_ms: int, outputs: list[RequestOutput]) -> None:
         """Every message of every link: pairings, confirmations that free quarantined
         units, landed state, failures."""
         rooms = self.rooms

@@ -34,6 +34,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
@@ -44,6 +45,17 @@ from baton.transfer.protocol import Abort, Fence, FenceAck, request_id_of
 from baton.transfer.receiver import Receiver
 
 logger = logging.getLogger("baton.transfer")
+
+
+class Route(NamedTuple):
+    """Where a decode request's state comes from (``DecodeEngine.routes``)."""
+
+    room: int
+    endpoint: str
+    """The prefill's control endpoint ("" when computed here: ``local_prefill``)."""
+    named: bool = False
+    """A router named the prefill: its refusal fails the request (503 ``prefill_failed``)
+    so that the router tries another prefill before decode alone."""
 
 
 @dataclass
