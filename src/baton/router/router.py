@@ -303,7 +303,7 @@ def build_router_app(router: Router) -> FastAPI:
     app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
     app.add_api_route("/health", _health, methods=["GET"], name="health")
     app.add_api_route("/metrics", _metrics, methods=["GET"], name="metrics")
-    add_admin_routes(app, router)
+    add_admin_routes(app, router.table, router.admin_token, router.check)
     return app
 
 
