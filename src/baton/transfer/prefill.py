@@ -3,8 +3,9 @@
 It owns a prefill ``LLMEngine``, the ``ControlServer`` (its bootstrap endpoint) and one
 ``Sender`` per paired decode; ``serve_forever`` drains the channel, computes prompts and
 pushes their state. This module keeps the loop, the dispatch of messages to handlers and
-the answers (``_reply``); pairing with decodes is ``prefill_peers.py``, the rooms
-(reserve, abort, fence, expiry) ``prefill_rooms.py``. Pairing rules stay in
+the answers (``_reply``); it has a ``PrefillPeers`` (the paired decodes:
+``prefill_peers.py``) and a ``PrefillRooms`` (reserve, abort, fence, expiry:
+``prefill_rooms.py``), whose handlers return what it sends. Pairing rules stay in
 ``handshake.py``, byte moves in the backends, the message-level push in ``sender.py``; the
 process entry point is ``worker.py`` (and ``baton serve --role prefill``, which adds an
 HTTP health endpoint around it).
@@ -25,8 +26,8 @@ from baton.transfer.backends import WORKER_BACKENDS, new_worker_backend
 from baton.transfer.channel import DEFAULT_HOST, MAX_MESSAGES_PER_TURN
 from baton.transfer.channel_server import ControlServer
 from baton.transfer.handshake import build_hello
-from baton.transfer.prefill_peers import PrefillPeer, PrefillPeers, close_backend
-from baton.transfer.prefill_rooms import PrefillRoom, PrefillRooms
+from baton.transfer.prefill_peers import PrefillPeers, close_backend
+from baton.transfer.prefill_rooms import Answers, PrefillRooms
 from baton.transfer.protocol import (
     Abort,
     Fence,
@@ -44,7 +45,7 @@ logger = logging.getLogger("baton.transfer")
 
 
 # -- prefill ---------------------------------------------------------------------------------
-class PrefillServer(PrefillPeers, PrefillRooms):
+class PrefillServer:
     """A prefill worker behind a ``ControlServer``, paired with any number of decodes.
 
     One engine computes every decode's prompts; each paired decode has its own sender
@@ -89,11 +90,8 @@ class PrefillServer(PrefillPeers, PrefillRooms):
             raise ValueError(f"debug_step_pause_s must be >= 0, got {debug_step_pause_s!r}")
         self.debug_step_pause_s = debug_step_pause_s
         self.deadlines = deadlines or Deadlines()
-        self.debug_stall_s = debug_stall_s
         self.engine = LLMEngine(model_dir, engine_config)
         self.warm = KeepWarm(engine_config.keep_warm_s)
-        self.backend_kind = backend_kind
-        self.transfer_host = transfer_host
         self.prefill = Sender(
             self.engine, new_worker_backend(backend_kind, host=transfer_host), self.deadlines
         )
@@ -109,25 +107,23 @@ class PrefillServer(PrefillPeers, PrefillRooms):
             self.prefill.backend.close()
             raise
         self.endpoint = self.server.endpoint
-        self.peers: dict[bytes, PrefillPeer] = {}
+        self.peers = PrefillPeers(
+            self.engine, self.hello, self.deadlines, backend_kind, transfer_host, self._peek_fences
+        )
         """Control-channel identity -> paired decode."""
+        self.rooms = PrefillRooms(self.engine, self.peers, self.deadlines, debug_stall_s)
         self.component_bytes: dict[str, int] = {}
         self.component_seconds: dict[str, float] = {}
         """Per component: bytes pushed and seconds spent pushing, all requests (metrics)."""
         self.num_requests = {"done": 0, "failed": 0}
         self.last_turn = time.monotonic()
         """When ``serve_once`` last ran (a health check's liveness signal)."""
-        self.rooms: dict[int, PrefillRoom] = {}
-        self.lingering: dict[int, bytes] = {}
-        """Rooms failed while a timed-out batch may still write: room -> decode identity,
-        until the sender confirms with ``StateFailed(stopped_writing=True)``."""
         self._deferred: list[tuple[bytes, Message]] = []
         self._handlers = {
             Hello: self._on_hello, ReserveState: self._on_reserve, Abort: self._on_abort,
             Fence: self._on_fence, Ping: self._on_ping,
         }  # fmt: skip
         """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
-        self._stall_until = 0.0
         self._last_peer_check = time.monotonic()
         self._ping_seq = 0
 
@@ -142,13 +138,14 @@ class PrefillServer(PrefillPeers, PrefillRooms):
     def serve_once(self) -> None:
         """Drain the channel, drop rooms past their deadline, run one step if there is work."""
         self.last_turn = time.monotonic()
-        can_step = self._has_work() and time.monotonic() >= self._stall_until
+        can_step = self._has_work() and time.monotonic() >= self.rooms.stall_until
         wait_s = self.warm.wait_s(self.deadlines.idle_wait_s)
         self._drain(0 if can_step else round(wait_s * 1000))
-        self._expire()
+        for failed in self.rooms.expire():
+            self._reply(failed)
         if time.monotonic() - self._last_peer_check >= self.deadlines.peer_check_s:
             self._check_peers()
-        if not (self._has_work() and time.monotonic() >= self._stall_until):
+        if not (self._has_work() and time.monotonic() >= self.rooms.stall_until):
             self.warm.tick()
         else:
             self.engine.step()
@@ -156,17 +153,16 @@ class PrefillServer(PrefillPeers, PrefillRooms):
             if self.debug_step_pause_s:
                 logger.info("prefill: debug pause of %g s before pushing", self.debug_step_pause_s)
                 time.sleep(self.debug_step_pause_s)
-            for peer in list(self.peers.values()):
-                for reply in peer.sender.push_ready():
+            for sender in self.peers.senders():
+                for reply in sender.push_ready():
                     self._reply(reply)
 
     def _has_work(self) -> bool:
-        return any(peer.sender.is_busy for peer in self.peers.values())
+        return any(sender.is_busy for sender in self.peers.senders())
 
     def close(self) -> None:
         self.server.close()
-        for peer in self.peers.values():
-            close_backend(peer.sender)
+        self.peers.close_all()
         close_backend(self.prefill)
 
     def _drain(self, timeout_ms: int) -> None:
@@ -201,19 +197,58 @@ class PrefillServer(PrefillPeers, PrefillRooms):
                 continue
             if isinstance(msg, Fence):
                 peer.sender.fence_epoch = max(peer.sender.fence_epoch, msg.epoch)
-            elif isinstance(msg, Abort) and self._room_peer(msg.room) == identity:
+            elif isinstance(msg, Abort) and self.rooms.peer_of(msg.room) == identity:
                 peer.sender.aborted.add(msg.room)  # push_ready drops the mark once answered
 
-    def _room_peer(self, room: int) -> bytes | None:
-        info = self.rooms.get(room)
-        return None if info is None else info.peer
+    # -- handlers: each message type's, then what to send --------------------------------------
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        self.server.send(identity, self.peers.on_hello(identity, msg))
+
+    def _on_reserve(self, identity: bytes, msg: ReserveState) -> None:
+        if (refused := self.rooms.on_reserve(identity, msg)) is not None:
+            self.server.send(identity, refused)
+
+    def _on_abort(self, identity: bytes, msg: Abort) -> None:
+        self._send_answers(identity, self.rooms.on_abort(identity, msg))
+
+    def _on_fence(self, identity: bytes, msg: Fence) -> None:
+        self._send_answers(identity, self.rooms.on_fence(identity, msg))
 
     def _on_ping(self, identity: bytes, msg: Ping) -> None:
         self.server.send(identity, Pong(seq=msg.seq))
 
+    def _send_answers(self, identity: bytes, answers: Answers) -> None:
+        for failed in answers.dropped:
+            self._reply(failed)
+        if answers.answer is not None:
+            self.server.send(identity, answers.answer)
+
+    def _check_peers(self) -> None:
+        """Ping every paired decode; forget those whose connection is gone."""
+        self._last_peer_check = time.monotonic()
+        self._ping_seq += 1
+        for identity in self.peers:
+            if not self.server.send(identity, Ping(seq=self._ping_seq)) and self.server.is_gone():
+                self._forget_peer(identity, "its connection is gone")
+
+    def _forget_peer(self, identity: bytes, reason: str) -> None:
+        """Drop a decode that cannot hear us any more: its rooms (nothing is written for them
+        between steps), then its sender and the mapping of its regions."""
+        peer = self.peers.get(identity)
+        if peer is None:
+            return
+        # A decode that stopped while idle is news, not trouble: a warning only if it had
+        # rooms in flight here.
+        busy = self.rooms.forget_peer(identity, peer)
+        self.peers.forget(identity)
+        level = logging.WARNING if busy else logging.INFO
+        logger.log(level, "prefill: forgot decode %r: %s", peer.worker_id, reason)
+
     def _reply(self, msg: StateDone | StateFailed) -> None:
-        if msg.room in self.lingering:  # the confirmation that a timed-out batch ended
-            self.server.send(self.lingering.pop(msg.room), msg)
+        """A room's final answer: counted, and sent to the decode that reserved it."""
+        peer, lingered = self.rooms.settle(msg)
+        if lingered:  # the confirmation that a timed-out batch ended
+            self.server.send(peer, msg)
             return
         if isinstance(msg, StateDone):
             self.num_requests["done"] += 1
@@ -225,12 +260,9 @@ class PrefillServer(PrefillPeers, PrefillRooms):
             self.num_requests["failed"] += 1
             logger.info("prefill: room %d failed (stopped writing: %s): %s", msg.room,
                         msg.stopped_writing, msg.reason)  # fmt: skip
-        room = self.rooms.pop(msg.room, None)
-        if room is not None and isinstance(msg, StateFailed) and not msg.stopped_writing:
-            self.lingering[msg.room] = room.peer
-        if room is None:
+        if peer is None:
             logger.warning("prefill: no decode peer for room %d", msg.room)
-        elif not self.server.send(room.peer, msg):
+        elif not self.server.send(peer, msg):
             logger.warning("prefill: room %d: %s not delivered", msg.room, type(msg).__name__)
             if self.server.is_gone():
-                self._forget_peer(room.peer, "its connection is gone")
+                self._forget_peer(peer, "its connection is gone")

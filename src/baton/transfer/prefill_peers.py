@@ -1,31 +1,26 @@
 """``PrefillPeers``: a prefill's paired decodes -- pairing, liveness, forgetting.
 
-Owns the Hello answer (``_on_hello``: pairing checks, then one ``Sender`` mapping that
-decode's regions), the ``MAX_PEERS`` cap, the periodic ``Ping`` and the forgetting of a
-decode whose connection is gone (its rooms discarded, its mapping closed). Pairing rules
-stay in ``handshake.py``; rooms, their answers and fencing are ``PrefillRooms``'. A mixin
-of ``prefill.PrefillServer``, which owns every attribute it reads and calls it from its
-loop (``_drain``, ``serve_once``, ``_reply``).
+Owns the table of paired decodes (identity -> ``PrefillPeer``: one ``Sender`` mapping that
+decode's regions), the answer to a Hello (``on_hello``: pairing checks, then the sender;
+the ``HelloAck`` is *returned* for the server to send), the ``MAX_PEERS`` cap, and which
+peers to ping or to forget (``check``, ``forget``). Pairing rules stay in ``handshake.py``;
+what a forgotten decode's rooms become is ``PrefillRooms``' (the server asks it).
+``prefill.PrefillServer`` has one.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.transfer.backends import new_worker_backend
 from baton.transfer.backends.base import RegionDescriptor
-from baton.transfer.channel_server import ControlServer
 from baton.transfer.handshake import PairingError, check_pairing
-from baton.transfer.protocol import Hello, HelloAck, Ping
+from baton.transfer.protocol import Hello, HelloAck
 from baton.transfer.sender import Sender
-
-if TYPE_CHECKING:
-    from baton.transfer.prefill_rooms import PrefillRoom
 
 logger = logging.getLogger("baton.transfer")
 
@@ -45,25 +40,42 @@ MAX_PEERS = 64
 
 
 class PrefillPeers:
-    """``PrefillServer``'s pairing half: who is paired, and with which sender. Calls the
-    server's ``_peek_fences`` (each new sender's ``refresh_fences``) and ``_discard``."""
+    """Who is paired, and with which sender. Iterating gives the peers' identities."""
 
-    engine: LLMEngine
-    server: ControlServer
-    hello: Hello
-    deadlines: Deadlines
-    backend_kind: str
-    transfer_host: str | None
-    peers: dict[bytes, PrefillPeer]
-    rooms: dict[int, PrefillRoom]
-    lingering: dict[int, bytes]
-    _last_peer_check: float
-    _ping_seq: int
+    def __init__(
+        self,
+        engine: LLMEngine,
+        hello: Hello,
+        deadlines: Deadlines,
+        backend_kind: str,
+        transfer_host: str | None,
+        peek_fences: Callable[[], None],
+    ) -> None:
+        """``hello``: this prefill's own (what a decode's is checked against);
+        ``peek_fences``: what each new sender calls right before a push batch."""
+        self.engine, self.hello, self.deadlines = engine, hello, deadlines
+        self.backend_kind, self.transfer_host = backend_kind, transfer_host
+        self.peek_fences = peek_fences
+        self._peers: dict[bytes, PrefillPeer] = {}
 
-    def _on_hello(self, identity: bytes, hello: Hello) -> None:
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __iter__(self) -> Iterator[bytes]:
+        return iter(list(self._peers))
+
+    def get(self, identity: bytes) -> PrefillPeer | None:
+        return self._peers.get(identity)
+
+    def senders(self) -> list[Sender]:
+        return [peer.sender for peer in self._peers.values()]
+
+    def on_hello(self, identity: bytes, hello: Hello) -> HelloAck:
+        """Pair with the decode at ``identity`` (again: a reconnect, once nothing of its
+        earlier pairing is in flight) or refuse; the answer to send."""
         try:
             check_pairing(self.hello, hello)
-            old = self.peers.get(identity)
+            old = self._peers.get(identity)
             if old is not None and old.sender.outgoing:
                 raise PairingError(
                     f"prefill {self.hello.worker_id!r} still pushes {len(old.sender.outgoing)} "
@@ -71,58 +83,41 @@ class PrefillPeers:
                     [],
                 )
             self._make_room_for_peer(identity)
-            prefill, num_units = self._connect(hello)
+            sender, num_units = self._connect(hello)
         except (ValueError, OSError) as e:  # PairingError is a ValueError
             logger.warning(
                 "prefill: refused pairing with decode %r (peer %s): %s",
                 hello.worker_id, identity.hex(), e,
             )  # fmt: skip
-            self.server.send(identity, HelloAck.answer(self.hello, accepted=False, error=str(e)))
-            return
+            return HelloAck.answer(self.hello, accepted=False, error=str(e))
         if old is not None:
             close_backend(old.sender)  # the earlier pairing's mappings
-        self.peers[identity] = PrefillPeer(hello.worker_id, prefill, num_units)
+        self._peers[identity] = PrefillPeer(hello.worker_id, sender, num_units)
         logger.info("prefill: paired with decode %r (peer %s)", hello.worker_id, identity.hex())
-        self.server.send(identity, HelloAck.answer(self.hello, accepted=True))
+        return HelloAck.answer(self.hello, accepted=True)
 
-    def _check_peers(self) -> None:
-        self._last_peer_check = time.monotonic()
-        self._ping_seq += 1
-        for identity in list(self.peers):
-            if not self.server.send(identity, Ping(seq=self._ping_seq)) and self.server.is_gone():
-                self._forget_peer(identity, "its connection is gone")
+    def forget(self, identity: bytes) -> PrefillPeer | None:
+        """Drop a decode that cannot hear us any more, and the mapping of its regions; the
+        peer it was (its sender's requests are the caller's to discard first), or None."""
+        peer = self._peers.pop(identity, None)
+        if peer is not None:
+            # NOTE: a batch of its that timed out may still be in flight; the backend's close
+            # waits for nothing, but the memory it writes into is that dead decode's own.
+            close_backend(peer.sender)
+        return peer
 
-    def _forget_peer(self, identity: bytes, reason: str) -> None:
-        """Drop a decode that cannot hear us any more: its rooms (nothing is written for them
-        between steps), then its sender and the mapping of its regions."""
-        peer = self.peers.pop(identity, None)
-        if peer is None:
-            return
-        # A decode that stopped while idle is news, not trouble: a warning only if it had
-        # rooms in flight here.
-        level = (
-            logging.WARNING
-            if any(r.peer == identity for r in self.rooms.values())
-            else (logging.INFO)
-        )
-        for room in [r for r, info in self.rooms.items() if info.peer == identity]:
-            self._discard(room, peer)
-            del self.rooms[room]
-        for room in [r for r, p in self.lingering.items() if p == identity]:
-            del self.lingering[room]
-        # NOTE: a batch of its that timed out may still be in flight; the backend's close
-        # waits for nothing, but the memory it writes into is that dead decode's own.
-        close_backend(peer.sender)
-        logger.log(level, "prefill: forgot decode %r: %s", peer.worker_id, reason)
+    def close_all(self) -> None:
+        for peer in self._peers.values():
+            close_backend(peer.sender)
 
     def _make_room_for_peer(self, identity: bytes) -> None:
         """Forget the longest-paired idle decodes past ``MAX_PEERS`` (raises if all are busy)."""
-        others = [i for i in self.peers if i != identity]
+        others = [i for i in self._peers if i != identity]
         while len(others) >= MAX_PEERS:
-            idle = [i for i in others if not self.peers[i].sender.outgoing]
+            idle = [i for i in others if not self._peers[i].sender.outgoing]
             if not idle:
                 raise PairingError(f"prefill serves {MAX_PEERS} busy decodes already", [])
-            forgotten = self.peers.pop(idle[0])
+            forgotten = self._peers.pop(idle[0])
             others.remove(idle[0])
             close_backend(forgotten.sender)
             logger.info("prefill: forgot idle decode %r", forgotten.worker_id)
@@ -146,14 +141,14 @@ class PrefillPeers:
                 )
             num_units[component.name] = d.nbytes // unit_bytes
         backend = new_worker_backend(self.backend_kind, host=self.transfer_host)
-        prefill = Sender(self.engine, backend, self.deadlines)
-        prefill.refresh_fences = self._peek_fences
+        sender = Sender(self.engine, backend, self.deadlines)
+        sender.refresh_fences = self.peek_fences
         try:
-            prefill.connect(hello.regions, hello.schema)
+            sender.connect(hello.regions, hello.schema)
         except BaseException:
-            prefill.backend.close()
+            sender.backend.close()
             raise
-        return prefill, num_units
+        return sender, num_units
 
 
 def close_backend(sender: Sender) -> None:

@@ -1,28 +1,35 @@
 """``PrefillRooms``: the rooms a prefill serves -- reservation, abort, fencing, expiry.
 
-Owns the checks of a ``ReserveState`` (``_reserve_problem``, before any state is touched),
-the room it then opens, and every way a room ends before its push: ``Abort``, ``Fence``
-below an epoch, too old (``waiting_for_state_s``); each is confirmed through the server's
-``_reply``. It never pushes (the senders do, inside ``PrefillServer.serve_once``) and never
-pairs (``PrefillPeers``). A mixin of ``prefill.PrefillServer``, which owns every attribute
-it reads and calls it from its loop (``_drain``, ``serve_once``).
+Owns the table of open rooms (room -> ``PrefillRoom``: which decode reserved it, when, under
+which fence epoch) and of lingering ones (failed while a timed-out batch may still write),
+the checks of a ``ReserveState`` (``_reserve_problem``, before any state is touched), and
+every way a room ends before its push: ``Abort``, ``Fence`` below an epoch, too old
+(``waiting_for_state_s``), its decode forgotten. Each handler *returns* what to send: an
+answer to the sender of the message, and the ``StateFailed`` of the rooms it dropped (the
+server sends those through its ``_reply``, which routes by room). It never pushes (the
+senders do) and never pairs (``PrefillPeers``, whose table it reads).
+``prefill.PrefillServer`` has one.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.memory.state import PushPhase
-from baton.transfer.channel_server import ControlServer
-from baton.transfer.protocol import Abort, Fence, FenceAck, ReserveState, StateFailed, request_id_of
-
-if TYPE_CHECKING:
-    from baton.transfer.prefill_peers import PrefillPeer
+from baton.transfer.prefill_peers import PrefillPeer, PrefillPeers
+from baton.transfer.protocol import (
+    Abort,
+    Fence,
+    FenceAck,
+    Message,
+    ReserveState,
+    StateFailed,
+    request_id_of,
+)
 
 logger = logging.getLogger("baton.transfer")
 
@@ -36,44 +43,63 @@ class PrefillRoom:
     """``ReserveState.epoch``: a ``Fence`` above it stops the room."""
 
 
+@dataclass
+class Answers:
+    """What a handler wants sent: ``answer`` to the message's sender (None: nothing), and
+    ``dropped``: the ``StateFailed`` of each room it dropped, for the server's ``_reply``."""
+
+    answer: Message | None = None
+    dropped: list[StateFailed] = field(default_factory=list)
+
+
 class PrefillRooms:
-    """``PrefillServer``'s rooms half: which rooms are open, and how each ends unpushed.
-    Answers through the server's ``_reply``."""
+    """Which rooms are open, and how each ends unpushed."""
 
-    engine: LLMEngine
-    server: ControlServer
-    deadlines: Deadlines
-    debug_stall_s: float
-    peers: dict[bytes, PrefillPeer]
-    rooms: dict[int, PrefillRoom]
-    lingering: dict[int, bytes]
-    _stall_until: float
+    def __init__(
+        self, engine: LLMEngine, peers: PrefillPeers, deadlines: Deadlines, debug_stall_s: float
+    ) -> None:
+        self.engine, self.peers, self.deadlines = engine, peers, deadlines
+        self.debug_stall_s = debug_stall_s
+        """Tests: hold every push that long after a request arrives (``stall_until``)."""
+        self.open: dict[int, PrefillRoom] = {}
+        self.lingering: dict[int, bytes] = {}
+        """Rooms failed while a timed-out batch may still write: room -> decode identity,
+        until the sender confirms with ``StateFailed(stopped_writing=True)``."""
+        self.stall_until = 0.0
 
-    def _on_reserve(self, identity: bytes, msg: ReserveState) -> None:
-        if msg.room in self.rooms:
+    def __len__(self) -> int:
+        return len(self.open)
+
+    def peer_of(self, room: int) -> bytes | None:
+        info = self.open.get(room)
+        return None if info is None else info.peer
+
+    def on_reserve(self, identity: bytes, msg: ReserveState) -> StateFailed | None:
+        """Open ``msg``'s room on its decode's sender, or the refusal to send back."""
+        if msg.room in self.open:
             # NOTE: a replayed frame or a decode bug. Answering StateFailed would tell decode to
             # free units the first copy is about to fill, so drop it silently.
             logger.warning("prefill: second ReserveState for live room %d dropped", msg.room)
-            return
+            return None
         problem = self._reserve_problem(identity, msg)
         failed = None
         if problem is not None:
             failed = StateFailed(room=msg.room, reason=problem, stopped_writing=True, refused=True)
         else:
             try:
-                failed = self.peers[identity].sender.on_reserve(msg)
+                failed = self.peers.get(identity).sender.on_reserve(msg)
             except ValueError as e:  # invalid sampling params (a ProtocolError)
                 failed = StateFailed(
                     room=msg.room, reason=str(e), stopped_writing=True, refused=True
                 )
         if failed is not None:
             logger.warning("prefill: room %d refused: %s", msg.room, failed.reason)
-            self.server.send(identity, failed)
-            return
+            return failed
         now = time.monotonic()
-        self.rooms[msg.room] = PrefillRoom(identity, now, msg.epoch)
+        self.open[msg.room] = PrefillRoom(identity, now, msg.epoch)
         if self.debug_stall_s:
-            self._stall_until = now + self.debug_stall_s
+            self.stall_until = now + self.debug_stall_s
+        return None
 
     def _reserve_problem(self, identity: bytes, msg: ReserveState) -> str | None:
         """Why ``msg`` cannot be served (checked before any state is touched), or None."""
@@ -101,43 +127,67 @@ class PrefillRooms:
                 return f"`{name}` unit ids repeat: {ids}"
         return None
 
-    def _on_abort(self, identity: bytes, msg: Abort) -> None:
-        room = self.rooms.get(msg.room)
+    def on_abort(self, identity: bytes, msg: Abort) -> Answers:
+        room = self.open.get(msg.room)
         if msg.room in self.lingering:
-            return  # a timed-out batch may still write: confirmed once it ends (``_reply``)
+            return Answers()  # a timed-out batch may still write: confirmed once it ends
         if room is None:  # done, refused or never seen: nothing writes for it
             reason = "not in flight at prefill"
-            self.server.send(
-                identity, StateFailed(room=msg.room, reason=reason, stopped_writing=True)
-            )
-        elif room.peer == identity:
-            self._drop(msg.room, f"aborted by decode: {msg.reason}")
+            return Answers(StateFailed(room=msg.room, reason=reason, stopped_writing=True))
+        if room.peer == identity:
+            return Answers(dropped=[self._drop(msg.room, f"aborted by decode: {msg.reason}")])
+        return Answers()
 
-    def _on_fence(self, identity: bytes, msg: Fence) -> None:
+    def on_fence(self, identity: bytes, msg: Fence) -> Answers:
         """Drop every room of this decode reserved below ``msg.epoch`` (each confirmed with
         ``StateFailed(stopped_writing=True)``); ``FenceAck`` once none of its timed-out
         batches may still write. An unknown decode (we restarted, or forgot it) has nothing
         in flight here: acknowledged at once."""
         peer = self.peers.get(identity)
+        dropped = []
         if peer is not None:
             peer.sender.fence_epoch = max(peer.sender.fence_epoch, msg.epoch)
-            fenced = [
-                r
-                for r, info in self.rooms.items()
-                if info.peer == identity and info.epoch < msg.epoch
-            ]
+            mine = [(r, info) for r, info in self.open.items() if info.peer == identity]
+            fenced = [r for r, info in mine if info.epoch < msg.epoch]
             for room in fenced:
-                self._drop(room, f"fenced by decode (epoch {msg.epoch}): {msg.reason}")
+                why = f"fenced by decode (epoch {msg.epoch}): {msg.reason}"
+                dropped.append(self._drop(room, why))
         if any(p == identity for p in self.lingering.values()):
             logger.warning("prefill: fence %d of peer %s waits for timed-out batches", msg.epoch,
                            identity.hex())  # fmt: skip
-            return  # decode sends the fence again; acknowledged once those batches end
-        self.server.send(identity, FenceAck(epoch=msg.epoch))
+            return Answers(None, dropped)  # decode sends it again; acknowledged once they end
+        return Answers(FenceAck(epoch=msg.epoch), dropped)
 
-    def _expire(self) -> None:
+    def expire(self) -> list[StateFailed]:
+        """Drop the rooms older than ``waiting_for_state_s`` (their decode has given up)."""
         limit = time.monotonic() - self.deadlines.waiting_for_state_s
-        for room in [r for r, info in self.rooms.items() if info.arrival < limit]:
-            self._drop(room, f"not pushed within {self.deadlines.waiting_for_state_s} s")
+        old = [r for r, info in self.open.items() if info.arrival < limit]
+        why = f"not pushed within {self.deadlines.waiting_for_state_s} s"
+        return [self._drop(room, why) for room in old]
+
+    def forget_peer(self, identity: bytes, peer: PrefillPeer) -> bool:
+        """Discard every room of a decode that is gone (nothing is written for them between
+        steps, and nobody hears an answer); whether it had any in flight."""
+        mine = [r for r, info in self.open.items() if info.peer == identity]
+        for room in mine:
+            self._discard(room, peer)
+            del self.open[room]
+        for room in [r for r, p in self.lingering.items() if p == identity]:
+            del self.lingering[room]
+        return bool(mine)
+
+    def settle(self, msg: Message) -> tuple[bytes | None, bool]:
+        """A room's final answer (``StateDone`` / ``StateFailed``) is on its way: who gets it
+        (None: no decode peer for it), and whether it was a lingering room's confirmation.
+        A failure that may still write makes the room linger."""
+        if msg.room in self.lingering:
+            return self.lingering.pop(msg.room), True
+        room = self.open.pop(msg.room, None)
+        if room is None:
+            return None, False
+        if isinstance(msg, StateFailed) and not msg.stopped_writing:
+            self.lingering[msg.room] = room.peer
+        return room.peer, False
 
     def _discard(self, room: int, peer: PrefillPeer | None) -> None:
         """Stop computing ``room`` and free its prefill units (between steps nothing writes
@@ -148,9 +198,9 @@ class PrefillRooms:
             peer.sender.aborted.discard(room)
         self.engine.handoff.release(request_id)
 
-    def _drop(self, room: int, reason: str) -> None:
-        """Forget a room not yet pushed and confirm it: pushes run inside ``step``, so
-        between steps nothing is writing for it."""
-        self._discard(room, self.peers.get(self.rooms[room].peer))
+    def _drop(self, room: int, reason: str) -> StateFailed:
+        """Forget a room not yet pushed; its confirmation, to send (pushes run inside
+        ``step``, so between steps nothing is writing for it)."""
+        self._discard(room, self.peers.get(self.open[room].peer))
         logger.info("prefill: room %d dropped: %s", room, reason)
-        self._reply(StateFailed(room=room, reason=reason, stopped_writing=True))
+        return StateFailed(room=room, reason=reason, stopped_writing=True)
