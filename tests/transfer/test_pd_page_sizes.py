@@ -201,8 +201,8 @@ def test_pd_processes_across_page_sizes(pd_dir, tmp_path):
                 while client.routes:
                     done.update({o.request_id: o for o in client.step() if o.finished})
                 outs += [done[room] for room in rooms]
-            assert set(client.transfer_bytes) == set(client.engine.registry.names())
-            assert all(n > 0 for n in client.transfer_bytes.values())
+            assert set(client.inbox.transfer_bytes) == set(client.engine.registry.names())
+            assert all(n > 0 for n in client.inbox.transfer_bytes.values())
     finally:
         prefill.stop()
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]

@@ -260,8 +260,8 @@ def test_pd_processes_equal_colocated(pd_dir, prefill_server):
         ]
         assert client.engine.runner.num_computed_prompt_tokens == 0
         names = set(client.engine.registry.names())
-        assert set(client.transfer_bytes) == names
-        assert all(n > 0 for n in client.transfer_bytes.values())
+        assert set(client.inbox.transfer_bytes) == names
+        assert all(n > 0 for n in client.inbox.transfer_bytes.values())
         assert _free_units(client.engine) == start_free
         assert all(o.error is None for o in outs)
     assert our_segments() == before
@@ -291,7 +291,7 @@ def test_pd_processes_every_backend_and_sliding_mode(pd_dir, spawn_prefill, back
         outs = [done[room] for room in rooms]
         _assert_same_tokens_and_acceptance(outs, expected)
         assert client.engine.runner.num_computed_prompt_tokens == 0
-        assert all(n > 0 for n in client.transfer_bytes.values())
+        assert all(n > 0 for n in client.inbox.transfer_bytes.values())
         assert _free_units(client.engine) == start_free
 
 
@@ -306,12 +306,12 @@ def test_pd_processes_push_only_what_decode_does_not_cache(pd_dir, spawn_prefill
     with _client(pd_dir, prefill.endpoint, backend=backend) as client:
         moved = []
         for _ in range(2):
-            before = dict(client.transfer_bytes)
+            before = dict(client.inbox.transfer_bytes)
             rooms = [client.add_request(p, params) for p, params in _requests()]
             done = _run(client, timeout_s=60.0)
             outs = [done[room] for room in rooms]
             _assert_same_tokens_and_acceptance(outs, expected)
-            moved.append({n: b - before.get(n, 0) for n, b in client.transfer_bytes.items()})
+            moved.append({n: b - before.get(n, 0) for n, b in client.inbox.transfer_bytes.items()})
         assert client.engine.runner.num_computed_prompt_tokens == 0
         assert sum(o.metrics.num_cached_tokens for o in outs) > 0
         assert moved[1]["target.full"] < moved[0]["target.full"]
