@@ -256,7 +256,7 @@ def test_a_final_only_text_ends_as_a_streamed_one_mid_character(llm, end):
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[stop])
     texts = []
     for final_only in (True, False):
-        track = engine._new_track({"prompt_token_ids": [5, 6, 7]}, params, f"twin-{final_only}")
+        track = engine.new_track({"prompt_token_ids": [5, 6, 7]}, params, f"twin-{final_only}")
         track.final_only = final_only
         try:
             for ids in groups:

@@ -48,18 +48,55 @@ import dataclasses
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from baton.config import EngineConfig
 from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed
-from baton.memory.state import PushPhase, StateComponent, handoff_units, num_held_cached
+from baton.engine.scheduler import Scheduler
+from baton.engine.tracks import HeldRequest, Track
+from baton.memory.prefix_cache import PrefixCache
+from baton.memory.state import (
+    PushPhase,
+    StateComponent,
+    StateRegistry,
+    handoff_units,
+    num_held_cached,
+)
 from baton.request import FinishReason, RequestStatus, SamplingParams
-from baton.speculative.proposer import PendingPairs
+from baton.speculative.proposer import DraftProposer, PendingPairs
 
-if TYPE_CHECKING:
-    from baton.engine.engine import LLMEngine
+
+class HandoffHost(Protocol):
+    """What ``Handoff`` uses of its engine (``LLMEngine`` is one): the request tables and
+    pools a handoff moves requests between, and the transitions it shares with colocated
+    requests (a new request's bookkeeping, appending committed tokens, finishing, freeing)."""
+
+    config: EngineConfig
+    registry: StateRegistry
+    scheduler: Scheduler
+    prefix_cache: PrefixCache | None
+    proposer: DraftProposer | None
+    tracks: dict[str, Track]
+    held: dict[str, HeldRequest]
+    quarantined: set[str]
+
+    @property
+    def num_running(self) -> int: ...
+
+    def new_track(
+        self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
+    ) -> Track: ...
+
+    def next_seed(self) -> int: ...
+
+    def free_units(self, request_id: str) -> None: ...
+
+    def append(self, track: Track, committed: Committed, now: float) -> None: ...
+
+    def finish(self, track: Track, committed: Committed | None) -> None: ...
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
@@ -97,7 +134,7 @@ class Reservation:
 class Handoff:
     """The PD handoff of one engine (module docstring: the contracts)."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: HandoffHost) -> None:
         self.engine = engine
         self.queued: list[str] = []
         """Decode: requests ``WAITING_FOR_UNITS``, oldest first."""
@@ -105,7 +142,7 @@ class Handoff:
     # -- prefill ---------------------------------------------------------------------------
     def add_for_prefill(self, prompt, params: SamplingParams, request_id: str) -> None:
         engine = self.engine
-        track = engine._new_track(prompt, prefill_params(params), request_id)
+        track = engine.new_track(prompt, prefill_params(params), request_id)
         track.hold = True
         for record in engine.registry.pushed_in(PushPhase.LAST):
             record.owner.grow(request_id, 0, 0)
@@ -125,8 +162,8 @@ class Handoff:
         """Returns the prompt's length in tokens."""
         engine = self.engine
         if params.seed is None:  # prefill samples token 1 with the seed decode continues with
-            params = dataclasses.replace(params, seed=next(engine._seeds))
-        track = engine._new_track(prompt, params, request_id)
+            params = dataclasses.replace(params, seed=engine.next_seed())
+        track = engine.new_track(prompt, params, request_id)
         track.request.status = RequestStatus.WAITING_FOR_UNITS
         self.queued.append(request_id)
         return track.request.num_prompt_tokens

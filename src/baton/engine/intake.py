@@ -2,12 +2,12 @@
 
 Mixed into ``LLMEngine``. ``encode_prompt`` turns text, token ids or a ``{"prompt",
 "prompt_token_ids"}`` dict into ids; ``validate`` checks them against the vocabulary, the
-context and the pools' sizes; ``_new_track`` creates the bookkeeping; ``add_request`` queues
+context and the pools' sizes; ``new_track`` creates the bookkeeping; ``add_request`` queues
 it. Everything is checked before anything is written, so a bad request keeps nothing. It
 writes ``tracks`` (and the draft's context floor) and calls ``scheduler.add``, nothing
 else: no unit is reserved here and no status changed (the scheduler admits, ``Handoff``
 reserves). Callers: ``LLM.generate`` (validates every prompt first), the server through
-``EngineCore.add_request``, ``Handoff`` (``_new_track``).
+``EngineCore.add_request``, ``Handoff`` (``new_track``).
 """
 
 from __future__ import annotations
@@ -101,12 +101,16 @@ class RequestIntake:
         given). Raises ``ValueError`` for a bad request, keeping nothing. ``final_only``:
         ``step`` returns only the request's finished output (``LLM.generate``), and its text
         is decoded once rather than token by token (``Track.final_only``)."""
-        track = self._new_track(prompt, params, request_id)
+        track = self.new_track(prompt, params, request_id)
         track.final_only = final_only
         self.scheduler.add(track.request)
         return track.request.request_id
 
-    def _new_track(
+    def next_seed(self) -> int:
+        """The seed of a request that names none (the engine's seed makes the sequence)."""
+        return next(self._seeds)
+
+    def new_track(
         self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
     ) -> Track:
         """Validate a request and create its bookkeeping; touches no memory."""
@@ -119,7 +123,7 @@ class RequestIntake:
         if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
             raise ValueError(f"request id {request_id!r} is already in use")
         request = Request(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else next(self._seeds)
+        seed = params.seed if params.seed is not None else self.next_seed()
         vocab = self.model.spec.vocab_size
         self.tracks[request_id] = Track(
             request=request,
