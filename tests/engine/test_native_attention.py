@@ -174,7 +174,7 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
     """``baton_paged_plan`` from the pool's unit tables gives, for random steps of random
     requests (floors, trimmed sliding pages, pages grown after the table was first read),
     exactly the lists the torch path reads from the pool in Python; a unit not held fails."""
-    from baton.model.paged_attention import _lists
+    from baton.model.attention_plans import plan_lists
 
     rng = random.Random(kind)
     base = "sliding" if kind.startswith("sliding") else kind
@@ -198,7 +198,7 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
             pool.rows, window, pool.store_keep, isinstance(pool, RingPool), covers_own,
         )  # fmt: skip
-        want = _lists(pool, segs, window, covers_own)
+        want = plan_lists(pool, segs, window, covers_own)
         assert _native_lists(call) == {
             "units": want.unit_lists,
             "key_base": [0 if b is None else b for b in want.key_base],

@@ -457,11 +457,12 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
     small at first (the call refuses before computing anything, the buffer grows, the call
     runs again)."""
     from baton.kernels.paged_attention import PagedAttentionCall
-    from baton.model.attention_plans import _StackPlans
+    from baton.model.attention_plans import ForwardStackPlans
     from baton.model.paged_attention import PagedAttention
 
     params = SamplingParams(temperature=0, max_tokens=40, logprobs=2)
-    fill, grow, stack_plans = _StackPlans.fill, PagedAttentionCall.grow, PagedAttention.stack_plans
+    fill, grow = ForwardStackPlans.fill, PagedAttentionCall.grow
+    stack_plans = PagedAttention.stack_plans
     events = []
 
     def short_first(self, plans):
@@ -483,7 +484,7 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
                     lambda self, layers: events.append("asked") or stack_plans(self, layers),
                 )
             if mode_of_plans == "short":
-                patch.setattr(_StackPlans, "fill", short_first)
+                patch.setattr(ForwardStackPlans, "fill", short_first)
                 patch.setattr(
                     PagedAttentionCall, "grow", lambda call: events.append("grow") or grow(call)
                 )

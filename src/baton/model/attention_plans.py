@@ -1,23 +1,20 @@
 """What ``PagedAttention`` (``baton.model.paged_attention``) attends with: a step's segments
-and, per pool and forward, its plan -- the torch path's index lists (``_lists``), the C
+and, per pool and forward, its plan -- the torch path's index lists (``plan_lists``), the C
 kernel's call planned in place (``PagedAttentionCall``, one per pool and kind of plan), or
-the stack's plans, built inside its own native call (``_StackPlans``).
+the stack's plans, built inside its own native call (``ForwardStackPlans``).
 """
 
 from __future__ import annotations
 
 import weakref
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from baton.kernels.paged_attention import PagedAttentionCall
 from baton.memory.cache import ModelCache
 from baton.memory.pools import StatePool
 from baton.memory.ring_pool import RingPool
-
-if TYPE_CHECKING:
-    from baton.model.paged_attention import PagedAttention
 
 
 @dataclass(frozen=True)
@@ -34,7 +31,7 @@ class Segment:
 
 @dataclass
 class _Lists:
-    """The torch path's index lists of a batch plan (``_lists``)."""
+    """The torch path's index lists of a batch plan (``plan_lists``)."""
 
     unit_lists: list[list[int]]
     """Per segment, the units holding its context (pages in order, or its ring)."""
@@ -48,7 +45,7 @@ class _Lists:
 
 
 @dataclass
-class _BatchPlan:
+class BatchPlan:
     """One pool's batched segments in one forward: the kernel's plan, or the torch path's."""
 
     segments: list[Segment]
@@ -76,7 +73,7 @@ _CALLS: weakref.WeakKeyDictionary[StatePool, dict[bool, PagedAttentionCall]] = (
 proposal's first draft step and its chain hold one plan each on the draft's pool)."""
 
 
-def _call_of(pool: StatePool, one_at_a_time: bool) -> PagedAttentionCall:
+def call_of(pool: StatePool, one_at_a_time: bool) -> PagedAttentionCall:
     """The pool's kernel call for this kind of plan (``_CALLS``), made on first use."""
     calls = _CALLS.get(pool)
     if calls is None:
@@ -87,22 +84,24 @@ def _call_of(pool: StatePool, one_at_a_time: bool) -> PagedAttentionCall:
     return call
 
 
-def _check(plan: _BatchPlan) -> None:
+def check_plan(plan: BatchPlan) -> None:
     if plan.native.generation != plan.generation:
         raise AssertionError("a later forward planned this pool's kernel call over this one's")
 
 
-def _first_visible(seg: Segment, window: int | None) -> int:
+def first_visible(seg: Segment, window: int | None) -> int:
     first = 0 if window is None else max(0, seg.start - window + 1)
     return min(max(first, seg.floor), seg.start)
 
 
-def _lists(pool: StatePool, segs: list[Segment], window: int | None, covers_own: bool) -> _Lists:
+def plan_lists(
+    pool: StatePool, segs: list[Segment], window: int | None, covers_own: bool
+) -> _Lists:
     """What the segments read and store, from the pool's tables: per segment the units
     covering [first visible, start) -- [.., start + n) with ``covers_own`` -- and the step's
     rows worth storing (a ring or a sliding pool keeps a tail only), where they go. The
     native plan (``PagedAttentionCall``) holds the same lists."""
-    firsts = [_first_visible(s, window) for s in segs]
+    firsts = [first_visible(s, window) for s in segs]
     unit_lists, key_base = [], []
     for seg, first in zip(segs, firsts, strict=True):
         end = seg.start + seg.num_tokens if covers_own else seg.start
@@ -120,7 +119,7 @@ def _lists(pool: StatePool, segs: list[Segment], window: int | None, covers_own:
     return _Lists(unit_lists, key_base, firsts, token_index, write_units, write_rows)
 
 
-def _group_by_pool(cache: ModelCache, layers) -> list | None:
+def group_by_pool(cache: ModelCache, layers) -> list | None:
     """Layers (``native_args``' tuples) by pool: per pool, in the order of its first layer,
     the pool, its window, the fields its layers share (heads, head_dim, scale, softcap) and
     their local indices in the pool. None when the layers of a pool differ in those (a
@@ -136,22 +135,31 @@ def _group_by_pool(cache: ModelCache, layers) -> list | None:
     return [tuple(group) for group in groups.values()]
 
 
-class _StackPlans:
+class ForwardStackPlans:
     """``baton.kernels.layer.StackPlans`` of one forward: its pools' plans, built inside the
-    stack's call from the inputs ``PagedAttentionCall.prepare`` keeps."""
+    stack's call from the inputs ``PagedAttentionCall.prepare`` keeps; each pool's plan is
+    handed to ``on_planned`` once the call has made it (the attention counts and keeps it)."""
 
-    def __init__(self, attn: PagedAttention, pools: list, calls: list, layer_args: list) -> None:
+    def __init__(
+        self,
+        segments: list[Segment],
+        on_planned: Callable[[StatePool, BatchPlan], None],
+        pools: list,
+        calls: list,
+        layer_args: list,
+    ) -> None:
         """pools: per plan (pool, the window of its layers)."""
-        self.attn, self.pools, self.calls = attn, pools, calls
+        self.segments, self.on_planned = segments, on_planned
+        self.pools, self.calls = pools, calls
         self.layer_args = layer_args
-        self.batch = len(attn.segments)
+        self.batch = len(segments)
         self._segs = array("i")
-        for seg in attn.segments:
+        for seg in segments:
             self._segs.extend((seg.offset, seg.start, seg.num_tokens, seg.floor))
-        self._num_queries = sum(seg.num_tokens for seg in attn.segments)
+        self._num_queries = sum(seg.num_tokens for seg in segments)
 
     def fill(self, plans) -> tuple[int, int]:
-        segments = self.attn.segments
+        segments = self.segments
         for i, ((pool, window), call) in enumerate(zip(self.pools, self.calls, strict=True)):
             entry = plans[i]
             tables = [pool.unit_table(seg.request_id) for seg in segments]
@@ -165,9 +173,7 @@ class _StackPlans:
         self.calls[index].grow()
 
     def planned(self) -> None:
-        attn = self.attn
         for (pool, _), call in zip(self.pools, self.calls, strict=True):
-            plan = _BatchPlan(attn.segments, None, call, generation=call.planned(self.batch))
+            plan = BatchPlan(self.segments, None, call, generation=call.planned(self.batch))
             plan.counted = True
-            attn._count(pool, plan)
-            attn._plans[pool.name] = (plan, [])
+            self.on_planned(pool, plan)

@@ -30,14 +30,14 @@ from baton.memory.pools import StatePool
 from baton.memory.ring_pool import RingPool
 from baton.model.attention import masked_attention, visibility_mask
 from baton.model.attention_plans import (
+    BatchPlan,
+    ForwardStackPlans,
     Segment,
-    _BatchPlan,
-    _call_of,
-    _check,
-    _first_visible,
-    _group_by_pool,
-    _lists,
-    _StackPlans,
+    call_of,
+    check_plan,
+    first_visible,
+    group_by_pool,
+    plan_lists,
 )
 
 BATCHED_MAX_TOKENS = 8
@@ -65,7 +65,7 @@ class PagedAttention:
         self.segments = segments
         self.native_layers = native_layers
         self.one_at_a_time = one_at_a_time
-        self._plans: dict[str, tuple[_BatchPlan | None, list[Segment]]] = {}
+        self._plans: dict[str, tuple[BatchPlan | None, list[Segment]]] = {}
         self._one: dict[tuple[str, Segment], tuple] = {}
 
     @staticmethod
@@ -89,7 +89,7 @@ class PagedAttention:
         self._plans[pool.name] = (plan, others)
         return plan, others
 
-    def _is_dense(self, plan: _BatchPlan) -> bool:
+    def _is_dense(self, plan: BatchPlan) -> bool:
         """``plan.dense``, computed on its first read."""
         if plan.dense is None:
             segs = plan.segments
@@ -102,7 +102,7 @@ class PagedAttention:
 
     def stack_plans(
         self, layers: list[tuple[int, int | None, int, int, float, float | None]]
-    ) -> _StackPlans | None:
+    ) -> ForwardStackPlans | None:
         """``native_args`` for ``NativeStack``, whose call builds the pools' plans itself
         (``baton_paged_plan`` there, from the inputs kept by each pool's
         ``PagedAttentionCall``: no plan is built here) -- or None where ``native_args``
@@ -117,15 +117,15 @@ class PagedAttention:
             _, pools, calls, layer_args = found
             if any(pool.name in self._plans for pool, _ in pools):
                 return None
-            return _StackPlans(self, pools, calls, layer_args)
-        by_pool = _group_by_pool(self.cache, layers)
+            return ForwardStackPlans(self.segments, self._on_planned, pools, calls, layer_args)
+        by_pool = group_by_pool(self.cache, layers)
         if by_pool is None:
             return None
         pools, calls, by_layer = [], [], {}
         for pool, window, fields, locals_ in by_pool:
             if pool.name in self._plans or not PagedAttentionCall.supports(pool.storage):
                 return None
-            call = _call_of(pool, one_at_a_time=False)
+            call = call_of(pool, one_at_a_time=False)
             pools.append((pool, window))
             calls.append(call)
             for local in locals_:
@@ -136,15 +136,17 @@ class PagedAttention:
             address, _, keys, values = by_layer[(pool.name, local)]
             layer_args.append((address, batch, keys, values))
         groups[key] = (layers, pools, calls, layer_args)
-        return _StackPlans(self, pools, calls, layer_args)
+        return ForwardStackPlans(self.segments, self._on_planned, pools, calls, layer_args)
 
     def _build(
         self, pool: StatePool, segs: list[Segment], window: int | None, native: bool
-    ) -> _BatchPlan:
+    ) -> BatchPlan:
         if not native:  # the torch path writes first, then reads its own positions too
-            return _BatchPlan(segs, None, None, lists=_lists(pool, segs, window, covers_own=True))
+            return BatchPlan(
+                segs, None, None, lists=plan_lists(pool, segs, window, covers_own=True)
+            )
         # The kernel reads the pool before the step's K/V are stored (a chain's steps after).
-        call = _call_of(pool, self.one_at_a_time)
+        call = call_of(pool, self.one_at_a_time)
         generation = call.plan(
             [pool.unit_table(s.request_id) for s in segs],
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
@@ -154,10 +156,10 @@ class PagedAttention:
             is_ring=isinstance(pool, RingPool),
             covers_own=self.one_at_a_time,
         )
-        return _BatchPlan(segs, None, call, generation=generation)
+        return BatchPlan(segs, None, call, generation=generation)
 
     @staticmethod
-    def _gather_plan(pool: StatePool, plan: _BatchPlan, window: int | None) -> tuple:
+    def _gather_plan(pool: StatePool, plan: BatchPlan, window: int | None) -> tuple:
         """The torch path's tensors, once per plan (every layer of the pool shares them):
         the store indices (token_index, write_units, write_rows: [T] each), read_units [B, U]
         (padded with unit 0), q_index [B, Q], q_valid [B, Q], and the fp32 additive mask
@@ -218,7 +220,7 @@ class PagedAttention:
             plan, others = self._plan(pool, window)
             if plan is None or plan.native is None or others:
                 return None
-            _check(plan)
+            check_plan(plan)
             if not plan.counted:  # every layer of the pool asks; the count is the same
                 self._count(pool, plan)
                 plan.counted = True
@@ -239,10 +241,10 @@ class PagedAttention:
             self._attend_one(pool, local, seg, q, k, v, out, window, scale, softcap)
         return out
 
-    def _attend_batched(self, pool, local, plan: _BatchPlan, q, k, v, out, scale, softcap, window):
+    def _attend_batched(self, pool, local, plan: BatchPlan, q, k, v, out, scale, softcap, window):
         """Attend and store the segments' K/V; into ``out``, or returned when ``plan.dense``."""
         if plan.native is not None:  # reads the pool, then stores the step's K/V in it
-            _check(plan)
+            check_plan(plan)
             result = torch.empty_like(q) if self._is_dense(plan) else out
             plan.native(q[0], k[0], v[0], result[0], pool.storage, local, scale, softcap)
             self._count(pool, plan)
@@ -274,8 +276,13 @@ class PagedAttention:
         out[0, q_index[q_valid]] = attn.transpose(1, 2)[q_valid]
         return out
 
+    def _on_planned(self, pool: StatePool, plan: BatchPlan) -> None:
+        """A plan the layer stack's native call made (``ForwardStackPlans.planned``)."""
+        self._count(pool, plan)
+        self._plans[pool.name] = (plan, [])
+
     @staticmethod
-    def _count(pool: StatePool, plan: _BatchPlan) -> None:
+    def _count(pool: StatePool, plan: BatchPlan) -> None:
         for seg in plan.segments:
             end = seg.start + seg.num_tokens
             pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
@@ -283,7 +290,7 @@ class PagedAttention:
     def _attend_one(self, pool, local, seg, q, k, v, out, window, scale, softcap):
         rows = slice(seg.offset, seg.offset + seg.num_tokens)
         q_seg, k_seg, v_seg = q[0, rows], k[0, rows], v[0, rows]
-        first = _first_visible(seg, window)
+        first = first_visible(seg, window)
         end = seg.start + seg.num_tokens
         key = (pool.name, seg)
         if key not in self._one:  # slots and mask are the same for every layer of the pool
