@@ -11,7 +11,6 @@ launch`` too).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import socket
 import sys
@@ -130,7 +129,7 @@ def _serve_http_beside(server, then: Callable[[], None]) -> threading.Thread:
 def _decode_engine(args: argparse.Namespace, config):
     """A ``DecodeEngine`` paired with the prefill at ``--prefill``; None (after saying why)
     when the pairing fails."""
-    from baton.config import LocalPrefill, read_secret_env
+    from baton.config import Deadlines, LocalPrefill, read_secret_env
     from baton.transfer.decode import DecodeEngine
     from baton.transfer.handshake import PairingError
 
@@ -145,7 +144,7 @@ def _decode_engine(args: argparse.Namespace, config):
         return None
     try:
         return DecodeEngine(
-            args.model, config, args.prefill or [], token, args.backend, _deadlines(args),
+            args.model, config, args.prefill or [], token, args.backend, Deadlines.from_args(args),
             shm_prefix=args.shm_prefix, transfer_host=_transfer_host(args),
             local_prefill=local_prefill,
         )  # fmt: skip
@@ -158,7 +157,7 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
     """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
     import json
 
-    from baton.config import read_secret_env
+    from baton.config import Deadlines, read_secret_env
     from baton.server.http import server as http_server
     from baton.server.prefill_app import PrefillLoop, build_prefill_app
     from baton.transfer.prefill import PrefillServer
@@ -167,8 +166,9 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
+    deadlines = Deadlines.from_args(args)
     server = PrefillServer(
-        args.model, config, args.pd_host, args.pd_port, token, args.backend, _deadlines(args),
+        args.model, config, args.pd_host, args.pd_port, token, args.backend, deadlines,
         transfer_host=_transfer_host(args),
     )  # fmt: skip
     loop = PrefillLoop(server)
@@ -228,11 +228,3 @@ def _route_token(args: argparse.Namespace) -> bytes | None:
 
     token = read_secret_env(args.token_env)
     return token.encode() if token else None
-
-
-def _deadlines(args: argparse.Namespace):
-    """``Deadlines`` from the ``--*-s`` flags (one per field); ``ValueError`` names a bad one."""
-
-    from baton.config import Deadlines
-
-    return Deadlines(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Deadlines)})

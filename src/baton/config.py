@@ -300,6 +300,12 @@ class Deadlines:
     idle_wait_s: float = 0.02
     """How long a PD loop with nothing to compute waits on its channel per turn."""
 
+    @classmethod
+    def from_args(cls, args: object) -> Deadlines:
+        """From parsed ``--<field>`` flags, one per field (``cli_args`` declares them);
+        ``ValueError`` names a bad one."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -154,6 +154,15 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
     return tuple(ids)
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses, naming the API field at fault (``param``; None: the
+    request as a whole) -- carried to the HTTP error's ``param``, not read from the text."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class FinishReason(StrEnum):
     """Why a request stopped, as the OpenAI API spells it."""
 

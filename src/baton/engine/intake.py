@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.outputs import RequestMetrics
 from baton.engine.tracks import HeldRequest, Track
-from baton.request import Request, SamplingParams
+from baton.request import InvalidRequest, Request, SamplingParams
 from baton.sampling.sampling_state import SamplingState
 
 if TYPE_CHECKING:
@@ -55,30 +55,37 @@ class RequestIntake:
             prompt = prompt.get("prompt", "")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer.json: pass token ids")
+                no_tokenizer = "this model directory has no tokenizer.json: pass token ids"
+                raise InvalidRequest(no_tokenizer, "prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
+        raise InvalidRequest(
+            f"a prompt must be a string or a list of token ids, got {type(prompt)}", "prompt"
+        )
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model and memory; returns its max_tokens."""
         if not token_ids:
-            raise ValueError("the prompt is empty: a request needs at least one token")
+            empty = "the prompt is empty: a request needs at least one token"
+            raise InvalidRequest(empty, "prompt")
         vocab = self.model.spec.vocab_size
         bad = [t for t in token_ids if not (0 <= t < vocab)]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            outside = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            raise InvalidRequest(outside, "prompt")
         room = self.max_model_len - len(token_ids)
         if room <= 0:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}"
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens; the context is {self.max_model_len}",
+                "prompt",
             )
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if max_tokens > room:
-            raise ValueError(
+            raise InvalidRequest(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
-                f"context of {self.max_model_len} tokens"
+                f"context of {self.max_model_len} tokens",
+                "max_tokens",
             )
         total = len(token_ids) + max_tokens + self.num_spec
         for component in self.registry:

@@ -39,7 +39,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 
@@ -63,6 +62,7 @@ from baton.server.protocol import (
     sign_route,
 )
 from baton.server.request_body import MAX_BODY_BYTES, read_body
+from baton.transfer.protocol import new_room
 
 logger = logging.getLogger("baton.router")
 
@@ -181,7 +181,7 @@ class Router:
                     type="server_error", code="no_instance",
                 )  # fmt: skip
                 break
-            room = secrets.randbits(63) or 1
+            room = new_room()
             release = Release(*(i for i in (decode, prefill) if i is not None))
             try:
                 upstream = await self._send_once_more_if_dropped(

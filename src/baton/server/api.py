@@ -242,7 +242,7 @@ async def _run(
     try:
         stream = await server.engine.add(prompt, params, **route)
     except ValueError as exc:
-        raise ApiError(str(exc), param=_param_of_engine_error(str(exc))) from exc
+        raise ApiError(str(exc), param=getattr(exc, "param", None)) from exc
     except RuntimeError as exc:
         raise ApiError(str(exc), 503, type="server_error") from exc
     first = await anext(stream)  # an EngineFailed here is a 500 (its handler above)
@@ -308,11 +308,3 @@ def _route(request: Request) -> dict:
             raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")
         route["room"] = int(room)
     return route
-
-
-def _param_of_engine_error(message: str) -> str | None:
-    if "max_tokens" in message:
-        return "max_tokens"
-    if "prompt" in message or "token id" in message:
-        return "prompt"
-    return None

@@ -32,7 +32,7 @@ from baton.engine.core import EngineCore
 from baton.engine.keep_warm import KeepWarm
 from baton.engine.outputs import HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
-from baton.request import SamplingParams
+from baton.request import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +180,10 @@ class AsyncEngine:
         num_bytes = len(text.encode("utf-8", "surrogatepass"))
         at_least = num_bytes // tokenizer.max_token_bytes
         if at_least > self.max_model_len:
-            raise ValueError(
+            raise InvalidRequest(
                 f"the prompt is {num_bytes} bytes, at least {at_least} tokens; the context is "
-                f"{self.max_model_len}"
+                f"{self.max_model_len}",
+                "prompt",
             )
         return tokenizer.encode(text)
 

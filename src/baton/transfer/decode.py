@@ -46,7 +46,7 @@ from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
 from baton.memory.allocator import SharedMemoryAllocator, remove_orphan_segments
-from baton.request import SamplingParams
+from baton.request import InvalidRequest, SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS, TransferBackend, new_worker_backend
 from baton.transfer.decode_inbox import DecodeInbox
 from baton.transfer.handshake import build_hello
@@ -200,7 +200,9 @@ class DecodeEngine:
         if request_id in self.engine.handoff.queued and not self._is_busy():
             self.engine.handoff.fail(request_id, "no room", stopped_writing=True)
             del self.routes[request_id]
-            raise ValueError(f"the prompt of request {request_id} does not fit in decode's memory")
+            raise InvalidRequest(
+                f"the prompt of request {request_id} does not fit in decode's memory", "prompt"
+            )
         return request_id
 
     def _unavailable(

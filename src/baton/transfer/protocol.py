@@ -65,8 +65,9 @@ class ProtocolError(ValueError):
 
 
 def new_room() -> int:
-    """A random 63-bit request room id (the router assigns one per PD request)."""
-    return secrets.randbits(63)
+    """A random request room id in [1, 2**63) (the router draws one per PD request; 0 is
+    never one: decode's server refuses it)."""
+    return secrets.randbelow(2**63 - 1) + 1
 
 
 def request_id_of(room: int) -> str:

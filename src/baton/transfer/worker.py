@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
         return 2
     config = _engine_config(args.engine)
-    deadlines = Deadlines(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Deadlines)})
+    deadlines = Deadlines.from_args(args)
     if args.role == "prefill":
         return _run_prefill(args, config, deadlines, token)
     if not args.connect:
