@@ -8,11 +8,12 @@ draft worth running). For each model and each thread count (``--threads``; defau
 half and all of the usable cores, ``baton.cores``):
 
 * **decode tok/s** at batch 1, 8, 32, 64 (``--batches``): requests past a 32-token prompt,
-  the median engine step over ``--steps`` steps, ``batch / step``; beside it the
-  **weight-bandwidth bound**: a step reads every weight once, so at most
+  the median engine step over ``--steps`` steps, ``batch / step``; beside it the lower of
+  two bounds -- **weight bandwidth**: a step reads every weight once, so at most
   ``memcpy bytes/s / weight bytes`` steps per second (memcpy measured in this run, read +
-  written counted: an upper bound for reads alone is higher, so the bound is generous to
-  baton only where reads beat copies) -- ``of_bound`` is decode's share of it;
+  written counted: reads alone go faster, so decode can pass 100 % of it), and **matmul**:
+  ``peak FLOP/s / (2 * parameters)`` tokens per second -- ``of_bound`` is decode's share of
+  it, ``bound`` says which;
 * **prefill tok/s** at 512 and 2,048 tokens (``--prompts``): one request's time to its first
   token; beside it the **matmul bound**: ``peak FLOP/s / (2 * parameters)`` tokens per second,
   the peak a large ``torch.mm`` in the compute dtype reaches at that thread count here.
@@ -78,7 +79,8 @@ def save_random(out_dir: Path, family: str, shape: dict) -> Path:
 
 
 def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of an ``n x n @ n x n`` ``torch.mm`` in ``dtype`` at torch's thread count."""
+    """FLOP/s of an ``n x n @ n x n`` ``torch.mm`` in ``dtype`` at torch's thread count: the
+    fastest of ``repeats`` (a peak; these hosts' speed drifts within minutes)."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     torch.mm(a, b)
     seconds = []
@@ -86,7 +88,7 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
         start = time.perf_counter()
         torch.mm(a, b)
         seconds.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(seconds)
+    return 2 * n**3 / min(seconds)
 
 
 def engine_for(model_dir: Path, dtype: str, threads: int, max_seqs: int) -> LLMEngine:
@@ -155,9 +157,12 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
                     cell["decode"][batch] = "skipped (budget)"
                     continue
                 tok_s = decode_tok_s(engine, batch, args.steps, shape["vocab"])
-                bound = batch * steps_bound
-                cell["decode"][batch] = {"tok_s": tok_s, "bound_tok_s": bound,
-                                         "of_bound": tok_s / bound}  # fmt: skip
+                bandwidth, matmul = batch * steps_bound, peak / (2 * params)
+                bound = min(bandwidth, matmul)
+                cell["decode"][batch] = {
+                    "tok_s": tok_s, "bound_tok_s": bound, "of_bound": tok_s / bound,
+                    "bound": "bandwidth" if bandwidth <= matmul else "matmul",
+                }  # fmt: skip
             for length in (int(n) for n in args.prompts.split(",")):
                 if time.monotonic() > deadline:
                     cell["prefill"][length] = "skipped (budget)"

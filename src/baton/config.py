@@ -286,7 +286,7 @@ class Deadlines:
     (same host) -- since a paused prefill may resume and finish its push."""
     transferring_s: float = 60.0
     """Prefill: the longest wait for one push batch; past it its rooms fail (without
-    claiming the writes stopped: the backend has no cancel) -- ``Sender.transfer_s``."""
+    claiming the writes stopped: the backend has no cancel) -- ``BatchRunner.transfer_s``."""
     peer_silence_s: float = 10.0
     """Decode: a prefill that owes it state and has answered nothing (not even a ``Ping``,
     sent every ``ping_interval_s``) this long is failed (fenced, as past ``abort_grace_s``):

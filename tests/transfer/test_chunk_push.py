@@ -212,7 +212,7 @@ def test_a_failed_chunk_batch_fails_the_request_once_nothing_is_in_flight(pd_dir
 def test_a_transfer_past_its_deadline_fails_without_claiming_it_stopped(pd_dir):
     backend = RecordingBackend(deferred=True)  # polls stay PENDING until completed
     pair = _Pair(pd_dir, "paged", backend)
-    pair.prefill.transfer_s = 0.05
+    pair.prefill.batches.transfer_s = 0.05
     pair.reserve(_prompts()[:1])
     (reply,) = pair.prefill.step()
     assert isinstance(reply, StateFailed)

@@ -21,7 +21,8 @@ No I/O of its own: messages go in and out as values, so the same code runs in on
 (tests, loopback) and behind the zmq control channel (``prefill.PrefillServer``). Its
 decode-side mirror is ``receiver.Receiver``. This module keeps the ``Sender``: its
 requests (``on_reserve``), ``push_ready`` and the fence checks; what each batch carries is
-``sender_pushes.py``, the wait for a batch under its deadline ``sender_batches.py``.
+``sender_pushes.py``; the wait for a batch under its deadline is its ``BatchRunner``
+(``sender_batches.py``).
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ from baton.transfer.protocol import (
     request_id_of,
     sampling_params_from_wire,
 )
-from baton.transfer.sender_batches import SenderBatches
+from baton.transfer.sender_batches import BatchRunner
 from baton.transfer.sender_pushes import Outgoing, SenderPushes
 
 
-class Sender(SenderPushes, SenderBatches):
+class Sender(SenderPushes):
     """Computes prompts and pushes their state into the decode peer's pools.
 
     After every engine step, ``push_ready`` pushes, in one batch for all of this sender's
@@ -52,7 +53,8 @@ class Sender(SenderPushes, SenderBatches):
     chunks finish); once a request's prompt is done, the rest of its state (the last
     partial page, the sliding / ring components, the draft's) in one batch, then the aux
     record last. A transfer's batch is waited for before ``push_ready`` returns, so between
-    steps nothing writes for a request -- unless a batch outlived ``transfer_s``.
+    steps nothing writes for a request -- unless a batch outlived its deadline
+    (``BatchRunner.transfer_s``).
 
     Fencing: right before each batch it calls ``refresh_fences`` (the server reads its
     channel there) and pushes nothing for a room decode has given up on -- reserved under an
@@ -80,9 +82,8 @@ class Sender(SenderPushes, SenderBatches):
         self.debug_skip_components: frozenset[str] = frozenset()
         """Debug switch: components not pushed although declared (the classic missing-piece
         bug, registry intact): decode's units for them keep whatever they held."""
-        self.transfer_s = (deadlines or Deadlines()).transferring_s
-        """Longest wait for one batch; past it the rooms in it fail (see ``_transfer``)."""
-        self._abandoned: dict[int, list[int]] = {}
+        self.batches = BatchRunner(backend, (deadlines or Deadlines()).transferring_s)
+        """Each batch to its end or its deadline (and the batches given up at it)."""
         """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
         self.fence_epoch = 0
         """The largest ``Fence`` epoch from this sender's decode: older reservations are dead."""
@@ -95,7 +96,7 @@ class Sender(SenderPushes, SenderBatches):
     @property
     def is_busy(self) -> bool:
         """Whether ``push_ready`` has work: requests to push or timed-out batches to settle."""
-        return bool(self.outgoing) or bool(self._abandoned)
+        return bool(self.outgoing) or bool(self.batches.abandoned)
 
     def connect(
         self, peer_regions: dict[str, dict], peer_schema: list[dict[str, Any]] | None = None
@@ -132,7 +133,7 @@ class Sender(SenderPushes, SenderBatches):
         finished requests' whole remaining state and aux record, then the newly complete
         full-attention pages of those still computing. Also answers, with
         ``StateFailed(stopped_writing=True)``, rooms whose timed-out batch has since ended."""
-        replies: list[StateDone | StateFailed] = self._settle_abandoned()
+        replies: list[StateDone | StateFailed] = self.batches.settle_abandoned()
         if self.engine.num_preemptions != self._num_preemptions:
             # NOTE: a preempted prompt is recomputed into other pages, maybe with other chunk
             # boundaries (other rounding): send its pages again rather than trust the old ones.

@@ -1,10 +1,9 @@
-"""``SenderBatches``: one push batch submitted to the backend and waited for, under a deadline.
+"""``BatchRunner``: one push batch submitted to the backend and waited for, under a deadline.
 
-Owns the wait (``_transfer``: submit, poll until ``DONE``/``FAILED`` or ``transfer_s``) and
-the batches given up at that deadline (``_abandoned``), confirmed room by room once the
-backend ends them (``_settle_abandoned``). It plans nothing (``SenderPushes``) and answers
-no fence (``sender.Sender``). A mixin of ``sender.Sender``, which owns every attribute it
-reads and calls it from ``push_ready`` and its pushes.
+Owns the wait (``transfer``: submit, poll until ``DONE``/``FAILED`` or ``transfer_s``) and
+the batches given up at that deadline (``abandoned``), confirmed room by room once the
+backend ends them (``settle_abandoned``). It plans nothing (``SenderPushes``) and answers
+no fence (``sender.Sender``). Each ``sender.Sender`` has one over its backend.
 """
 
 from __future__ import annotations
@@ -26,21 +25,24 @@ class Moved:
     has_stopped: bool = True
 
 
-class SenderBatches:
-    """``Sender``'s waiting half: each batch to its end or its deadline."""
+class BatchRunner:
+    """Each batch of one sender to its end or its deadline."""
 
-    backend: TransferBackend
-    transfer_s: float
-    _abandoned: dict[int, list[int]]
+    def __init__(self, backend: TransferBackend, transfer_s: float) -> None:
+        self.backend = backend
+        self.transfer_s = transfer_s
+        """Longest wait for one batch; past it the rooms in it fail (see ``transfer``)."""
+        self.abandoned: dict[int, list[int]] = {}
+        """Transfer id -> the rooms of a batch given up at its deadline, until it ends."""
 
-    def _transfer(self, ops: list[TransferOp], rooms: list[int]) -> Moved:
+    def transfer(self, ops: list[TransferOp], rooms: list[int]) -> Moved:
         """Submit one batch and wait for it, at most ``transfer_s`` seconds.
 
         NOTE: past the deadline the batch is given up, not stopped: the backend contract
         has no cancel, and only a ``DONE`` or ``FAILED`` from ``poll`` promises that it
         writes no more (``release`` refuses a pending transfer). So a timed-out batch is
         ``FAILED`` with ``has_stopped=False`` -- decode must not free its units on our word --
-        and is kept in ``_abandoned``; once the backend ends it, ``push_ready`` confirms
+        and is kept in ``abandoned``; once the backend ends it, ``push_ready`` confirms
         each of its rooms with ``StateFailed(stopped_writing=True)`` (or decode frees them
         after its abort grace, whichever comes first)."""
         start = time.perf_counter()
@@ -49,7 +51,7 @@ class SenderBatches:
         status = self.backend.poll(transfer_id)
         while status.is_pending:
             if time.monotonic() >= deadline:
-                self._abandoned[transfer_id] = list(rooms)
+                self.abandoned[transfer_id] = list(rooms)
                 reason = (
                     f"transfer of {len(ops)} runs to decode did not finish within "
                     f"{self.transfer_s:g} s"
@@ -60,15 +62,15 @@ class SenderBatches:
         self.backend.release(transfer_id)
         return Moved(status, time.perf_counter() - start)
 
-    def _settle_abandoned(self) -> list[StateDone | StateFailed]:
+    def settle_abandoned(self) -> list[StateDone | StateFailed]:
         """Rooms of timed-out batches the backend has since ended: now nothing writes."""
         replies: list[StateDone | StateFailed] = []
-        for transfer_id, rooms in list(self._abandoned.items()):
+        for transfer_id, rooms in list(self.abandoned.items()):
             status = self.backend.poll(transfer_id)
             if status.is_pending:
                 continue
             self.backend.release(transfer_id)
-            del self._abandoned[transfer_id]
+            del self.abandoned[transfer_id]
             reason = f"the timed-out transfer has ended ({status.state.value}); nothing writes"
             replies.extend(StateFailed(room=r, reason=reason, stopped_writing=True) for r in rooms)
         return replies

@@ -4,7 +4,7 @@ Owns the plans: the streamed pages of every request still computing
 (``_push_complete_pages``), the rest of a finished request's state (``_plan_rest``, page
 sizes translated where decode's differ) and its aux record last (``_push``), and
 ``Outgoing``, what has been pushed of each request. It never waits on the backend
-(``SenderBatches._transfer``) and decides no fence (``sender.Sender``). A mixin of
+(``BatchRunner.transfer``) and decides no fence (``sender.Sender``). A mixin of
 ``sender.Sender``, which owns every attribute it reads and calls it from ``push_ready``.
 """
 
@@ -20,7 +20,7 @@ from baton.memory.state import PushPhase, handoff_units
 from baton.transfer.checksums import component_checksums
 from baton.transfer.plan import TransferPlan, plan_ops, plan_request, plan_stats
 from baton.transfer.protocol import ComponentStats, ReserveState, StateDone, StateFailed
-from baton.transfer.sender_batches import Moved
+from baton.transfer.sender_batches import BatchRunner, Moved
 from baton.transfer.translate import final_tokens, first_valid_tokens, streamed_tokens
 
 
@@ -50,7 +50,7 @@ class Outgoing:
 
 class SenderPushes:
     """``Sender``'s planning half: the batches of each push. Calls the sender's fence checks
-    (``_drop_fenced``, ``_is_fenced``, ``_fenced``) and ``_transfer``."""
+    (``_drop_fenced``, ``_is_fenced``, ``_fenced``) and its ``batches`` (``BatchRunner``)."""
 
     engine: LLMEngine
     outgoing: dict[str, Outgoing]
@@ -59,6 +59,7 @@ class SenderPushes:
     dst_page_size: dict[str, int]
     keep_checksums: bool
     debug_skip_components: frozenset[str]
+    batches: BatchRunner
 
     def _push_complete_pages(self) -> list[StateFailed]:
         """One batch: every still-computing request's full-attention pages completed since
@@ -97,7 +98,8 @@ class SenderPushes:
         if not plans:
             return replies
         rooms = [self.outgoing[r].reserve.room for r in plans]
-        moved = self._transfer([op for plan in plans.values() for op in plan_ops(plan)], rooms)
+        ops = [op for plan in plans.values() for op in plan_ops(plan)]
+        moved = self.batches.transfer(ops, rooms)
         if not moved.status.is_done:
             # Their prefill units go back now: the backend only reads them, so even a batch
             # still in flight cannot hurt the state of a request that reuses them.
@@ -124,7 +126,7 @@ class SenderPushes:
         plan, checksum_ranges, sources = planned
         ops = plan_ops(plan)
         if ops:
-            moved = self._transfer(ops, [msg.room])
+            moved = self.batches.transfer(ops, [msg.room])
             if not moved.status.is_done:
                 return out.failure(moved)  # push_ready releases the units
             out.count(plan, moved.seconds)
@@ -151,7 +153,7 @@ class SenderPushes:
         )
         if self._is_fenced(out):  # the aux record is a batch of its own: check again
             return self._fenced(out)
-        moved = self._transfer(plan_ops(aux_plan), [msg.room])
+        moved = self.batches.transfer(plan_ops(aux_plan), [msg.room])
         if not moved.status.is_done:
             return out.failure(moved)  # push_ready releases the units
         stats[aux.name] = ComponentStats(num_bytes=aux.row_bytes, seconds=moved.seconds)
