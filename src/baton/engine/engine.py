@@ -30,7 +30,7 @@ from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
-from baton.engine.stats import StatsKeeper
+from baton.engine.stats import EngineStats, prefix_stats, record_acceptance
 from baton.engine.tracks import HeldRequest, Track
 from baton.kernels import openmp
 from baton.memory.allocator import StorageAllocator
@@ -61,7 +61,7 @@ Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03
 tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
-class LLMEngine(RequestIntake, StatsKeeper):
+class LLMEngine(RequestIntake):
     is_disaggregated = False
     """Colocated: requests take no PD route (``EngineCore``)."""
 
@@ -202,6 +202,24 @@ class LLMEngine(RequestIntake, StatsKeeper):
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request_id)
 
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            self.num_running, self.num_waiting, self.units_in_use(),
+            prompt_tokens_computed=self.runner.num_computed_prompt_tokens,
+            **prefix_stats(self.prefix_cache),
+        )  # fmt: skip
+
+    def _count_prefix_hit(self, request: Request, num_cached: int | None) -> None:
+        """A request's first admission: its prompt was looked up in the prefix cache (its
+        metrics and, with the debug switch, the draft's context floor say what was found)."""
+        if self.prefix_cache is None:
+            return
+        self.prefix_cache.count(request.num_prompt_tokens, num_cached or 0)
+        if num_cached:
+            self.tracks[request.request_id].metrics.num_cached_tokens = num_cached
+            if self.config.debug_prefix_cache_skip_draft and self.proposer is not None:
+                self.proposer.context_floor[request.request_id] = num_cached
+
     def units_in_use(self) -> dict[str, int]:
         """Per state component: units requests hold now (for metrics)."""
         return {c.name: c.num_units - c.owner.num_free_units for c in self.registry}
@@ -250,7 +268,7 @@ class LLMEngine(RequestIntake, StatsKeeper):
         for request_id, committed in result.committed.items():
             track = self.tracks[request_id]
             if spec[request_id]:
-                self._record_acceptance(track.metrics, committed, spec[request_id])
+                record_acceptance(track.metrics, committed, spec[request_id])
             self.append(track, committed, now)
             if not track.final_only or track.finish_reason is not None:
                 outputs.append(track.output(finish=track.finish_reason))
