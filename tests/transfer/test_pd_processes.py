@@ -590,3 +590,27 @@ def test_named_dead_prefills_cannot_park_decode_units(pd_dir, prefill_server):
     finally:
         for m in mute:
             m.close()
+
+
+def test_a_queued_request_whose_prefill_failed_to_pair_meanwhile_fails_cleanly(
+    pd_dir, prefill_server
+):
+    """A request queued for room (decode full) whose named prefill failed to pair while it
+    waited: at reservation its endpoint is in ``PAIRING_RETRY_S``; the request fails with
+    that reason, the step does not raise, and its units come back."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    prompt, params = _requests()[3]  # 83 tokens + 20: 14 of the 20 pages
+    with _client(pd_dir, prefill_server.endpoint, config=_config(num_pages=20)) as client:
+        start_free = _free_units(client.engine)
+        first = client.add_request(prompt, params)
+        queued = client.add_request(prompt, params, prefill=dead)
+        assert queued in client.engine.handoff.queued
+        done = _run(client)
+        assert done[first].error is None
+        assert "failed to pair" in done[queued].error
+        _drain_releases(client, 10.0)
+        assert _free_units(client.engine) == start_free

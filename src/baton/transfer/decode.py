@@ -182,9 +182,7 @@ class DecodeEngine:
         )
         local = self._local_reason(num_prompt, prefill, local)
         if local is not None:
-            metrics = self.engine.handoff.prefill_locally(request_id)
-            self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(local))
-            self.routes[request_id] = Route(room, "")
+            self._prefill_here(request_id, room, local)
             return request_id
         endpoint = prefill or self._default_endpoint()
         try:
@@ -211,16 +209,24 @@ class DecodeEngine:
         """The request's prefill cannot be tried now: computed here (``local_prefill.
         fallback``, no router named it), else it fails at the next ``step`` (a router's
         503 ``prefill_failed``: it retries another prefill)."""
-        code = HandoffReason.PREFILL_REFUSED if why.refused else HandoffReason.PREFILL_UNREACHABLE
         if self.local_prefill.fallback and not named:
-            metrics = self.engine.handoff.prefill_locally(request_id)
-            local = code if why.refused else HandoffReason.NO_HEALTHY_PREFILL
-            self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(local))
-            self.routes[request_id] = Route(room, "")
-            return
-        out = self.engine.handoff.fail(request_id, str(why), stopped_writing=True)
-        outcome = HandoffOutcome.failed(code, str(why))
-        self.rooms.outcomes.record(request_id, out.metrics, outcome)
+            local = (
+                HandoffReason.PREFILL_REFUSED if why.refused else HandoffReason.NO_HEALTHY_PREFILL
+            )
+            self._prefill_here(request_id, room, local)
+        else:
+            self._fail_queued(request_id, _code_of(why), str(why))
+
+    def _prefill_here(self, request_id: str, room: int, reason: HandoffReason) -> None:
+        """A queued request's prompt is computed on this decode (``reason``: why)."""
+        metrics = self.engine.handoff.prefill_locally(request_id)
+        self.rooms.outcomes.record(request_id, metrics, HandoffOutcome.local_prefill(reason))
+        self.routes[request_id] = Route(room, "")
+
+    def _fail_queued(self, request_id: str, code: HandoffReason, reason: str) -> None:
+        """A queued request (no units reserved) fails; the next ``step`` says so."""
+        out = self.engine.handoff.fail(request_id, reason, stopped_writing=True)
+        self.rooms.outcomes.record(request_id, out.metrics, HandoffOutcome.failed(code, reason))
         self._outputs.append(out)
 
     def _local_reason(
@@ -329,7 +335,12 @@ class DecodeEngine:
         with ``fail_stuck``, a request nothing will ever make room for fails."""
         for reservation in self.engine.handoff.reserve_queued():
             room, endpoint, _ = self.routes[reservation.request_id]
-            link = self._link(endpoint)
+            try:
+                link = self._link(endpoint)  # its link may have failed while it was queued
+            except PrefillUnavailable as e:  # never sent: nothing can write for it
+                self.rooms.wait(room, endpoint, 0)
+                self._outputs.append(self.rooms.fail(room, str(e), True, _code_of(e)))
+                continue
             msg = self.receiver.reserve_state(room, reservation, link.epoch)
             self.rooms.wait(room, endpoint, link.epoch)
             unreachable = HandoffReason.PREFILL_UNREACHABLE
@@ -341,11 +352,7 @@ class DecodeEngine:
                 self._outputs.append(self.rooms.fail(room, reason, True, unreachable))
         queued = self.engine.handoff.queued
         if fail_stuck and queued and not self._is_busy():
-            reason = "decode has no room for it"
-            out = self.engine.handoff.fail(queued[0], reason, stopped_writing=True)
-            outcome = HandoffOutcome.failed(HandoffReason.NO_ROOM, reason)
-            self.rooms.outcomes.record(out.request_id, out.metrics, outcome)
-            self._outputs.append(out)
+            self._fail_queued(queued[0], HandoffReason.NO_ROOM, "decode has no room for it")
 
     def _idle_wait_ms(self) -> int:
         due = self.rooms.deadlines_due()
@@ -353,3 +360,10 @@ class DecodeEngine:
             return 0
         wait_s = min(self.deadlines.idle_wait_s, min(due) - time.monotonic())
         return max(0, math.ceil(wait_s * 1000))
+
+
+def _code_of(unavailable: PrefillUnavailable) -> HandoffReason:
+    """A refused pairing is a refusal (the prefill is up), anything else unreachable."""
+    return (
+        HandoffReason.PREFILL_REFUSED if unavailable.refused else HandoffReason.PREFILL_UNREACHABLE
+    )

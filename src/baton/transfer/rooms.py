@@ -167,16 +167,9 @@ class DecodeRooms:
         if link is not None:
             link.client.send(Abort(room=room, reason="aborted by decode's client"))
         out = self.fail(room, "aborted", False, HandoffReason.ABORTED, FinishReason.ABORT)
-        if (
-            link is not None
-            and not link.client.has_session
-            and all(p.endpoint != link.endpoint for p in self.waiting.values())
-        ):
-            # NOTE: nothing but our ChannelOpen has left this process (no challenge came
-            # back), and closing the link drops what is queued: no prefill can write.
-            for r in [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]:
-                self.release(r)
-            self.links.close(link)
+        idle = link is not None and all(p.endpoint != link.endpoint for p in self.waiting.values())
+        if idle and self._release_if_unheard(link):
+            self.links.close(link)  # what it queued goes with it
         return out
 
     def on_fence_ack(self, link: PrefillLink, msg: FenceAck) -> None:
@@ -241,16 +234,7 @@ class DecodeRooms:
         if link.fenced is None or link.endpoint not in self.links:
             return
         mine = [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]
-        if mine and not link.client.has_session:
-            # NOTE: no challenge ever came back, so nothing but our ChannelOpen left this
-            # process (the rest is queued in the client, dropped by the close below): the
-            # prefill never saw a reservation and cannot write. A prefill killed before it
-            # answered kept these units quarantined for good (the fault matrix's bootstrap
-            # cell): without its HelloAck there is no pid to watch.
-            logger.warning("decode: the prefill at %s never answered the channel handshake: "
-                           "%d quarantined rooms freed", link.endpoint, len(mine))  # fmt: skip
-            for room in mine:
-                self.release(room)
+        if mine and self._release_if_unheard(link):
             mine = []
         if mine and link.is_gone():
             logger.warning("decode: the prefill process at %s has exited: %d quarantined rooms "
@@ -260,6 +244,25 @@ class DecodeRooms:
             mine = []
         if not mine:
             self.links.close(link)
+
+    def _release_if_unheard(self, link: PrefillLink) -> bool:
+        """Whether ``link`` never got the prefill's channel challenge; if so its quarantined
+        rooms are freed, the caller closing the link.
+
+        NOTE: no challenge came back, so nothing but our ChannelOpen left this process (the
+        rest is queued in the client, dropped when the link closes): the prefill never saw a
+        reservation and cannot write. A prefill killed before it answered kept these units
+        quarantined for good (the fault matrix's bootstrap cell): without its HelloAck there
+        is no pid to watch."""
+        if link.client.has_session:
+            return False
+        mine = [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]
+        if mine:
+            logger.warning("decode: the prefill at %s never answered the channel handshake: "
+                           "%d quarantined rooms freed", link.endpoint, len(mine))  # fmt: skip
+        for room in mine:
+            self.release(room)
+        return True
 
     def check_deadlines(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()
