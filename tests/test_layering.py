@@ -419,3 +419,18 @@ def test_no_import_circle_between_files():
     assert not cycles, "import circles between files:\n" + "\n".join(
         _describe(_cycle_path(c, edges), edges) for c in cycles
     )
+
+
+def test_router_and_cli_do_not_load_torch():
+    """The router keeps no model state: importing it (or the CLI's entry point) must not load
+    torch, which took the router process from 60 to 250 MB (it came in through a package
+    ``__init__`` that imported the transfer planner)."""
+    import subprocess
+    import sys
+
+    heavy = "('torch', 'numpy', 'transformers')"
+    code = ("import sys, baton.router.router, baton.cli, baton.launch, baton.supervisor; "
+            f"print(sorted(m for m in {heavy} if m in sys.modules))")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60)  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout

@@ -92,6 +92,8 @@ class RuntimeEnv:
 
 
 ADMIN_TOKEN_ENV = "BATON_ADMIN_TOKEN"
+SHM_DIR = "/dev/shm"
+"""Where Linux exposes POSIX shared-memory segments as files (tests look for leaks here)."""
 """The router's ``/admin`` bearer token (``baton router --admin-token-env``' default; ``baton
 launch`` and ``baton bench`` read it)."""
 

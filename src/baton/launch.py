@@ -37,9 +37,8 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
-from baton.config import ADMIN_TOKEN_ENV, read_secret_env
+from baton.config import ADMIN_TOKEN_ENV, SHM_DIR, read_secret_env
 from baton.cores import Share, place, read_topology
-from baton.memory.allocator import SHM_DIR
 from baton.supervisor import Child, Supervisor
 
 TOKEN_ENV = "BATON_PD_TOKEN"

@@ -198,6 +198,24 @@ def set_parent_death_signal(sig: int) -> bool:
     return True
 
 
+try:
+    _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
+except (OSError, AttributeError):  # musl, macOS
+    _malloc_trim = None
+
+
+def release_free_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim(0)``); False
+    where the C library has none. A long-lived asyncio server frees what each request
+    allocated, but glibc keeps freed chunks below the heap's top: the router's RSS grew
+    0.5 MB/min at 60 requests/s with its Python heap flat (tracemalloc, pymalloc arenas),
+    and one trim took it back to where it started (docs/measurements/2026-12-05-*.md)."""
+    if _malloc_trim is None:
+        return False
+    _malloc_trim(0)
+    return True
+
+
 def is_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists (another user's counts)."""
     try:

@@ -45,10 +45,8 @@ from typing import Protocol
 
 import torch
 
+from baton.config import SHM_DIR
 from baton.platform import is_alive
-
-SHM_DIR = "/dev/shm"
-"""Where Linux exposes POSIX shared-memory segments as files (tests look for leaks here)."""
 
 
 class StorageAllocator(Protocol):

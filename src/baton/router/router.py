@@ -49,6 +49,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.engine.outputs import HandoffReason
+from baton.platform import release_free_memory
 from baton.router.admin import add_admin_routes
 from baton.router.metrics import RouterMetrics
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
@@ -77,6 +78,8 @@ slow answer under CPU starvation is not a dead worker (it ejected instances 5 ti
 minutes at load 6-10). A refused connection (nothing listens: the process is gone) ejects
 at once."""
 CONNECT_TIMEOUT_S = 5.0
+TRIM_INTERVAL_S = 30.0
+"""How often the router hands freed C-heap pages back (``platform.release_free_memory``)."""
 DISCONNECT_POLL_S = 0.25
 """How often the router checks whether a client waiting for its answer's head is gone."""
 
@@ -150,8 +153,15 @@ class Router:
         await asyncio.gather(*(self.check(i) for i in self.table.all()))
 
     async def health_loop(self) -> None:
+        """Health checks every ``health_interval_s``; and every ``TRIM_INTERVAL_S`` the C
+        heap's free pages go back to the system (the router keeps nothing per request, but
+        glibc kept what requests freed: RSS grew ~0.5 MB/min under load without it)."""
+        trimmed = time.monotonic()
         while True:
             await self.check_all()
+            if time.monotonic() - trimmed >= TRIM_INTERVAL_S:
+                release_free_memory()
+                trimmed = time.monotonic()
             await asyncio.sleep(self.health_interval_s)
 
     # -- requests ----------------------------------------------------------------------------

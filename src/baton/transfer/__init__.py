@@ -1,29 +1,8 @@
-"""Prefill/decode state handoff: plans (units -> byte runs) and the data-plane backends.
+"""Prefill/decode state handoff: the control channel, the plans and the data-plane backends.
 
 ``plan`` turns each state component's source and destination unit ids into coalesced byte
-runs and one batch for all components; ``backends`` move those bytes. The control channel
-(handshake, destination ids, done/fail) lives in ``protocol``; the sender and receiver
-compose the two.
+runs and one batch for all components; ``backends`` move those bytes; ``protocol`` is the
+control channel's messages (handshake, destination ids, done/fail); the sender and receiver
+compose them. This package file imports nothing: the router takes ``protocol.new_room`` and
+must not load torch with the planner (it took the router from 60 to 250 MB).
 """
-
-from baton.transfer.plan import (
-    PlanStats,
-    Run,
-    TransferPlan,
-    plan_component,
-    plan_ops,
-    plan_request,
-    plan_stats,
-    reference_plan,
-)
-
-__all__ = [
-    "PlanStats",
-    "Run",
-    "TransferPlan",
-    "plan_component",
-    "plan_ops",
-    "plan_request",
-    "plan_stats",
-    "reference_plan",
-]
