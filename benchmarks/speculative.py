@@ -47,7 +47,7 @@ def acceptance(llm: LLM, prompts, params) -> dict:
     first = [a for seq in lengths for a in seq[:FIRST_STEPS]]
     later = [a for seq in lengths for a in seq[FIRST_STEPS:]]
     flat = [a for seq in lengths for a in seq]
-    k = llm.engine.num_spec
+    k = llm.engine.num_speculative_tokens
     per_position = [
         sum(o.metrics.accepted_per_position[i] for o in outs)
         / max(1, sum(len(o.metrics.accepted_lengths) for o in outs))
@@ -117,7 +117,7 @@ def main() -> None:
 
     result = {
         "model": args.model,
-        "k": spec.engine.num_spec,
+        "k": spec.engine.num_speculative_tokens,
         "acceptance": acc,
         "acceptance_without_draft_prompt_state": acc_ablated,
         "greedy_identical_with_and_without_speculation": identical,

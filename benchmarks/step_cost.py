@@ -214,7 +214,7 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
     results["1_mtp"] = {"real": time_steps(engine, timer, args.steps)}
     (output,) = engine.step()  # tokens per verify step so far
     results["1_mtp"]["acceptance_length"] = output.metrics.acceptance_length
-    results["1_mtp"]["num_speculative_tokens"] = engine.num_spec
+    results["1_mtp"]["num_speculative_tokens"] = engine.num_speculative_tokens
     return results
 
 

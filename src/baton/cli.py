@@ -51,7 +51,8 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"\033[1m{completion.text}\033[0m")
         stats = f"{len(completion.token_ids)} tokens, finish: {completion.finish_reason}"
         if m.acceptance_length is not None:
-            stats += f", {m.acceptance_length:.2f} tokens per verify step (k={llm.engine.num_spec})"
+            k = llm.engine.num_speculative_tokens
+            stats += f", {m.acceptance_length:.2f} tokens per verify step (k={k})"
         print(f"--- {stats}\n")
     total = sum(len(o.outputs[0].token_ids) for o in outputs)
     print(

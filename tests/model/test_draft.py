@@ -49,7 +49,7 @@ def test_speculative_greedy_equals_plain_greedy(target_with_draft):
     g = torch.Generator().manual_seed(5)
     for length in (1, 7, 8, 30):
         prompt = torch.randint(0, VOCAB, (length,), generator=g).tolist()
-        out, accepted = speculative_greedy(target, draft, prompt, 40, num_draft_tokens=3)
+        out, accepted = speculative_greedy(target, draft, prompt, 40, num_speculative_tokens=3)
         assert out == greedy_generate(target, prompt, 40)
         assert all(1 <= a <= 4 for a in accepted)
         assert sum(accepted) >= 39
@@ -86,7 +86,7 @@ def test_a_draft_that_copies_the_target_is_always_accepted(target_with_draft):
 
     prompt = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(9)).tolist()
     history.extend(prompt[:1])
-    out, accepted = speculative_greedy(target, Oracle(), prompt, 21, num_draft_tokens=3)
+    out, accepted = speculative_greedy(target, Oracle(), prompt, 21, num_speculative_tokens=3)
     assert out == greedy_generate(target, prompt, 21)
     assert accepted == [4] * 5
 

@@ -150,9 +150,13 @@ def test_draft_tokens_follow_the_compute_dtype_unless_set():
     """Unset, ``num_speculative_tokens`` is 4 in bf16 (the chain's steps are cheap there) and
     3 in fp32 (``engine.DRAFT_TOKENS``); set, it is what was set; no draft, none."""
     for dtype, want in (("bfloat16", 4), ("float32", 3)):
-        assert LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype)).num_spec == want
+        assert (
+            LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype)).num_speculative_tokens == want
+        )
     config = EngineConfig.from_kwargs(dtype="bfloat16", num_speculative_tokens=2)
-    assert LLMEngine(BUNDLED, config).num_spec == 2
-    assert LLMEngine(BUNDLED, EngineConfig.from_kwargs(speculative=False)).num_spec == 0
+    assert LLMEngine(BUNDLED, config).num_speculative_tokens == 2
+    assert (
+        LLMEngine(BUNDLED, EngineConfig.from_kwargs(speculative=False)).num_speculative_tokens == 0
+    )
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1, got 0"):
         EngineConfig.from_kwargs(num_speculative_tokens=0)

@@ -3,17 +3,16 @@
 The engine owns one model, its ``ModelCache``s (pools registered in a ``StateRegistry``), a
 ``Scheduler`` and a ``ModelRunner``, and every request's lifecycle, PD states included
 (the diagram is in docs/architecture.md): only the engine changes a request's status or
-frees its units, in one function (``free_units``). ``add_request`` (``engine/intake.py``)
-validates everything about a request before it touches any state, so a bad request raises
-``ValueError`` and the others keep running. ``step`` runs one scheduled batch and returns
-the requests it advanced; its counters are ``engine/stats.py``. The PD handoff is
+frees its units, in one function (``free_units``). ``add_request`` checks everything about
+a request (its ``intake``, ``engine/intake.py``) before it touches any state, so a bad
+request raises ``ValueError`` and the others keep running. ``step`` runs one scheduled
+batch and returns the requests it advanced; its counters are ``engine/stats.py``. The PD handoff is
 ``engine.handoff`` (``engine/handoff.py``), a documented interface composed around the
 engine; nothing outside ``engine/`` touches its internals.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -25,9 +24,10 @@ import torch
 from baton import kernels, platform
 from baton.config import EngineConfig, RuntimeEnv, resolve_model_dir
 from baton.cores import read_topology
+from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
-from baton.engine.outputs import RequestOutput
+from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
 from baton.engine.stats import EngineStats, prefix_stats, record_acceptance
@@ -39,8 +39,9 @@ from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
-from baton.request import FinishReason, Request, RequestStatus
+from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.sampler import Sampler
+from baton.sampling.sampling_state import SamplingState
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 
@@ -61,7 +62,7 @@ Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03
 tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
-class LLMEngine(RequestIntake):
+class LLMEngine:
     is_disaggregated = False
     """Colocated: requests take no PD route (``EngineCore``)."""
 
@@ -119,13 +120,16 @@ class LLMEngine(RequestIntake):
             self.prefix_cache = PrefixCache(self.registry, config.cache.page_size, skip)
         self.scheduler = Scheduler(
             config.scheduler, StateGroup(self.registry, self.prefix_cache),
-            self._num_spec_tokens if proposer else None,
+            self._num_lookahead_tokens if proposer else None,
         )  # fmt: skip
         self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
         self.tracks: dict[str, Track] = {}
         """Every live request (not finished), whatever its status."""
-        self._ids = itertools.count()
-        self._seeds = itertools.count(config.seed * 1_000_003)
+        self.intake = RequestIntake(
+            spec.vocab_size, self.tokenizer, self.max_model_len, self.num_speculative_tokens,
+            self.registry, config.seed,
+        )  # fmt: skip
+        """Checks a request against the model and memory before anything of it is kept."""
         self.handoff = Handoff(self)
         """The PD handoff: reserve / admit (decode), add_for_prefill / release (prefill), fail."""
 
@@ -143,10 +147,11 @@ class LLMEngine(RequestIntake):
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"
             )
-        num_spec = config.num_speculative_tokens or DRAFT_TOKENS.get(dtype, 3)
-        self.num_spec = num_spec if draft is not None else 0
+        num_tokens = config.num_speculative_tokens or DRAFT_TOKENS.get(dtype, 3)
+        self.num_speculative_tokens = num_tokens if draft is not None else 0
+        """Draft tokens proposed per step (``DRAFT_TOKENS`` when not configured; 0: none)."""
         # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
-        slack = self.num_spec + 1 if draft is not None else 0
+        slack = self.num_speculative_tokens + 1 if draft is not None else 0
         self.cache = ModelCache(
             spec, config.cache, config.scheduler, dtype, self.registry,
             slack=slack, allocator=allocator,
@@ -159,7 +164,7 @@ class LLMEngine(RequestIntake):
                 prefix="draft", slack=2 * slack, allocator=allocator, token_lag=1,
             )  # fmt: skip
             self.caches.append(draft_cache)
-            proposer = DraftProposer(self.model, draft, draft_cache, self.num_spec)
+            proposer = DraftProposer(self.model, draft, draft_cache, self.num_speculative_tokens)
         # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
         self.aux = AuxPool(
             2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
@@ -172,6 +177,54 @@ class LLMEngine(RequestIntake):
         return {**platform.current().as_dict(), "dtype": self.dtype_name}
 
     # -- requests --------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        final_only: bool = False,
+    ) -> str:
+        """Queue a request to compute here (colocated); returns its id (``req-N`` unless
+        given). Raises ``ValueError`` for a bad request, keeping nothing. ``final_only``:
+        ``step`` returns only the request's finished output (``LLM.generate``), and its text
+        is decoded once rather than token by token (``Track.final_only``)."""
+        track = self.new_track(prompt, params, request_id)
+        track.final_only = final_only
+        self.scheduler.add(track.request)
+        return track.request.request_id
+
+    def new_track(
+        self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
+    ) -> Track:
+        """A request checked (``intake``) and its bookkeeping created; touches no memory."""
+        params = params or SamplingParams()
+        text, token_ids = self.intake.encode_prompt(prompt)
+        max_tokens = self.intake.validate(token_ids, params)
+        request_id = request_id if request_id is not None else self.intake.next_request_id()
+        if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else self.intake.next_seed()
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else NullDetokenizer()
+        )
+        self.tracks[request_id] = Track(
+            request=request,
+            prompt=text,
+            sampling=SamplingState(params, token_ids, self.model.spec.vocab_size, seed=seed),
+            detok=detok,
+            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
+            max_tokens=max_tokens,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
+            self.proposer.context_floor[request_id] = len(token_ids) - 1
+        return self.tracks[request_id]
+
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a live request now (None if there is none). Its units are freed now, except
         a PD decode request waiting for its state: a prefill may still write there, so it
@@ -264,7 +317,7 @@ class LLMEngine(RequestIntake):
         self.scheduler.commit(batch, rejected)
         outputs = []
         now = time.monotonic()
-        spec = {c.request.request_id: c.num_spec for c in batch.chunks}
+        spec = {c.request.request_id: c.num_lookahead for c in batch.chunks}
         for request_id, committed in result.committed.items():
             track = self.tracks[request_id]
             if spec[request_id]:
@@ -318,7 +371,9 @@ class LLMEngine(RequestIntake):
         if cache is not None and cache.has_news(request.request_id):
             cache.register(request.request_id, request.token_ids_view)
 
-    def _num_spec_tokens(self, request: Request) -> int:
+    def _num_lookahead_tokens(self, request: Request) -> int:
+        """Draft tokens ``request`` may verify this step: ``num_speculative_tokens``, fewer
+        near its ``max_tokens`` or the context's end."""
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens
         room = self.max_model_len - request.num_tokens
-        return max(0, min(self.num_spec, remaining - 1, room))
+        return max(0, min(self.num_speculative_tokens, remaining - 1, room))

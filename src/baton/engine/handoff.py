@@ -53,6 +53,7 @@ from typing import Protocol
 import torch
 
 from baton.config import EngineConfig
+from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed
 from baton.engine.scheduler import Scheduler
@@ -82,6 +83,7 @@ class HandoffHost(Protocol):
     tracks: dict[str, Track]
     held: dict[str, HeldRequest]
     quarantined: set[str]
+    intake: RequestIntake
 
     @property
     def num_running(self) -> int: ...
@@ -89,8 +91,6 @@ class HandoffHost(Protocol):
     def new_track(
         self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
     ) -> Track: ...
-
-    def next_seed(self) -> int: ...
 
     def free_units(self, request_id: str) -> None: ...
 
@@ -162,7 +162,7 @@ class Handoff:
         """Returns the prompt's length in tokens."""
         engine = self.engine
         if params.seed is None:  # prefill samples token 1 with the seed decode continues with
-            params = dataclasses.replace(params, seed=engine.next_seed())
+            params = dataclasses.replace(params, seed=engine.intake.next_seed())
         track = engine.new_track(prompt, params, request_id)
         track.request.status = RequestStatus.WAITING_FOR_UNITS
         self.queued.append(request_id)

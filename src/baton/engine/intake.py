@@ -1,13 +1,12 @@
-"""RequestIntake: a prompt and its ``SamplingParams`` -> a validated ``Track``, or ``ValueError``.
+"""RequestIntake: a prompt and its ``SamplingParams`` checked against the model and memory.
 
-Mixed into ``LLMEngine``. ``encode_prompt`` turns text, token ids or a ``{"prompt",
-"prompt_token_ids"}`` dict into ids; ``validate`` checks them against the vocabulary, the
-context and the pools' sizes; ``new_track`` creates the bookkeeping; ``add_request`` queues
-it. Everything is checked before anything is written, so a bad request keeps nothing. It
-writes ``tracks`` (and the draft's context floor) and calls ``scheduler.add``, nothing
-else: no unit is reserved here and no status changed (the scheduler admits, ``Handoff``
-reserves). Callers: ``LLM.generate`` (validates every prompt first), the server through
-``EngineCore.add_request``, ``Handoff`` (``new_track``).
+``encode_prompt`` turns text, token ids or a ``{"prompt", "prompt_token_ids"}`` dict into
+ids; ``validate`` checks them against the vocabulary, the context and the pools' sizes and
+returns the request's ``max_tokens``; ``next_request_id`` / ``next_seed`` draw what a request
+does not name. It holds no request and writes nothing: the engine creates a request's
+bookkeeping (``LLMEngine.new_track``) only after these checks passed, so a bad request keeps
+nothing. Callers: ``LLMEngine`` (``add_request`` and ``new_track``, which ``Handoff`` calls
+too) and ``LLM.generate`` (validates every prompt before queueing any).
 """
 
 from __future__ import annotations
@@ -15,39 +14,38 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
-from baton.engine.outputs import RequestMetrics
-from baton.engine.tracks import HeldRequest, Track
-from baton.request import InvalidRequest, Request, SamplingParams
-from baton.sampling.sampling_state import SamplingState
+from baton.request import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
-    from baton.config import EngineConfig
-    from baton.engine.scheduler import Scheduler
     from baton.memory.state import StateRegistry
-    from baton.model.decoder import CausalLM
-    from baton.speculative.proposer import DraftProposer
     from baton.tokenizer import Tokenizer
 
 
 class RequestIntake:
-    """The engine's request intake. Reads and writes (set by ``LLMEngine.__init__``):"""
+    """The checks every request passes before the engine keeps anything of it."""
 
-    config: EngineConfig
-    model: CausalLM
-    tokenizer: Tokenizer | None
-    max_model_len: int
-    num_spec: int
-    registry: StateRegistry
-    scheduler: Scheduler
-    proposer: DraftProposer | None
-    tracks: dict[str, Track]
-    held: dict[str, HeldRequest]
-    quarantined: set[str]
-    _ids: itertools.count
-    _seeds: itertools.count
+    def __init__(
+        self,
+        vocab_size: int,
+        tokenizer: Tokenizer | None,
+        max_model_len: int,
+        num_speculative_tokens: int,
+        registry: StateRegistry,
+        seed: int,
+    ) -> None:
+        """``num_speculative_tokens``: the draft tokens a step may add past ``max_tokens``
+        (0 without a draft), which the pools must hold too; ``seed``: the engine's, which
+        makes the sequence of seeds drawn for requests that name none."""
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.registry = registry
+        self._ids = itertools.count()
+        self._seeds = itertools.count(seed * 1_000_003)
 
     def encode_prompt(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        """The prompt's text (None when given as ids only) and token ids."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:  # the text, when given, is the ids' (tokenized)
                 text = prompt.get("prompt")
@@ -66,13 +64,14 @@ class RequestIntake:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> int:
         """Check a request against the model and memory; returns its max_tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
         if not token_ids:
             empty = "the prompt is empty: a request needs at least one token"
             raise InvalidRequest(empty, "prompt")
-        vocab = self.model.spec.vocab_size
-        bad = [t for t in token_ids if not (0 <= t < vocab)]
+        bad = [t for t in token_ids if not (0 <= t < self.vocab_size)]
         if bad:
-            outside = f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            outside = f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
             raise InvalidRequest(outside, "prompt")
         room = self.max_model_len - len(token_ids)
         if room <= 0:
@@ -87,7 +86,7 @@ class RequestIntake:
                 f"context of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        total = len(token_ids) + max_tokens + self.num_spec
+        total = len(token_ids) + max_tokens + self.num_speculative_tokens
         for component in self.registry:
             need = component.owner.peak_units(total)
             if need > component.num_units:
@@ -97,54 +96,10 @@ class RequestIntake:
                 )
         return max_tokens
 
-    def add_request(
-        self,
-        prompt: str | list[int] | dict,
-        params: SamplingParams | None = None,
-        request_id: str | None = None,
-        final_only: bool = False,
-    ) -> str:
-        """Queue a request to compute here (colocated); returns its id (``req-N`` unless
-        given). Raises ``ValueError`` for a bad request, keeping nothing. ``final_only``:
-        ``step`` returns only the request's finished output (``LLM.generate``), and its text
-        is decoded once rather than token by token (``Track.final_only``)."""
-        track = self.new_track(prompt, params, request_id)
-        track.final_only = final_only
-        self.scheduler.add(track.request)
-        return track.request.request_id
+    def next_request_id(self) -> str:
+        """``req-N``: the id of a request that names none."""
+        return f"req-{next(self._ids)}"
 
     def next_seed(self) -> int:
         """The seed of a request that names none (the engine's seed makes the sequence)."""
         return next(self._seeds)
-
-    def new_track(
-        self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
-    ) -> Track:
-        """Validate a request and create its bookkeeping; touches no memory."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
-        text, token_ids = self.encode_prompt(prompt)
-        max_tokens = self.validate(token_ids, params)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else self.next_seed()
-        vocab = self.model.spec.vocab_size
-        self.tracks[request_id] = Track(
-            request=request,
-            prompt=text,
-            sampling=SamplingState(params, token_ids, vocab, seed=seed),
-            detok=IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            if self.tokenizer is not None
-            else NullDetokenizer(),
-            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
-            max_tokens=max_tokens,
-            logprobs=[] if params.logprobs is not None else None,
-        )
-        if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
-            self.proposer.context_floor[request_id] = len(token_ids) - 1
-        return self.tracks[request_id]

@@ -55,8 +55,8 @@ class LLM:
             if len(per) != len(batch):
                 raise ValueError(f"{len(per)} sampling params for {len(batch)} prompts")
         for prompt, p in zip(batch, per, strict=True):
-            _, ids = self.engine.encode_prompt(prompt)
-            self.engine.validate(ids, p)
+            _, ids = self.engine.intake.encode_prompt(prompt)
+            self.engine.intake.validate(ids, p)
         return list(zip(batch, per, strict=True))
 
     def generate(

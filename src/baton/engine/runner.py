@@ -65,15 +65,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, states: dict[str, SamplingState]) -> StepResult:
-        spec = [c.request.request_id for c in batch.chunks if c.num_spec]
+        spec = [c.request.request_id for c in batch.chunks if c.num_lookahead]
         chains = self.proposer.propose(spec) if spec else {}
         input_ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []
         for chunk in batch.chunks:
             request = chunk.request
-            tokens = request.token_ids_between(chunk.start, chunk.end - chunk.num_spec)
-            tokens += chains.get(request.request_id, [])[: chunk.num_spec]
+            tokens = request.token_ids_between(chunk.start, chunk.end - chunk.num_lookahead)
+            tokens += chains.get(request.request_id, [])[: chunk.num_lookahead]
             segments.append(
                 Segment(request.request_id, len(input_ids), chunk.start, chunk.num_tokens)
             )
@@ -92,7 +92,7 @@ class ModelRunner:
         hidden, greedy = None, None
         if rows is None and not computes_prompt:  # the native stack, given lists: no tensors
             # Every row sampled or verified, greedily: the head's epilogue in the same call.
-            every_row = all(c.samples and c.num_tokens == c.num_spec + 1 for c in batch.chunks)
+            every_row = all(c.samples and c.num_tokens == c.num_lookahead + 1 for c in batch.chunks)
             greedy_head = every_row and self._plain_greedy(list(states.values()))
             found = self.model.forward_listed(input_ids, positions, attn, greedy_head)
             if found is not None:
@@ -111,7 +111,9 @@ class ModelRunner:
         # kernels.inline_small_calls. The same bits either way.
         with inline_small_calls(computes_prompt):
             self._sample(batch.chunks, segments, hidden, states, result, greedy)
-            verified = [(c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_spec]
+            verified = [
+                (c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_lookahead
+            ]
             if verified:
                 self._verify(verified, hidden, chains, states, result, greedy)
             if self.proposer is not None:
@@ -127,8 +129,8 @@ class ModelRunner:
         rows: list[int] = []
         for chunk, seg in zip(chunks, segments, strict=True):
             n = chunk.num_tokens
-            tail = n if chunk.num_spec else 1
-            if self.proposer is not None and not chunk.num_spec:
+            tail = n if chunk.num_lookahead else 1
+            if self.proposer is not None and not chunk.num_lookahead:
                 tail = min(n, self.proposer.pairs_kept(n) + 1)
             rows.extend(range(seg.offset + n - tail, seg.offset + n))
         return torch.tensor(rows) if len(rows) < num_tokens else None
@@ -137,7 +139,7 @@ class ModelRunner:
         """One token for every non-speculative chunk that samples, batched (``greedy``: every
         row's argmax and log-probability, when the forward's call computed them)."""
         picked = [(c, s) for c, s in zip(chunks, segments, strict=True) if c.samples]
-        picked = [(c, s) for c, s in picked if not c.num_spec]
+        picked = [(c, s) for c, s in picked if not c.num_lookahead]
         if not picked:
             return
         rows = [s.offset + s.num_tokens - 1 for _, s in picked]
@@ -177,7 +179,7 @@ class ModelRunner:
         committed, start = [], 0
         for chunk, _ in verified:
             request_id = chunk.request.request_id
-            proposals = chains[request_id][: chunk.num_spec]
+            proposals = chains[request_id][: chunk.num_lookahead]
             state = states[request_id]
             end = start + chunk.num_tokens
             if state.is_plain_greedy:
@@ -187,7 +189,7 @@ class ModelRunner:
                     state.append(token)
             else:
                 tokens = verify_chain(self.sampler, logits[start:end], proposals, state)
-            committed.append((request_id, start, tokens, chunk.num_spec + 1 - len(tokens)))
+            committed.append((request_id, start, tokens, chunk.num_lookahead + 1 - len(tokens)))
             start = end
         logprobs = logits.log_softmax(-1)  # raw distribution, as for plain sampling
         at = [s + i for _, s, tokens, _ in committed for i in range(len(tokens))]
@@ -271,11 +273,13 @@ class ModelRunner:
         for (chunk, _), state in zip(verified, row_states, strict=True):
             end = start + chunk.num_tokens
             tokens = greedy_chain(
-                best[start:end], chains[chunk.request.request_id][: chunk.num_spec]
+                best[start:end], chains[chunk.request.request_id][: chunk.num_lookahead]
             )
             for token in tokens:
                 state.append(token)
-            committed.append((chunk.request.request_id, tokens, chunk.num_spec + 1 - len(tokens)))
+            committed.append(
+                (chunk.request.request_id, tokens, chunk.num_lookahead + 1 - len(tokens))
+            )
             at.extend(range(start, start + len(tokens)))
             start = end
         logprobs = logprobs_of(at)
@@ -293,7 +297,7 @@ class ModelRunner:
         for chunk, seg in zip(chunks, segments, strict=True):
             rid = chunk.request.request_id
             committed = result.committed.get(rid)
-            if chunk.num_spec:
+            if chunk.num_lookahead:
                 # Slots L .. L+n_ok: the accepted proposals and the bonus token.
                 h = hidden[seg.offset : seg.offset + len(committed.token_ids)]
                 self.proposer.set_pending(rid, PendingPairs(chunk.start, h, committed.token_ids))

@@ -43,7 +43,7 @@ class ScheduledChunk:
     """Position of the first token computed this step (= num_computed_tokens before)."""
     num_tokens: int
     """Tokens computed this step, speculative ones included."""
-    num_spec: int = 0
+    num_lookahead: int = 0
     """Draft tokens verified after the last known token (speculative decoding)."""
 
     @property
@@ -53,7 +53,7 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """True when this step computes the last known token, so a new one is sampled."""
-        return self.end - self.num_spec == self.request.num_tokens
+        return self.end - self.num_lookahead == self.request.num_tokens
 
 
 @dataclass
@@ -83,11 +83,11 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         memory: Memory,
-        num_spec_tokens: Callable[[Request], int] | None = None,
+        num_lookahead_tokens: Callable[[Request], int] | None = None,
     ) -> None:
         self.config = config
         self.memory = memory
-        self.num_spec_tokens = num_spec_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         """Draft tokens to verify for a decoding request (None: no speculation)."""
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -110,8 +110,8 @@ class Scheduler:
             start = request.num_computed_tokens
             n = min(request.num_tokens - start, budget)
             spec = 0
-            if n == request.num_tokens - start == 1 and self.num_spec_tokens is not None:
-                spec = min(self.num_spec_tokens(request), budget - 1)
+            if n == request.num_tokens - start == 1 and self.num_lookahead_tokens is not None:
+                spec = min(self.num_lookahead_tokens(request), budget - 1)
                 n += spec
             while not self.memory.can_grow(request.request_id, start, start + n):
                 victim = self.running[-1]

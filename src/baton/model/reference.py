@@ -67,7 +67,7 @@ def speculative_greedy(
     draft,
     prompt_ids: list[int],
     max_new_tokens: int,
-    num_draft_tokens: int = 3,
+    num_speculative_tokens: int = 3,
 ) -> tuple[list[int], list[int]]:
     """Greedy decoding with an MTP draft chain verified by the target, batch 1.
 
@@ -76,7 +76,7 @@ def speculative_greedy(
     state stays in either cache: rejected positions are rolled back by moving ``seq_len``
     back, and draft entries made from draft hiddens are recomputed from target hiddens.
     """
-    k = num_draft_tokens
+    k = num_speculative_tokens
     max_len = len(prompt_ids) + max_new_tokens + k + 2
     cache = new_cache(model, 1, max_len)
     dcache = new_draft_cache(draft, max_len, model.model.embed_tokens.weight.dtype)

@@ -44,12 +44,12 @@ takes)."""
 
 class DraftProposer:
     def __init__(
-        self, target: CausalLM, draft: MTPDraft, cache: ModelCache, num_tokens: int
+        self, target: CausalLM, draft: MTPDraft, cache: ModelCache, num_speculative_tokens: int
     ) -> None:
         self.target = target
         self.draft = draft
         self.cache = cache
-        self.num_tokens = num_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.pending: dict[str, PendingPairs] = {}
         self.num_draft_forwards = 0
         self.context_floor: dict[str, int] = {}
@@ -137,7 +137,8 @@ class DraftProposer:
         self.pending[request_id] = pairs
 
     def propose(self, request_ids: list[str]) -> dict[str, list[int]]:
-        """A top-1 chain of ``num_tokens`` guesses per request, batched across requests."""
+        """A top-1 chain of ``num_speculative_tokens`` guesses per request, batched across
+        requests."""
         entries = []
         for rid in request_ids:
             p = self.pending[rid]
@@ -167,7 +168,7 @@ class DraftProposer:
     ) -> dict[str, list[int]]:
         """The chains from the first step's states, step by step (guess, then draft step)."""
         chains: dict[str, list[int]] = {rid: [] for rid in request_ids}
-        for step in range(self.num_tokens):
+        for step in range(self.num_speculative_tokens):
             # NOTE: the head's raw output: the fp32 cast and soft-capping (monotonic) cannot
             # change an argmax, and skipping them is a decode step's worth of ops.
             # NOTE: argmax_rows reads the bf16 scores in place (torch's fallback: fp32 argmax,
@@ -177,7 +178,7 @@ class DraftProposer:
             guesses = (found[0] if found is not None else scores.float().argmax(-1)).tolist()
             for rid, g in zip(request_ids, guesses, strict=True):
                 chains[rid].append(g)
-            if step == self.num_tokens - 1:
+            if step == self.num_speculative_tokens - 1:
                 break
             step_entries = [
                 (rid, slots[rid] + step, h, [chains[rid][-1]])
@@ -193,7 +194,7 @@ class DraftProposer:
         pending pairs than it takes, ``_run`` and then the call: the same guesses, the same
         slots stored. None where it does not apply (nothing changed then but the pools'
         growth, which the per-step path makes too)."""
-        steps, chain = self.num_tokens, self.chain
+        steps, chain = self.num_speculative_tokens, self.chain
         if chain is None or steps < 2 or len(request_ids) > chain.max_rows:
             return None
         if entries[0][2].dtype != chain.dtype:

@@ -136,7 +136,7 @@ def build_hello(
         draft=draft,
         speculative=SpeculativeConfig(
             enabled=draft is not None,
-            num_speculative_tokens=engine.num_spec if draft is not None else 0,
+            num_speculative_tokens=engine.num_speculative_tokens if draft is not None else 0,
         ),
         schema=schema,
         schema_hash=schema_hash(schema),
