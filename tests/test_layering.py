@@ -434,3 +434,58 @@ def test_router_and_cli_do_not_load_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60)  # fmt: skip
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# -- no private name of another file's object ------------------------------------------------
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses_across_files(root: Path) -> list[str]:
+    """``x._name`` where ``x`` is not ``self`` / ``cls`` and ``_name`` is one baton defines
+    (a ``def _name`` or a ``self._name =``) only in other files: a file reaching into an
+    object of another's. Library privates (``torch._C``, ``os._exit``) are not baton's."""
+    trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in sorted(root.rglob("*.py"))}
+    owners: dict[str, set[Path]] = defaultdict(set)
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _is_private(node.name):
+                owners[node.name].add(path)
+            elif (
+                isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                and _is_private(node.attr)
+            ):  # fmt: skip
+                owners[node.attr].add(path)
+    sites = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and _is_private(node.attr)):
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if owners.get(node.attr) and path not in owners[node.attr]:
+                sites.append((path.relative_to(root), node.lineno, ast.unparse(node)))
+    return [f"{path}:{line}: {use}" for path, line, use in sorted(sites)]
+
+
+def test_no_file_uses_another_files_private_names():
+    sites = private_uses_across_files(SRC)
+    assert not sites, "private names of another file's objects:\n" + "\n".join(sites)
+
+
+def test_private_uses_across_files_are_found(tmp_path):
+    (tmp_path / "pool.py").write_text(
+        "class Pool:\n"
+        "    def _slots(self): ...\n"
+        "    def __init__(self):\n        self._rows = 1\n"
+        "    def take(self, other):\n        return other._slots(), self._rows\n"
+    )
+    (tmp_path / "model.py").write_text(
+        "def f(pool, torch):\n"
+        "    a = pool._slots()\n"
+        "    b = pool.owner._rows\n"
+        "    return torch._C, pool.__class__\n"
+    )
+    found = private_uses_across_files(tmp_path)
+    assert found == ["model.py:2: pool._slots", "model.py:3: pool.owner._rows"], found

@@ -128,7 +128,7 @@ class _FailingEngine:
         self.release = threading.Event()
         self.release.set()
 
-    def add_request(self, prompt, params, request_id=None):
+    def add_request(self, prompt, params, request_id=None, *, route=None):
         self.ids.append(f"req-{len(self.ids)}")
         return self.ids[-1]
 

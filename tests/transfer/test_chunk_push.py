@@ -87,9 +87,9 @@ class _Pair:
             for c in self.decode_engine.registry
         }
         self.backend = backend
-        self.prefill = Sender(self.prefill_engine, backend)
-        self.prefill.keep_checksums = True
-        self.prefill.connect(regions)
+        self.sender = Sender(self.prefill_engine, backend)
+        self.sender.keep_checksums = True
+        self.sender.connect(regions)
         self.decode = InProcessDecode(self.decode_engine)
         self.rooms: dict[int, str] = {}
 
@@ -97,7 +97,7 @@ class _Pair:
         for room, prompt in enumerate(prompts, start=10):
             msg = self.decode.reserve(room, prompt, PARAMS)
             self.rooms[room] = msg.request_id
-            assert self.prefill.on_reserve(msg) is None
+            assert self.sender.on_reserve(msg) is None
 
     def unit_ids(self, engine: LLMEngine, name: str, room: int) -> list[int]:
         return list(engine.registry.get(name).index(self.rooms[room]).unit_ids)
@@ -125,9 +125,9 @@ def test_full_pages_stream_before_the_last_chunk(pd_dir, mode):
     done: dict[int, StateDone] = {}
     arrived, outputs = {}, {}
     batches_before_done: int | None = None
-    while pair.prefill.outgoing or pair.decode_engine.has_unfinished_requests():
+    while pair.sender.outgoing or pair.decode_engine.has_unfinished_requests():
         num_batches = len(pair.backend.batches)
-        for reply in pair.prefill.step():
+        for reply in pair.sender.step():
             assert isinstance(reply, StateDone), reply
             done[reply.room] = reply
             arrived[reply.room] = component_checksums(pair.decode_engine, pair.rooms[reply.room])
@@ -140,7 +140,7 @@ def test_full_pages_stream_before_the_last_chunk(pd_dir, mode):
     tokens = [outputs[pair.rooms[r]].outputs[0].token_ids for r in sorted(pair.rooms)]
     assert tokens == _colocated(pd_dir, mode)
     for room, sums in arrived.items():
-        assert sums == pair.prefill.checksums[room], room
+        assert sums == pair.sender.checksums[room], room
 
     # Before the long prompt's last chunk, several batches carried only full-attention pages.
     assert batches_before_done is not None
@@ -175,7 +175,7 @@ def test_a_preempted_prompt_sends_its_pages_again(pd_dir):
     pair = _Pair(pd_dir, "paged", RecordingBackend())
     pair.reserve(_prompts()[:1])
     for _ in range(4):
-        assert pair.prefill.step() == []
+        assert pair.sender.step() == []
     sent_before = sum(op.nbytes for b in pair.backend.batches for op in b)
     assert sent_before > 0
     # Memory ran out (say): the scheduler preempts it; it is recomputed into other pages.
@@ -183,11 +183,11 @@ def test_a_preempted_prompt_sends_its_pages_again(pd_dir):
     pair.prefill_engine.scheduler._preempt(request)
     replies = []
     while not replies:
-        replies = pair.prefill.step()
+        replies = pair.sender.step()
     (reply,) = replies
     assert isinstance(reply, StateDone)
     arrived = component_checksums(pair.decode_engine, pair.rooms[10])
-    assert arrived == pair.prefill.checksums[10]
+    assert arrived == pair.sender.checksums[10]
     unit_bytes = pair.prefill_engine.registry.get("target.full").unit_bytes
     full_bytes = math.ceil(LENGTHS[0] / PAGE) * unit_bytes
     assert reply.component_stats["target.full"].num_bytes == full_bytes + sent_before
@@ -196,11 +196,11 @@ def test_a_preempted_prompt_sends_its_pages_again(pd_dir):
 def test_a_failed_chunk_batch_fails_the_request_once_nothing_is_in_flight(pd_dir):
     pair = _Pair(pd_dir, "paged", RecordingBackend(fail_at=1))
     pair.reserve(_prompts()[:1])
-    assert pair.prefill.step() == []  # the first pages went out
-    (reply,) = pair.prefill.step()  # the second batch fails
+    assert pair.sender.step() == []  # the first pages went out
+    (reply,) = pair.sender.step()  # the second batch fails
     assert isinstance(reply, StateFailed)
     assert reply.stopped_writing and "injected" in reply.reason
-    assert not pair.prefill.outgoing
+    assert not pair.sender.outgoing
     assert not pair.backend._status  # every transfer ended and was released
     engine = pair.prefill_engine
     assert not engine.has_unfinished_requests() and not engine.held
@@ -212,20 +212,20 @@ def test_a_failed_chunk_batch_fails_the_request_once_nothing_is_in_flight(pd_dir
 def test_a_transfer_past_its_deadline_fails_without_claiming_it_stopped(pd_dir):
     backend = RecordingBackend(deferred=True)  # polls stay PENDING until completed
     pair = _Pair(pd_dir, "paged", backend)
-    pair.prefill.batches.transfer_s = 0.05
+    pair.sender.batches.transfer_s = 0.05
     pair.reserve(_prompts()[:1])
-    (reply,) = pair.prefill.step()
+    (reply,) = pair.sender.step()
     assert isinstance(reply, StateFailed)
     assert not reply.stopped_writing
     assert "0.05 s" in reply.reason
-    assert not pair.prefill.outgoing
-    assert pair.prefill.step() == []  # still held by the backend: nothing to confirm yet
+    assert not pair.sender.outgoing
+    assert pair.sender.step() == []  # still held by the backend: nothing to confirm yet
     backend.complete_pending()
-    (confirm,) = pair.prefill.push_ready()
+    (confirm,) = pair.sender.push_ready()
     assert isinstance(confirm, StateFailed)
     assert confirm.room == reply.room and confirm.stopped_writing
     assert not backend._status
-    assert pair.prefill.push_ready() == []
+    assert pair.sender.push_ready() == []
 
 
 @pytest.mark.parametrize("how", ["fence", "abort"])
@@ -238,22 +238,22 @@ def test_a_room_given_up_right_before_its_push_is_not_written(pd_dir, how, index
     pair = _Pair(pd_dir, "paged", RecordingBackend())
     pair.reserve(_prompts()[index : index + 1])
     if index == 0:
-        assert pair.prefill.step() == []  # the first chunk's pages went out
+        assert pair.sender.step() == []  # the first chunk's pages went out
         assert pair.backend.batches
     num_batches = len(pair.backend.batches)
 
     def give_up() -> None:  # what the server's read of its channel marks on the sender
         if how == "fence":
-            pair.prefill.fence_epoch = 1  # the room was reserved under epoch 0
+            pair.sender.fence_epoch = 1  # the room was reserved under epoch 0
         else:
-            pair.prefill.aborted.add(10)
+            pair.sender.aborted.add(10)
 
-    pair.prefill.refresh_fences = give_up
-    (reply,) = pair.prefill.step()
+    pair.sender.refresh_fences = give_up
+    (reply,) = pair.sender.step()
     assert isinstance(reply, StateFailed) and reply.room == 10
     assert reply.stopped_writing and "not written" in reply.reason
     assert len(pair.backend.batches) == num_batches  # checked before the batch: none went out
-    assert not pair.prefill.outgoing and not pair.prefill.aborted
+    assert not pair.sender.outgoing and not pair.sender.aborted
     engine = pair.prefill_engine
     assert not engine.has_unfinished_requests() and not engine.held
     for cache in engine.caches:

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from baton.config import Deadlines
+from baton.engine.core import PDRoute
 from baton.transfer.checksums import component_checksums
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import require_backend
@@ -85,7 +86,10 @@ def test_paused_prefill_never_writes_into_reused_units(pd_dir, spawn_prefill, ba
             _step_for(client, 1.0)  # well past abort_grace_s
 
             # B's requests, while A is stopped: admitted (their state landed, decoding).
-            ids = [client.add_request(*requests[i], prefill=other.endpoint) for i in SERVED]
+            ids = [
+                client.add_request(*requests[i], route=PDRoute(prefill=other.endpoint))
+                for i in SERVED
+            ]
             deadline = time.monotonic() + 20.0
             while any(_is_waiting(client, r) for r in ids):
                 assert time.monotonic() < deadline, "B's requests were never admitted"
@@ -129,7 +133,7 @@ def test_paused_prefill_never_writes_into_reused_units(pd_dir, spawn_prefill, ba
         assert stalled.endpoint not in client.links  # fenced, then closed once confirmed
 
         # A pairs afresh and serves again.
-        request_id = client.add_request(*requests[0], prefill=stalled.endpoint)
+        request_id = client.add_request(*requests[0], route=PDRoute(prefill=stalled.endpoint))
         again = _run(client, timeout_s=30.0)[request_id]
         assert again.outputs[0].token_ids == expected[0].outputs[0].token_ids
         assert _free_units(client.engine) == baseline

@@ -91,9 +91,9 @@ class _Pair:
             c.name: self.receiver.register(c.name, c.storage).to_dict()
             for c in self.decode_engine.registry
         }
-        self.prefill = Sender(self.prefill_engine, LoopbackBackend())
-        self.prefill.keep_checksums = True
-        self.prefill.connect(regions, hellos[0].schema)
+        self.sender = Sender(self.prefill_engine, LoopbackBackend())
+        self.sender.keep_checksums = True
+        self.sender.connect(regions, hellos[0].schema)
         self.decode = InProcessDecode(self.decode_engine)
         self.arrived: dict[int, dict[str, str]] = {}
         self.held: dict[int, dict[str, int]] = {}
@@ -106,13 +106,13 @@ class _Pair:
             for prompt in prompts:
                 msg = self.decode.reserve(room, prompt, params)
                 rooms[room], self.held[room] = msg.request_id, dict(msg.num_held_units)
-                assert self.prefill.on_reserve(msg) is None
+                assert self.sender.on_reserve(msg) is None
                 room += 1
             done = {}
-            while self.prefill.outgoing or self.decode_engine.has_unfinished_requests():
-                for reply in self.prefill.step():
+            while self.sender.outgoing or self.decode_engine.has_unfinished_requests():
+                for reply in self.sender.step():
                     assert not hasattr(reply, "reason"), reply
-                    ranges = self.prefill.checksum_ranges.get(reply.room)
+                    ranges = self.sender.checksum_ranges.get(reply.room)
                     request_id = rooms[reply.room]
                     sums = component_checksums(self.decode_engine, request_id, ranges)
                     self.arrived[reply.room] = sums
@@ -130,8 +130,8 @@ def test_pd_across_page_sizes_equals_colocated(pd_dir, mode, prefill_page, decod
     expected = _colocated(pd_dir, decode_config, rounds, PARAMS)
     pair = _Pair(pd_dir, _config(prefill_page, mode), decode_config)
     paged = {c.name for c in pair.decode_engine.registry if c.page_size is not None}
-    assert set(pair.prefill.dst_page_size) == paged
-    assert set(pair.prefill.dst_page_size.values()) == {decode_page}
+    assert set(pair.sender.dst_page_size) == paged
+    assert set(pair.sender.dst_page_size.values()) == {decode_page}
     outs = pair.run(rounds, PARAMS)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert [o.metrics.accepted_lengths for o in outs] == [
@@ -139,10 +139,10 @@ def test_pd_across_page_sizes_equals_colocated(pd_dir, mode, prefill_page, decod
     ]
     assert pair.decode_engine.runner.num_computed_prompt_tokens == 0
     # Byte-verified: paged components over the tokens both hold, rings and aux whole.
-    assert set(pair.arrived) == set(pair.prefill.checksums)
+    assert set(pair.arrived) == set(pair.sender.checksums)
     for room, sums in pair.arrived.items():
-        assert set(pair.prefill.checksum_ranges[room]) == paged
-        assert sums == pair.prefill.checksums[room], room
+        assert set(pair.sender.checksum_ranges[room]) == paged
+        assert sums == pair.sender.checksums[room], room
     assert set(pair.decode.bytes_received) == set(pair.decode_engine.registry.names())
     if mode == "paged":  # the last request's shared prefix came from decode's own cache
         last = max(pair.held)
@@ -171,7 +171,7 @@ def test_a_decode_hit_restores_only_rows_that_were_pushed(pd_dir, prefill_page, 
     ]
     assert outs[1].metrics.num_cached_tokens > 0  # the full pages still hit
     for room, sums in pair.arrived.items():
-        assert sums == pair.prefill.checksums[room], room
+        assert sums == pair.sender.checksums[room], room
 
 
 @pytest.mark.integration

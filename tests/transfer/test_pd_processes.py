@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from baton.config import Deadlines, EngineConfig, LocalPrefill
+from baton.engine.core import PDRoute
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffKind, HandoffReason
 from baton.memory.allocator import SHM_DIR
@@ -458,7 +459,7 @@ def test_a_prompt_too_long_for_decode_is_refused_and_forgotten(pd_dir, prefill_s
         start_free = _free_units(client.engine)
         prompt, params = _requests()[3]  # 83 tokens
         with pytest.raises(ValueError, match="needs 14 units of target.full, which has 4"):
-            client.add_request(prompt, params, prefill=prefill_server.endpoint)
+            client.add_request(prompt, params, route=PDRoute(prefill=prefill_server.endpoint))
         assert not client.routes
         assert _free_units(client.engine) == start_free
 
@@ -562,18 +563,20 @@ def test_named_dead_prefills_cannot_park_decode_units(pd_dir, prefill_server):
             room = client.add_request(prompt, params)
             want = _run(client)[room].outputs[0].token_ids
             start = time.monotonic()
-            room = client.add_request(prompt, params, prefill=dead)
+            room = client.add_request(prompt, params, route=PDRoute(prefill=dead))
             out = _run(client)[room]
             assert "nothing accepts connections at " + dead in out.error
             assert time.monotonic() - start < 1.0  # was peer_silence_s
-            room = client.add_request(prompt, params, prefill=dead)
+            room = client.add_request(prompt, params, route=PDRoute(prefill=dead))
             assert room not in client.routes  # failed on arrival: the next step says so
             again = next(o for o in client.step() if o.request_id == room)
             assert f"failed to pair less than {PAIRING_RETRY_S:g} s ago" in again.error
             assert client.stats().handoffs[("failed", "prefill_unreachable")] == 2
 
             endpoints = [f"tcp://127.0.0.1:{m.getsockname()[1]}" for m in mute]
-            rooms = [client.add_request(prompt, params, prefill=e) for e in endpoints]
+            rooms = [
+                client.add_request(prompt, params, route=PDRoute(prefill=e)) for e in endpoints
+            ]
             good = client.add_request(prompt, params)
             done = {}
             deadline = time.monotonic() + 10
@@ -607,7 +610,7 @@ def test_a_queued_request_whose_prefill_failed_to_pair_meanwhile_fails_cleanly(
     with _client(pd_dir, prefill_server.endpoint, config=_config(num_pages=20)) as client:
         start_free = _free_units(client.engine)
         first = client.add_request(prompt, params)
-        queued = client.add_request(prompt, params, prefill=dead)
+        queued = client.add_request(prompt, params, route=PDRoute(prefill=dead))
         assert queued in client.engine.handoff.queued
         done = _run(client)
         assert done[first].error is None

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from baton.config import Deadlines
+from baton.engine.core import PDRoute
 from baton.memory.allocator import SHM_DIR
 from tests.transfer import test_pd_processes as processes
 from tests.transfer.conftest import our_segments
@@ -49,7 +50,7 @@ def test_one_decode_two_prefills(pd_dir, prefill_server, spawn_prefill):
         rooms = []
         for i, (prompt, params) in enumerate(_requests()):
             target = other.endpoint if i % 2 else None  # None: the default prefill
-            rooms.append(client.add_request(prompt, params, prefill=target))
+            rooms.append(client.add_request(prompt, params, route=PDRoute(prefill=target)))
         done = _run(client)
         outs = [done[room] for room in rooms]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
@@ -117,7 +118,7 @@ def test_silent_prefill_fails_its_requests_early(pd_dir, spawn_prefill):
 
         # The next request names a live prefill and is served.
         fresh = spawn_prefill()
-        room = client.add_request(prompt, params, prefill=fresh.endpoint)
+        room = client.add_request(prompt, params, route=PDRoute(prefill=fresh.endpoint))
         out = _run(client)[room]
         assert out.outputs[0].finish_reason == "length"
 
@@ -137,7 +138,7 @@ def test_a_prefill_that_never_answered_gets_its_rooms_freed(pd_dir, prefill_serv
     with _client(pd_dir, prefill_server.endpoint, deadlines) as client:
         start_free = _free_units(client.engine)
         prompt, params = _requests()[2]
-        room = client.add_request(prompt, params, prefill=dead)
+        room = client.add_request(prompt, params, route=PDRoute(prefill=dead))
         out = _run(client, timeout_s=15.0)[room]
         assert out.outputs[0].finish_reason == "error"
         _drain_releases(client, timeout_s=5.0)

@@ -25,6 +25,7 @@ from baton import kernels, platform
 from baton.config import EngineConfig, RuntimeEnv, resolve_model_dir
 from baton.cores import read_topology
 from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from baton.engine.core import PDRoute
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
 from baton.engine.outputs import RequestMetrics, RequestOutput
@@ -183,11 +184,16 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         final_only: bool = False,
+        *,
+        route: PDRoute | None = None,
     ) -> str:
         """Queue a request to compute here (colocated); returns its id (``req-N`` unless
-        given). Raises ``ValueError`` for a bad request, keeping nothing. ``final_only``:
-        ``step`` returns only the request's finished output (``LLM.generate``), and its text
-        is decoded once rather than token by token (``Track.final_only``)."""
+        given). Raises ``ValueError`` for a bad request, keeping nothing, and for a
+        ``route`` (this engine takes no PD routing). ``final_only``: ``step`` returns only
+        the request's finished output (``LLM.generate``), and its text is decoded once
+        rather than token by token (``Track.final_only``)."""
+        if route is not None:
+            raise ValueError(f"this engine is colocated; it takes no PD routing ({route})")
         track = self.new_track(prompt, params, request_id)
         track.final_only = final_only
         self.scheduler.add(track.request)

@@ -104,10 +104,10 @@ class PagedPool(StatePool):
         return found
 
     def keeps_visible(self, start: int, end: int, window: int | None) -> bool:
-        return self._store_from(start, end) == start  # pages are never overwritten
+        return self.store_from(start, end) == start  # pages are never overwritten
 
     def _needed_pages(self, request_id: str, start: int, end: int) -> range:
-        first = self._store_from(start, end)
+        first = self.store_from(start, end)
         if first >= end:
             return range(0)
         return range(first // self.page_size, (end - 1) // self.page_size + 1)
@@ -272,7 +272,7 @@ class PagedPool(StatePool):
         except KeyError as e:
             raise AssertionError(f"{self.name}: {request_id} holds no page {e}") from None
 
-    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         table = self.tables[request_id]
         pos = torch.arange(positions.start, positions.stop)
         logical = range(

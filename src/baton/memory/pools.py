@@ -143,12 +143,12 @@ class StatePool(ABC):
 
     # -- storage (runner side) -------------------------------------------------------------
     @abstractmethod
-    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         """(unit ids, rows) of stored positions, each [len(positions)]."""
 
     @abstractmethod
     def slot_lists(self, request_id: str, start: int, end: int) -> tuple[list[int], list[int]]:
-        """``_slots`` of positions [start, end) as Python lists (cheaper for a few rows)."""
+        """``slots`` of positions [start, end) as Python lists (cheaper for a few rows)."""
 
     @abstractmethod
     def read_units(self, request_id: str, first: int, end: int) -> tuple[list[int], int | None]:
@@ -168,7 +168,7 @@ class StatePool(ABC):
         """Which positions a step stores: of [start, end) those from max(start, end -
         store_keep) (-1: all of them); the native plan reads the same number."""
 
-    def _store_from(self, start: int, end: int) -> int:
+    def store_from(self, start: int, end: int) -> int:
         """First position of [start, end) worth storing."""
         keep = self.store_keep
         return start if keep < 0 else max(start, end - keep)
@@ -182,7 +182,7 @@ class StatePool(ABC):
         self, layer: int, request_id: str, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at positions [start, end) of pool-local ``layer``: [n, kv, d]."""
-        units, rows = self._slots(request_id, range(start, end))
+        units, rows = self.slots(request_id, range(start, end))
         return self.storage[units, layer, 0, rows], self.storage[units, layer, 1, rows]
 
     def write(
@@ -190,8 +190,8 @@ class StatePool(ABC):
     ) -> None:
         """Store keys/values [n, kv, d] of positions start .. start+n (what is worth keeping)."""
         end = start + k.shape[0]
-        first = self._store_from(start, end)
-        units, rows = self._slots(request_id, range(first, end))
+        first = self.store_from(start, end)
+        units, rows = self.slots(request_id, range(first, end))
         self.storage[units, layer, 0, rows] = k[first - start :]
         self.storage[units, layer, 1, rows] = v[first - start :]
         self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), end)
@@ -201,11 +201,11 @@ class StatePool(ABC):
     ) -> None:
         """``write`` for many requests at once: spans (request, start, n) whose keys/values
         are consecutive rows of k, v [sum n, kv, d], each stored whole (the caller kept only
-        rows worth keeping: ``_store_from(start, start + n) == start``)."""
+        rows worth keeping: ``store_from(start, start + n) == start``)."""
         units: list[int] = []
         rows: list[int] = []
         for request_id, start, n in spans:
-            assert self._store_from(start, start + n) == start, f"{self.name}: {start}+{n}"
+            assert self.store_from(start, start + n) == start, f"{self.name}: {start}+{n}"
             u, r = self.slot_lists(request_id, start, start + n)
             units += u
             rows += r

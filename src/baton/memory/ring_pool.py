@@ -92,7 +92,7 @@ class RingPool(StatePool):
         assert end - start <= self.rows, f"{self.name}: {end - start} positions > ring"
         return [self.rings[request_id]] * (end - start), [p % self.rows for p in range(start, end)]
 
-    def _slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
+    def slots(self, request_id: str, positions: range) -> tuple[torch.Tensor, torch.Tensor]:
         assert len(positions) <= self.rows, f"{self.name}: {len(positions)} positions > ring"
         ring = torch.full((len(positions),), self.rings[request_id], dtype=torch.long)
         return ring, torch.arange(positions.start, positions.stop) % self.rows

@@ -15,7 +15,7 @@ position p see keys at positions p-W+1 .. p (W tokens, itself included)::
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,12 @@ from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from baton.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from baton.model.attention_plans import ForwardStackPlans
+
+LayerSpec = tuple[int, int | None, int, int, float, float | None]
+"""A layer's ``attention_spec``: (layer id, window, heads, head_dim, scale, softcap)."""
 
 
 class AttentionBackend(Protocol):
@@ -44,6 +50,16 @@ class AttentionBackend(Protocol):
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor: ...
+
+    def native_args(self, layers: list[LayerSpec]) -> list[tuple[int, int, int, int]] | None:
+        """Per layer, the native kernel's attention arguments for this step, or None where
+        this backend has no native path (the torch path then runs; this default)."""
+        return None
+
+    def stack_plans(self, layers: list[LayerSpec]) -> ForwardStackPlans | None:
+        """``native_args`` for a ``NativeStack`` that builds the plans in its own call, or
+        None (then ``native_args`` is asked; this default)."""
+        return None
 
 
 def visibility_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -119,7 +135,7 @@ def masked_attention(
     return torch.matmul(probs, v)
 
 
-class DenseAttention:
+class DenseAttention(AttentionBackend):
     """No cache: every row of the batch is one whole sequence at positions 0..T-1.
 
     Used for training and for full-sequence logits.
@@ -175,7 +191,7 @@ class StaticKVCache:
         return _CacheStep(self, self.seq_len)
 
 
-class _CacheStep:
+class _CacheStep(AttentionBackend):
     def __init__(self, cache: StaticKVCache, start: int) -> None:
         self.cache = cache
         self.start = start

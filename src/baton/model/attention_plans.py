@@ -111,7 +111,7 @@ def plan_lists(
     token_index, write_units, write_rows = [], [], []
     for seg in segs:
         end = seg.start + seg.num_tokens
-        store = pool._store_from(seg.start, end)
+        store = pool.store_from(seg.start, end)
         units, rows = pool.slot_lists(seg.request_id, store, end)
         write_units += units
         write_rows += rows

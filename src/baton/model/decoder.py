@@ -22,15 +22,6 @@ from baton.model.layers import GatedMLP, RMSNorm
 from baton.model.spec import ModelSpec
 
 
-def native_attention(
-    attn: AttentionBackend, layers: list[tuple[int, int | None, int, int, float, float | None]]
-) -> list[tuple[int, int, int, int]] | None:
-    """The backend's ``native_args`` for these layers (their ``attention_spec``), or None
-    where it has none."""
-    native_args = getattr(attn, "native_args", None)
-    return None if native_args is None else native_args(layers)
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; Gemma2 adds post-norms on both branches."""
 
@@ -114,7 +105,7 @@ class DecoderLayer(nn.Module):
     def native_attention(self, attn: AttentionBackend) -> tuple[int, int, int, int] | None:
         """The backend's ``native_args`` for this layer's attention (what its native call or
         a draft chain reads), or None where it has none."""
-        found = native_attention(attn, [self.attention_spec])
+        found = attn.native_args([self.attention_spec])
         return None if found is None else found[0]
 
     def _forward_native(
@@ -168,7 +159,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self._head: FrozenLinear | None = None
+        self.frozen_head: FrozenLinear | None = None
         self._stack: NativeStack | None = None
         """Every layer and the final norm as one native call for small steps, or None."""
         self._attention_specs = [layer.attention_spec for layer in self.model.layers]
@@ -227,10 +218,9 @@ class CausalLM(nn.Module):
         without a Python call per layer, the pools' attention plans built in it where the
         backend leaves them to it; with ``head``, its greedy epilogue too), or None where the
         backend does not allow it."""
-        stack_plans = getattr(attn, "stack_plans", None)
-        attention = None if stack_plans is None else stack_plans(self._attention_specs)
+        attention = attn.stack_plans(self._attention_specs)
         if attention is None:
-            attention = native_attention(attn, self._attention_specs)
+            attention = attn.native_args(self._attention_specs)
         if attention is None:
             return None
         rotary = self.model.rotary_emb
@@ -247,7 +237,7 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
-        self._head = FrozenLinear(self.lm_head.weight)
+        self.frozen_head = FrozenLinear(self.lm_head.weight)
         for layer in self.model.layers:
             layer.prepare_native()
         norm = self.model.norm
@@ -260,15 +250,15 @@ class CausalLM(nn.Module):
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> raw [..., vocab] scores in the model's dtype (argmax-ready)."""
-        return self._head(hidden) if self._head is not None else self.lm_head(hidden)
+        return self.frozen_head(hidden) if self.frozen_head is not None else self.lm_head(hidden)
 
     def head_kernel(self, rows: int) -> tuple | None:
         """What ``baton.kernels.logits.head_greedy`` reads for ``rows`` rows of ``head``:
         (panels, bias, rounds once), where ``head`` itself would take linear.c's panels for
         them and the logits are the raw scores; else None."""
-        if self._head is None or self.spec.final_logit_softcap is not None:
+        if self.frozen_head is None or self.spec.final_logit_softcap is not None:
             return None
-        return self._head.few_rows_now(rows)
+        return self.frozen_head.few_rows_now(rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""

@@ -103,7 +103,7 @@ class MTPDraft(nn.Module):
         """After both models' ``fuse_projections``: a proposal chain as one native call
         (``baton.kernels.chain``: this draft's first step, then per guess the target's head
         and argmax and this draft's step on it), or None where it does not apply."""
-        eh, head = self._eh, target._head
+        eh, head = self._eh, target.frozen_head
         if eh is None or head is None or target.model.embed_scale != 1.0:
             return None
         layer, norm = self.layer.native, target.model.norm

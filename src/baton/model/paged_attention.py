@@ -28,7 +28,7 @@ from baton.kernels.paged_attention import PagedAttentionCall
 from baton.memory.cache import ModelCache
 from baton.memory.pools import StatePool
 from baton.memory.ring_pool import RingPool
-from baton.model.attention import masked_attention, visibility_mask
+from baton.model.attention import AttentionBackend, masked_attention, visibility_mask
 from baton.model.attention_plans import (
     BatchPlan,
     ForwardStackPlans,
@@ -44,7 +44,7 @@ BATCHED_MAX_TOKENS = 8
 """Segments up to this many tokens are attended together (padded)."""
 
 
-class PagedAttention:
+class PagedAttention(AttentionBackend):
     """``AttentionBackend`` over a ``ModelCache``; one instance per forward."""
 
     def __init__(
@@ -295,10 +295,10 @@ class PagedAttention:
         key = (pool.name, seg)
         if key not in self._one:  # slots and mask are the same for every layer of the pool
             read = (
-                pool._slots(seg.request_id, range(first, seg.start)) if first < seg.start else None
+                pool.slots(seg.request_id, range(first, seg.start)) if first < seg.start else None
             )
-            store = pool._store_from(seg.start, end)
-            write = pool._slots(seg.request_id, range(store, end))
+            store = pool.store_from(seg.start, end)
+            write = pool.slots(seg.request_id, range(store, end))
             mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
             self._one[key] = (read, store - seg.start, write, mask)
         read, skip, write, mask = self._one[key]

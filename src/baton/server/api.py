@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from baton.engine.core import PDRoute
 from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
@@ -232,7 +233,7 @@ def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Any:
 
 
 async def _run(
-    server: _Server, prompt: Any, params: Any, route: dict
+    server: _Server, prompt: Any, params: Any, route: PDRoute | None
 ) -> tuple[AsyncIterator[RequestOutput], dict[str, str]]:
     """The engine's outputs, with latency and token metrics recorded on the way, and the
     response's headers (a PD decode's handoff outcome, known at the first output). A
@@ -240,7 +241,7 @@ async def _run(
     before any response starts, so a router can retry it."""
     arrival = time.monotonic()
     try:
-        stream = await server.engine.add(prompt, params, **route)
+        stream = await server.engine.add(prompt, params, route)
     except ValueError as exc:
         raise ApiError(str(exc), param=getattr(exc, "param", None)) from exc
     except RuntimeError as exc:
@@ -291,20 +292,24 @@ async def _observed(
         await stream.aclose()
 
 
-def _route(request: Request) -> dict:
+def _route(request: Request) -> PDRoute | None:
+    """The router's choice from the request's headers (None: it names none); a 403 when they
+    are not signed with this decode's route token, a 400 when malformed."""
     token = _server(request).route_token
     if token is not None and (problem := route_problem(token, request.headers, time.time())):
         raise ApiError(problem, 403, type="permission_error")
-    route: dict[str, Any] = {}
-    if prefill := request.headers.get(PREFILL_HEADER):
-        route["prefill"] = prefill
-    if local := request.headers.get(LOCAL_PREFILL_HEADER):
-        if local not in LOCAL_PREFILL_REASONS:
-            known = ", ".join(sorted(LOCAL_PREFILL_REASONS))
-            raise ApiError(f"header {LOCAL_PREFILL_HEADER} must be one of {known}, got {local!r}")
-        route["local"] = HandoffReason(local)
-    if (room := request.headers.get(ROOM_HEADER)) is not None:
-        if not room.isdigit() or not 0 < int(room) < 2**63:
-            raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")
-        route["room"] = int(room)
-    return route
+    prefill = request.headers.get(PREFILL_HEADER) or None
+    local = request.headers.get(LOCAL_PREFILL_HEADER) or None
+    if local is not None and local not in LOCAL_PREFILL_REASONS:
+        known = ", ".join(sorted(LOCAL_PREFILL_REASONS))
+        raise ApiError(f"header {LOCAL_PREFILL_HEADER} must be one of {known}, got {local!r}")
+    room = request.headers.get(ROOM_HEADER)
+    if room is not None and (not room.isdigit() or not 0 < int(room) < 2**63):
+        raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")
+    if prefill is None and local is None and room is None:
+        return None
+    return PDRoute(
+        prefill,
+        None if room is None else int(room),
+        None if local is None else HandoffReason(local),
+    )

@@ -28,9 +28,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from baton.engine.core import EngineCore
+from baton.engine.core import EngineCore, PDRoute
 from baton.engine.keep_warm import KeepWarm
-from baton.engine.outputs import HandoffReason, RequestOutput
+from baton.engine.outputs import RequestOutput
 from baton.engine.stats import EngineStats
 from baton.request import InvalidRequest, SamplingParams
 
@@ -44,8 +44,8 @@ class _Add:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     accepted: Future
-    route: dict
-    """PD decode: ``prefill`` endpoint and ``room`` a router chose (empty otherwise)."""
+    route: PDRoute | None
+    """PD decode: what the router chose (None otherwise)."""
 
 
 @dataclass
@@ -142,16 +142,11 @@ class AsyncEngine:
         self,
         prompt: str | list[int] | dict,
         params: SamplingParams,
-        *,
-        prefill: str | None = None,
-        room: int | None = None,
-        local: HandoffReason | None = None,
+        route: PDRoute | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """``prefill`` / ``room`` / ``local``: a PD decode's routing (``DecodeEngine.
-        add_request``; ``ValueError`` on a colocated engine)."""
-        given = (("prefill", prefill), ("room", room), ("local", local))
-        route = {k: v for k, v in given if v is not None}
-        if route and not self.is_pd:
+        """``route``: a PD decode's routing (``DecodeEngine.add_request``; ``ValueError`` on
+        a colocated engine)."""
+        if route is not None and not self.is_pd:
             raise ValueError(f"this server is colocated; it takes no PD routing ({route})")
         loop = asyncio.get_running_loop()
         if isinstance(prompt, str) and self.tokenizer is not None:
@@ -250,7 +245,7 @@ class AsyncEngine:
                 continue
             try:
                 request_id = self.engine.add_request(
-                    command.prompt, command.params, **command.route
+                    command.prompt, command.params, route=command.route
                 )
             except Exception as exc:
                 command.accepted.set_exception(exc)

@@ -115,7 +115,7 @@ class DraftProposer:
         for request_id, slot, h, tokens in entries:
             end = slot + len(tokens)
             self.cache.grow(request_id, slot, end)
-            first = pool._store_from(slot, end)  # a sliding pool keeps the tail
+            first = pool.store_from(slot, end)  # a sliding pool keeps the tail
             kept.append((request_id, first, end - first))
             hidden.append(h[first - slot :])
             ids.extend(tokens[first - slot :])
@@ -131,7 +131,7 @@ class DraftProposer:
         """Of ``num_pairs`` consecutive known pairs, how many (the last ones) ``prefill``
         stores: what the draft's pool keeps of them."""
         pool, _ = self.cache.layer_map[0]
-        return num_pairs - pool._store_from(0, num_pairs)
+        return num_pairs - pool.store_from(0, num_pairs)
 
     def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
         self.pending[request_id] = pairs

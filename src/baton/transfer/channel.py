@@ -140,6 +140,11 @@ class Endpoint:
     def closed(self) -> bool:
         return self._socket.closed
 
+    @property
+    def zmq_socket(self) -> zmq.Socket:
+        """The socket, for a poller over several channels (``channel_client.wait_any``)."""
+        return self._socket
+
     def __enter__(self) -> Self:
         return self
 

@@ -171,6 +171,6 @@ def wait_any(clients: list[ControlClient], timeout_ms: int) -> list[ControlClien
         return []
     poller = zmq.Poller()
     for client in clients:
-        poller.register(client._socket, zmq.POLLIN)
+        poller.register(client.zmq_socket, zmq.POLLIN)
     ready = dict(poller.poll(timeout_ms))
-    return [c for c in clients if c._socket in ready]
+    return [c for c in clients if c.zmq_socket in ready]

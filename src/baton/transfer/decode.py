@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import zmq
 
 from baton.config import Deadlines, EngineConfig, LocalPrefill
+from baton.engine.core import PDRoute
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
@@ -158,18 +159,18 @@ class DecodeEngine:
         params: SamplingParams | None = None,
         request_id: None = None,
         *,
-        prefill: str | None = None,
-        room: int | None = None,
-        local: HandoffReason | None = None,
+        route: PDRoute | None = None,
     ) -> str:
-        """Queue a request for the prefill at ``prefill`` (default: the next of
-        ``default_endpoints``) under ``room`` (default: a fresh one; a router chooses it);
-        returns its id, ``request_id_of(room)``. ``local_prefill`` decides whether this
-        decode computes the prompt itself instead (so does ``local``: the router found no
-        prefill). Raises ``ValueError`` for a bad request (nothing is kept then) and
+        """Queue a request for the prefill at ``route.prefill`` (default: the next of
+        ``default_endpoints``) under ``route.room`` (default: a fresh one; a router chooses
+        it); returns its id, ``request_id_of(room)``. ``local_prefill`` decides whether this
+        decode computes the prompt itself instead (so does ``route.local``: the router found
+        no prefill). Raises ``ValueError`` for a bad request (nothing is kept then) and
         ``RuntimeError`` when there is no prefill to use and no local fallback."""
         if request_id is not None:
-            raise ValueError("a decode names its requests by room: pass room, not request_id")
+            raise ValueError("a decode names its requests by room: pass a route, not request_id")
+        route = route or PDRoute()
+        prefill, room, local = route.prefill, route.room, route.local
         if prefill is None and not self.default_endpoints and not self.local_prefill.fallback:
             raise RuntimeError(
                 "this decode server has no prefill worker of its own; send requests through "

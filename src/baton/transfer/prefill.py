@@ -92,19 +92,21 @@ class PrefillServer:
         self.deadlines = deadlines or Deadlines()
         self.engine = LLMEngine(model_dir, engine_config)
         self.warm = KeepWarm(engine_config.keep_warm_s)
-        self.prefill = Sender(
+        self.hello_sender = Sender(
             self.engine, new_worker_backend(backend_kind, host=transfer_host), self.deadlines
         )
+        """Registers this worker's pools with a backend for the Hello's regions; pushes
+        nothing (each paired decode gets its own sender, ``PrefillPeers``)."""
         self.hello = build_hello(
             self.engine, model_dir,
             worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
             role="prefill", backend=backend_kind,
-            regions={name: d.to_dict() for name, d in self.prefill.descriptors.items()},
+            regions={name: d.to_dict() for name, d in self.hello_sender.descriptors.items()},
         )  # fmt: skip
         try:
             self.server = ControlServer(host, port, token)
         except BaseException:
-            self.prefill.backend.close()
+            self.hello_sender.backend.close()
             raise
         self.endpoint = self.server.endpoint
         self.peers = PrefillPeers(
@@ -119,11 +121,12 @@ class PrefillServer:
         self.last_turn = time.monotonic()
         """When ``serve_once`` last ran (a health check's liveness signal)."""
         self._deferred: list[tuple[bytes, Message]] = []
+        """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
         self._handlers = {
             Hello: self._on_hello, ReserveState: self._on_reserve, Abort: self._on_abort,
             Fence: self._on_fence, Ping: self._on_ping,
         }  # fmt: skip
-        """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
+        """Message type -> its handler (``_drain``)."""
         self._last_peer_check = time.monotonic()
         self._ping_seq = 0
 
@@ -163,7 +166,7 @@ class PrefillServer:
     def close(self) -> None:
         self.server.close()
         self.peers.close_all()
-        close_backend(self.prefill)
+        close_backend(self.hello_sender)
 
     def _drain(self, timeout_ms: int) -> None:
         """Handle the messages ``_peek_fences`` kept, then what arrives (waiting up to

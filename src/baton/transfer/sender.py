@@ -20,9 +20,9 @@ reservation covers and prefill still holds (the rest of it no query reads).
 No I/O of its own: messages go in and out as values, so the same code runs in one process
 (tests, loopback) and behind the zmq control channel (``prefill.PrefillServer``). Its
 decode-side mirror is ``receiver.Receiver``. This module keeps the ``Sender``: its
-requests (``on_reserve``), ``push_ready`` and the fence checks; what each batch carries is
-``sender_pushes.py``; the wait for a batch under its deadline is its ``BatchRunner``
-(``sender_batches.py``).
+requests (``on_reserve``), ``push_ready``, the two kinds of push and the fence checks; what
+each batch carries is planned by the functions of ``sender_plans.py``; the wait for a batch
+under its deadline is its ``BatchRunner`` (``sender_batches.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from baton.config import Deadlines
 from baton.engine.engine import LLMEngine
 from baton.memory.state import UnitKind
 from baton.transfer.backends.base import RegionDescriptor, TransferBackend
+from baton.transfer.checksums import component_checksums
+from baton.transfer.plan import plan_ops, plan_request
 from baton.transfer.protocol import (
+    ComponentStats,
     ReserveState,
     StateDone,
     StateFailed,
@@ -42,10 +47,11 @@ from baton.transfer.protocol import (
     sampling_params_from_wire,
 )
 from baton.transfer.sender_batches import BatchRunner
-from baton.transfer.sender_pushes import Outgoing, SenderPushes
+from baton.transfer.sender_plans import Outgoing, plan_rest, plan_streamed
+from baton.transfer.translate import first_valid_tokens
 
 
-class Sender(SenderPushes):
+class Sender:
     """Computes prompts and pushes their state into the decode peer's pools.
 
     After every engine step, ``push_ready`` pushes, in one batch for all of this sender's
@@ -84,7 +90,6 @@ class Sender(SenderPushes):
         bug, registry intact): decode's units for them keep whatever they held."""
         self.batches = BatchRunner(backend, (deadlines or Deadlines()).transferring_s)
         """Each batch to its end or its deadline (and the batches given up at it)."""
-        """Transfer id given up at the deadline -> its rooms, to confirm once it ends."""
         self.fence_epoch = 0
         """The largest ``Fence`` epoch from this sender's decode: older reservations are dead."""
         self.aborted: set[int] = set()
@@ -150,6 +155,89 @@ class Sender(SenderPushes):
         live = {out.reserve.room for out in self.outgoing.values()}
         self.aborted &= live  # marks of rooms answered meanwhile
         return replies
+
+    def _push_complete_pages(self) -> list[StateFailed]:
+        """One batch: every still-computing request's full-attention pages completed since
+        the last push (``plan_streamed``)."""
+        replies = self._drop_fenced()
+        plans, ends = plan_streamed(
+            self.engine.registry, self.outgoing, self.dst_page_size, self.debug_skip_components
+        )
+        if not plans:
+            return replies
+        rooms = [self.outgoing[r].reserve.room for r in plans]
+        ops = [op for plan in plans.values() for op in plan_ops(plan)]
+        moved = self.batches.transfer(ops, rooms)
+        if not moved.status.is_done:
+            # Their prefill units go back now: the backend only reads them, so even a batch
+            # still in flight cannot hurt the state of a request that reuses them.
+            for request_id in plans:
+                self.engine.handoff.release(request_id)
+            return replies + [self.outgoing.pop(r).failure(moved) for r in plans]
+        for request_id, plan in plans.items():
+            out = self.outgoing[request_id]
+            out.count(plan, moved.seconds)
+            for name, end in ends[request_id].items():
+                sent = out.num_sent_tokens if name in self.dst_page_size else out.num_sent_units
+                sent[name] = end
+        return replies
+
+    def _push(self, out: Outgoing) -> StateDone | StateFailed:
+        """A finished request: the rest of its state in one batch (``plan_rest``), then the
+        aux record."""
+        msg, request_id = out.reserve, out.request_id
+        if self._is_fenced(out):
+            return self._fenced(out)
+        held = self.engine.held[request_id]
+        planned = plan_rest(
+            self.engine.registry, out, self.dst_page_size, self.debug_skip_components
+        )
+        if isinstance(planned, str):
+            return StateFailed(room=msg.room, reason=planned, stopped_writing=True)
+        plan, checksum_ranges, sources = planned
+        ops = plan_ops(plan)
+        if ops:
+            moved = self.batches.transfer(ops, [msg.room])
+            if not moved.status.is_done:
+                return out.failure(moved)  # push_ready releases the units
+            out.count(plan, moved.seconds)
+        stats = {
+            name: ComponentStats(num_bytes=n, seconds=out.seconds[name])
+            for name, n in out.num_bytes.items()
+        }
+        # The aux record last, only after every other byte has landed.
+        token, logprob = held.first_token.token_ids[0], held.first_token.logprobs[0]
+        hidden = held.seed_hidden
+        if hidden is None:
+            hidden = torch.zeros(self.engine.model.spec.hidden_size)
+        aux = self.engine.aux
+        aux.write(request_id, msg.nonce, token, logprob, hidden)
+        if self.keep_checksums:
+            sums = component_checksums(
+                self.engine, request_id, checksum_ranges or None, units=sources
+            )
+            self.checksums[msg.room] = sums
+            if checksum_ranges:
+                self.checksum_ranges[msg.room] = checksum_ranges
+        aux_plan = plan_request(
+            {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
+        )
+        if self._is_fenced(out):  # the aux record is a batch of its own: check again
+            return self._fenced(out)
+        moved = self.batches.transfer(plan_ops(aux_plan), [msg.room])
+        if not moved.status.is_done:
+            return out.failure(moved)  # push_ready releases the units
+        stats[aux.name] = ComponentStats(num_bytes=aux.row_bytes, seconds=moved.seconds)
+        top = held.first_token.top_logprobs[0] or []
+        return StateDone(
+            room=msg.room,
+            nonce=msg.nonce,
+            first_token=token,
+            first_token_logprob=logprob,
+            first_token_top_logprobs=[(int(t), float(lp)) for t, lp in top],
+            component_stats=stats,
+            first_valid_tokens=first_valid_tokens(self.engine.registry, request_id, msg),
+        )
 
     def _is_fenced(self, out: Outgoing, refresh: bool = True) -> bool:
         """Re-read the fences (unless ``refresh`` is False), then: has decode given up on

@@ -2,7 +2,7 @@
 
 Owns the wait (``transfer``: submit, poll until ``DONE``/``FAILED`` or ``transfer_s``) and
 the batches given up at that deadline (``abandoned``), confirmed room by room once the
-backend ends them (``settle_abandoned``). It plans nothing (``SenderPushes``) and answers
+backend ends them (``settle_abandoned``). It plans nothing (``sender_plans.py``) and answers
 no fence (``sender.Sender``). Each ``sender.Sender`` has one over its backend.
 """
 

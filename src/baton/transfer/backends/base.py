@@ -1,9 +1,10 @@
 """The transfer backend interface: the data plane of a prefill/decode handoff.
 
 One interface for every way bytes move from a prefill worker's pools into a decode worker's
-pools (docs/design.md §4): ``shm`` (same host), ``loopback`` (tests), later ``nixl`` and
-``mooncake``. The sender (prefill) and the receiver (decode) each build one backend and
-call it like this::
+pools (docs/design.md §4): ``shm`` (same host), ``loopback`` (tests), ``nixl`` (UCX: RDMA
+or TCP) and ``mooncake`` (Mooncake's Transfer Engine over TCP), each a module of this
+package. The sender (prefill) and the receiver (decode) each build one backend and call it
+like this::
 
     receiver                                   sender
     --------                                   ------
