@@ -120,9 +120,9 @@ def time_native_calls(engine: LLMEngine, timer: PartTimer) -> None:
     """Time a speculative step's big native calls: the target's stack and the draft's chain
     (where they exist: the fused layers) and the verify head (``ModelRunner._greedy_head``;
     never called where the stack's call ends with it)."""
-    model = engine.runner.model
-    if getattr(model, "_stack", None) is not None:
-        model._stack = TimedCall(model._stack, timer, "stack")
+    executor = engine.runner.executor
+    if executor.stack is not None:
+        executor.stack = TimedCall(executor.stack, timer, "stack")
     if engine.proposer is not None and engine.proposer.chain is not None:
         engine.proposer.chain = TimedCall(engine.proposer.chain, timer, "chain")
     timer.wrap(engine.runner, "_greedy_head", "head")
@@ -154,9 +154,9 @@ def decoding_engine(
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "execute", "execute")
-    timer.wrap(engine.runner.model, "forward", "forward")
+    timer.wrap(engine.runner.executor, "forward", "forward")
     # A decode step's native stack takes its ids as lists (``forward_listed``), not tensors.
-    timer.wrap(engine.runner.model, "forward_listed", "forward")
+    timer.wrap(engine.runner.executor, "forward_listed", "forward")
     return engine, timer
 
 

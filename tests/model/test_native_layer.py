@@ -382,9 +382,9 @@ def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
     for use_stack in (True, False):
         calls.clear()
         llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
-        assert isinstance(llm.engine.model._stack, NativeStack)
+        assert isinstance(llm.engine.runner.executor.stack, NativeStack)
         if not use_stack:
-            llm.engine.model._stack = None
+            llm.engine.runner.executor.stack = None
         act = getattr(torch, dtype)
         for rotary in (llm.engine.model.model.rotary_emb, llm.engine.proposer.draft.rotary_emb):
             cos, sin = rotary.tables(1, act)
@@ -404,7 +404,7 @@ def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
     cumulative log-probabilities and acceptance as ``head_greedy`` after the stack, and as
     the three calls it replaces (``head_greedy`` declining every call)."""
     from baton.kernels.layer import NativeStack
-    from baton.model.decoder import CausalLM
+    from baton.model.executor import NativeExecutor
 
     llm = LLM(BUNDLED, dtype="bfloat16", page_size=8)
     params = SamplingParams(temperature=0, max_tokens=40)
@@ -412,7 +412,7 @@ def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
     fused_head, stack_call, listed = (
         runner_module.head_greedy,
         NativeStack.__call__,
-        CausalLM.forward_listed,
+        NativeExecutor.forward_listed,
     )
 
     def counted(*args):
@@ -428,7 +428,7 @@ def test_greedy_steps_take_the_head_and_its_argmax_in_one_call(monkeypatch):
         calls.clear()
         monkeypatch.setattr(runner_module, "head_greedy", head_greedy)
         monkeypatch.setattr(
-            CausalLM,
+            NativeExecutor,
             "forward_listed",
             lambda self, ids, positions, attn, greedy=False: listed(
                 self, ids, positions, attn, greedy and stack_head

@@ -97,3 +97,39 @@ def test_a_long_streamed_response_is_not_cut(address):
     reply, elapsed = _exchange(address, [request])
     assert elapsed > DEADLINE_S
     assert all(f"data: {i}".encode() in reply for i in range(4)), reply
+
+
+def test_an_idle_kept_alive_connection_outlives_the_clients_pool():
+    """httpx keeps an idle connection pooled for 5 s (``keepalive_expiry``); a server that
+    closed its end at the same 5 s reset requests a busy client sent on it just then. An idle
+    connection is still served after the client's pool would have dropped it."""
+    import httpx
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    async def ping() -> dict:
+        return {"ok": True}
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = http.server(app, "127.0.0.1", port, log_level="warning")
+    assert server.config.timeout_keep_alive > httpx.Limits().keepalive_expiry
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        request = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(request)
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(httpx.Limits().keepalive_expiry + 0.5)  # past the client's pool
+            conn.sendall(request)  # the same connection, idle all that time
+            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -24,6 +24,7 @@ from baton.kernels import inline_small_calls
 from baton.kernels.logits import argmax_rows, head_greedy, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
+from baton.model.executor import NativeExecutor
 from baton.model.frozen_linear import step_invariant_rows
 from baton.model.layers import take_rows
 from baton.model.paged_attention import PagedAttention, Segment
@@ -57,6 +58,9 @@ class ModelRunner:
         proposer: DraftProposer | None = None,
     ) -> None:
         self.model = model
+        self.executor = NativeExecutor(model)
+        """The native fast paths over ``model`` (its stack, its greedy head), chosen here per
+        step; ``model`` itself is the reference path."""
         self.cache = cache
         self.sampler = sampler
         self.proposer = proposer
@@ -94,12 +98,12 @@ class ModelRunner:
             # Every row sampled or verified, greedily: the head's epilogue in the same call.
             every_row = all(c.samples and c.num_tokens == c.num_lookahead + 1 for c in batch.chunks)
             greedy_head = every_row and self._plain_greedy(list(states.values()))
-            found = self.model.forward_listed(input_ids, positions, attn, greedy_head)
+            found = self.executor.forward_listed(input_ids, positions, attn, greedy_head)
             if found is not None:
                 hidden, greedy = found  # [N, H]; each row's argmax and log-probability
         if hidden is None:
             with step_invariant_rows(computes_prompt):
-                hidden = self.model(
+                hidden = self.executor.forward(
                     torch.tensor([input_ids]), torch.tensor([positions]), attn, rows
                 )[0]  # [N, H], or [len(rows), H]
         if rows is not None:  # back in place: the rows nothing reads stay zero
@@ -244,7 +248,7 @@ class ModelRunner:
         ``logsumexp_rows`` in turn); None where it does not apply."""
         if not self._plain_greedy(states):
             return None
-        kernel = self.model.head_kernel(x.shape[0])
+        kernel = self.executor.head_kernel(x.shape[0])
         return None if kernel is None else head_greedy(x, *kernel)
 
     def _verify_greedy(self, verified, scores, chains, row_states, result: StepResult) -> bool:

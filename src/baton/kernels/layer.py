@@ -238,7 +238,7 @@ class NativeStack:
         eps: float, offset: float,
     ) -> NativeStack | None:  # fmt: skip
         """None unless every layer is native, of one dtype, and the embedding and norm are in
-        it (then ``CausalLM.forward`` calls the layers one by one)."""
+        it (then ``CausalLM.forward`` runs the step, its layers one by one)."""
         if not layers or any(layer is None for layer in layers):
             return None
         dtype = layers[0].dtype
@@ -263,7 +263,7 @@ class NativeStack:
         stored in its pool); None, with nothing computed or stored, when a position is past
         the tables. input_ids and positions may also be sequences of T ints
         (no tensors made of them): the output is then [T, hidden]. With ``head`` (the head's
-        panels, bias, whether it rounds once: ``CausalLM.head_kernel``), the same call ends
+        panels, bias, whether it rounds once: ``NativeExecutor.head_kernel``), the same call ends
         with ``logits.head_greedy`` on every row: (output, each row's argmax, its
         log-probability)."""
         if isinstance(input_ids, torch.Tensor):

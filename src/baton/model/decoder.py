@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.kernels.layer import NativeLayer, NativeStack
+from baton.kernels.layer import NativeLayer
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import GatedMLP, RMSNorm
@@ -160,9 +160,7 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.frozen_head: FrozenLinear | None = None
-        self._stack: NativeStack | None = None
-        """Every layer and the final norm as one native call for small steps, or None."""
-        self._attention_specs = [layer.attention_spec for layer in self.model.layers]
+        """The head as a ``FrozenLinear`` (``fuse_projections``), or None before."""
 
     def forward(
         self,
@@ -174,62 +172,14 @@ class CausalLM(nn.Module):
         """input_ids, positions: [B, T] -> final-normed hidden: [B, T, hidden], or with
         ``rows`` (indices into T) [B, len(rows), hidden]: the last layer's projections, MLP and
         the final norm run for those tokens only (a prefill chunk whose outputs are mostly
-        never read); every layer still stores every token's keys and values."""
-        stack = self._stack
-        if stack is not None and input_ids.numel() <= stack.max_tokens:
-            out = self._forward_native(stack, input_ids, positions, attn)
-            if out is not None:
-                return out if rows is None else out[:, rows]
+        never read); every layer still stores every token's keys and values. (The native
+        stack that runs small steps in one call is ``executor.NativeExecutor``'s.)"""
         x = self.model.embed(input_ids)
         rotary = self.model.rotary_emb(positions, x.dtype)
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
-
-    def forward_listed(
-        self,
-        input_ids: list[int],
-        positions: list[int],
-        attn: AttentionBackend,
-        greedy_head: bool = False,
-    ) -> tuple[torch.Tensor, tuple[list[int], list[float]] | None] | None:
-        """``forward`` of one row of T tokens given as lists (a ``[1, T]`` tensor's values)
-        -> (final-normed [T, hidden], None), in the native stack's one call without making a
-        tensor of them; with ``greedy_head``, where ``head_kernel`` takes the T rows, the
-        same call ends with the head's greedy epilogue (``logits.head_greedy``: each row's
-        argmax and its log-probability) in place of that None. None, with nothing computed,
-        where the stack does not take the step (then ``forward`` runs it)."""
-        stack = self._stack
-        if stack is None or len(input_ids) > stack.max_tokens:
-            return None
-        head = self.head_kernel(len(input_ids)) if greedy_head else None
-        out = self._forward_native(stack, input_ids, positions, attn, head)
-        if out is None or head is None:
-            return None if out is None else (out, None)
-        hidden, best, logprobs = out
-        return hidden, (best, logprobs)
-
-    def _forward_native(
-        self, stack: NativeStack, input_ids: torch.Tensor | list[int],
-        positions: torch.Tensor | list[int], attn: AttentionBackend, head: tuple | None = None,
-    ) -> torch.Tensor | tuple | None:  # fmt: skip
-        """``forward`` in one native call (``NativeStack``: the layers' ``_forward_native``
-        without a Python call per layer, the pools' attention plans built in it where the
-        backend leaves them to it; with ``head``, its greedy epilogue too), or None where the
-        backend does not allow it."""
-        attention = attn.stack_plans(self._attention_specs)
-        if attention is None:
-            attention = attn.native_args(self._attention_specs)
-        if attention is None:
-            return None
-        rotary = self.model.rotary_emb
-        out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention, head)
-        if out is None:  # a position past the tables: grown, then the same call
-            last = positions.max() if isinstance(positions, torch.Tensor) else max(positions)
-            tables = rotary.tables(int(last) + 1, stack.dtype)
-            out = stack(input_ids, positions, tables, attention, head)
-        return out
 
     def fuse_projections(self) -> CausalLM:
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
@@ -240,25 +190,11 @@ class CausalLM(nn.Module):
         self.frozen_head = FrozenLinear(self.lm_head.weight)
         for layer in self.model.layers:
             layer.prepare_native()
-        norm = self.model.norm
-        if self.model.embed_scale == 1.0:
-            self._stack = NativeStack.build(
-                [layer.native for layer in self.model.layers], self.model.embed_tokens.weight,
-                norm.weight, norm.eps, norm.offset,
-            )  # fmt: skip
         return self
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> raw [..., vocab] scores in the model's dtype (argmax-ready)."""
         return self.frozen_head(hidden) if self.frozen_head is not None else self.lm_head(hidden)
-
-    def head_kernel(self, rows: int) -> tuple | None:
-        """What ``baton.kernels.logits.head_greedy`` reads for ``rows`` rows of ``head``:
-        (panels, bias, rounds once), where ``head`` itself would take linear.c's panels for
-        them and the logits are the raw scores; else None."""
-        if self.frozen_head is None or self.spec.final_logit_softcap is not None:
-            return None
-        return self.frozen_head.few_rows_now(rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] in fp32 (soft-capped where the model says so)."""

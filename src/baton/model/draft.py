@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from baton.kernels.chain import NativeChain
 from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.frozen_linear import FrozenLinear
@@ -88,42 +87,16 @@ class MTPDraft(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         self.layer = DecoderLayer(self.spec, 0, draft_spec.sliding_window)
         self.rotary_emb = make_rotary(target_spec)
-        self._eh: FrozenLinear | None = None
+        self.frozen_eh: FrozenLinear | None = None
 
     def fuse_projections(self) -> MTPDraft:
         """Inference: as ``CausalLM.fuse_projections``."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
-        self._eh = FrozenLinear(self.eh_proj.weight)
+        self.frozen_eh = FrozenLinear(self.eh_proj.weight)
         self.layer.prepare_native()
         return self
-
-    def native_chain(self, target: CausalLM) -> NativeChain | None:
-        """After both models' ``fuse_projections``: a proposal chain as one native call
-        (``baton.kernels.chain``: this draft's first step, then per guess the target's head
-        and argmax and this draft's step on it), or None where it does not apply."""
-        eh, head = self._eh, target.frozen_head
-        if eh is None or head is None or target.model.embed_scale != 1.0:
-            return None
-        layer, norm = self.layer.native, target.model.norm
-        same_norms = (self.enorm.eps, self.enorm.offset) == (self.hnorm.eps, self.hnorm.offset)
-        if layer is None or not same_norms:  # the kernel takes one eps and offset for both
-            return None
-        return NativeChain.build(
-            layer,
-            embed=target.model.embed_tokens.weight,
-            enorm=self.enorm.weight,
-            hnorm=self.hnorm.weight,
-            norm=norm.weight,
-            eh=eh.few_rows_kernel(),
-            head=head.few_rows_kernel(),
-            max_rows=min(layer.max_tokens, eh.max_few_rows, head.max_few_rows),
-            eps=self.enorm.eps,
-            offset=self.enorm.offset,
-            norm_eps=norm.eps,
-            norm_offset=norm.offset,
-        )
 
     def forward(
         self,
@@ -162,4 +135,4 @@ class MTPDraft(nn.Module):
         e = self.enorm(target.model.embed(next_ids))
         h = self.hnorm(hidden.to(e.dtype))
         eh = torch.cat((e, h), dim=-1)
-        return self._eh(eh) if self._eh is not None else self.eh_proj(eh)
+        return self.frozen_eh(eh) if self.frozen_eh is not None else self.eh_proj(eh)

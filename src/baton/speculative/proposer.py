@@ -27,6 +27,7 @@ from baton.kernels.logits import argmax_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.model.draft import MTPDraft
+from baton.model.executor import native_chain
 from baton.model.paged_attention import PagedAttention, Segment
 
 
@@ -55,7 +56,7 @@ class DraftProposer:
         self.context_floor: dict[str, int] = {}
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
-        self.chain = draft.native_chain(target)
+        self.chain = native_chain(draft, target)
         """A proposal in one native call (``baton.kernels.chain``), or None: the per-step
         path below, the reference (tests compare the two)."""
         self.first_step_max_pairs = self.chain.max_rows if self.chain else FIRST_STEP_MAX_PAIRS
