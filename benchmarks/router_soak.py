@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from baton import platform
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from soak import _rss_mb, _slope  # noqa: E402
+from soak import _free_port, _rss_mb, _slope  # noqa: E402
 
 STAND_INS = """
 import asyncio, json, sys
@@ -71,12 +70,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sample-s", type=float, default=10.0)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "router_soak.json")
     return p.parse_args()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _load(url: str, args: argparse.Namespace, pid: int) -> dict:
