@@ -8,6 +8,7 @@ import asyncio
 import socket
 import threading
 import time
+from http.client import HTTPConnection
 
 import pytest
 from fastapi import FastAPI, Request
@@ -123,13 +124,17 @@ def test_an_idle_kept_alive_connection_outlives_the_clients_pool():
         while not server.started:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        request = b"GET /ping HTTP/1.1\r\nHost: x\r\n\r\n"
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
-            conn.sendall(request)
-            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+        conn = HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            conn.request("GET", "/ping")
+            assert conn.getresponse().read() == b'{"ok":true}'
+            sock = conn.sock
             time.sleep(httpx.Limits().keepalive_expiry + 0.5)  # past the client's pool
-            conn.sendall(request)  # the same connection, idle all that time
-            assert conn.recv(4096).startswith(b"HTTP/1.1 200")
+            conn.request("GET", "/ping")  # on the same connection, idle all that time
+            assert conn.sock is sock
+            assert conn.getresponse().read() == b'{"ok":true}'  # closed: RemoteDisconnected
+        finally:
+            conn.close()
     finally:
         server.should_exit = True
         thread.join(10)
