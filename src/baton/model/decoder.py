@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baton.kernels.layer import NativeLayer
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import GatedMLP, RMSNorm
@@ -39,37 +38,6 @@ class DecoderLayer(nn.Module):
         if spec.sandwich_norm:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, eps, offset)
-        self._native: NativeLayer | None = None
-
-    def prepare_native(self) -> None:
-        """After ``fuse_projections``: the whole layer as one native call for small steps
-        (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
-        q/k norms; bf16 or fp32 (bf16 weights oneDNN packs for large steps are read from
-        linear.c's panels here too)."""
-        attn, mlp = self.self_attn.native_weights(), self.mlp.native_weights()
-        if self.sandwich_norm or attn is None or mlp is None:
-            return
-        norms = {
-            "input_norm": self.input_layernorm.weight,
-            "post_norm": self.post_attention_layernorm.weight,
-        }
-        a = self.self_attn
-        self._native = NativeLayer.build(
-            {**norms, **attn, **mlp},
-            heads=a.num_heads,
-            kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            act=self.mlp.act_name,
-            eps=self.input_layernorm.eps,
-            norm_offset=self.input_layernorm.offset,
-            qk_eps=a.q_norm.eps,
-            round_once=self.mlp.rounds_once,
-        )
-
-    @property
-    def native(self) -> NativeLayer | None:
-        """The layer as one native call (``prepare_native``), or None."""
-        return self._native
 
     def forward(
         self,
@@ -80,10 +48,6 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]; with ``rows`` (indices into T), only those
         tokens go on past attention: [B, len(rows), hidden] (all tokens' K/V are stored)."""
-        if self._native is not None and x.shape[0] * x.shape[1] <= self._native.max_tokens:
-            out = self._forward_native(x, rotary, attn)
-            if out is not None:
-                return out if rows is None else out[:, rows]
         if self.sandwich_norm:
             h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, rows=rows)
             x = (x if rows is None else x[:, rows]) + self.post_attention_layernorm(h)
@@ -98,28 +62,9 @@ class DecoderLayer(nn.Module):
     @property
     def attention_spec(self) -> tuple[int, int | None, int, int, float, float | None]:
         """What a backend's ``native_args`` asks of a layer: (layer id, window, heads,
-        head_dim, scale, softcap)."""
+        head_dim, scale, softcap) -- the executor's native calls read it."""
         a = self.self_attn
         return self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap
-
-    def native_attention(self, attn: AttentionBackend) -> tuple[int, int, int, int] | None:
-        """The backend's ``native_args`` for this layer's attention (what its native call or
-        a draft chain reads), or None where it has none."""
-        found = attn.native_args([self.attention_spec])
-        return None if found is None else found[0]
-
-    def _forward_native(
-        self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend
-    ) -> torch.Tensor | None:
-        """``forward`` in one native call, or None where the backend or inputs do not allow
-        it (the torch path then runs)."""
-        cos, sin = rotary
-        if x.dtype != self._native.dtype or not (
-            cos.is_contiguous() and sin.is_contiguous() and cos.dtype == x.dtype
-        ):
-            return None
-        args = self.native_attention(attn)
-        return None if args is None else self._native(x, cos, sin, args)
 
     def keys_values(
         self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]
@@ -173,7 +118,7 @@ class CausalLM(nn.Module):
         ``rows`` (indices into T) [B, len(rows), hidden]: the last layer's projections, MLP and
         the final norm run for those tokens only (a prefill chunk whose outputs are mostly
         never read); every layer still stores every token's keys and values. (The native
-        stack that runs small steps in one call is ``executor.NativeExecutor``'s.)"""
+        stack and layers that run small steps natively are ``executor.NativeExecutor``'s.)"""
         x = self.model.embed(input_ids)
         rotary = self.model.rotary_emb(positions, x.dtype)
         last = len(self.model.layers) - 1
@@ -188,8 +133,6 @@ class CausalLM(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
         self.frozen_head = FrozenLinear(self.lm_head.weight)
-        for layer in self.model.layers:
-            layer.prepare_native()
         return self
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:

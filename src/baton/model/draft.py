@@ -95,7 +95,6 @@ class MTPDraft(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections()
         self.frozen_eh = FrozenLinear(self.eh_proj.weight)
-        self.layer.prepare_native()
         return self
 
     def forward(
@@ -112,7 +111,7 @@ class MTPDraft(nn.Module):
         ``rows``, indices into T: of those tokens only, [B, len(rows), H]; all store their
         K/V); feed them to ``target.compute_logits`` for the guess of token t+2. The draft
         backend's layer id is 0 (the draft has its own pools)."""
-        x = self._layer_input(target, hidden, next_ids)
+        x = self.layer_input(target, hidden, next_ids)
         x = self.layer(x, self.rotary_emb(positions, x.dtype), attn, rows)
         return target.model.norm(x)
 
@@ -126,12 +125,13 @@ class MTPDraft(nn.Module):
         """As ``forward``'s arguments -> the keys and values its layer stores, [B, T, kv, D],
         without attending: all a pair contributes to the draft's state (one layer, its K/V
         a function of the pair alone), and all that known pairs are run for."""
-        x = self._layer_input(target, hidden, next_ids)
+        x = self.layer_input(target, hidden, next_ids)
         return self.layer.keys_values(x, self.rotary_emb(positions, x.dtype))
 
-    def _layer_input(
+    def layer_input(
         self, target: CausalLM, hidden: torch.Tensor, next_ids: torch.Tensor
     ) -> torch.Tensor:
+        """The draft layer's input: [B, T, H] from the target's states and the next tokens."""
         e = self.enorm(target.model.embed(next_ids))
         h = self.hnorm(hidden.to(e.dtype))
         eh = torch.cat((e, h), dim=-1)

@@ -4,12 +4,17 @@ The modules (``decoder.CausalLM``, ``draft.MTPDraft``) are plain torch: one ``fo
 each, the reference path. What runs faster on a CPU lives here, beside them, and is chosen
 by the engine's runner and proposer, never by the modules:
 
+- each decoder layer as one native call for small steps (``native_layer``: norms, q|k|v,
+  q/k norm + rotary, paged attention, o_proj, the MLP -- ``kernels/layer.c``), run by
+  ``run_layer`` in place of the module's ``forward``;
 - the target's layers and final norm as one native call for small steps (``NativeStack``:
   embedding rows, every layer's ``NativeLayer``, the final norm), given tensors
   (``forward``) or lists (``forward_listed``, which a decode step uses: no tensor made);
+  where some layer has no native call, or the embedding is scaled, the layers one by one;
 - the head's greedy epilogue in the same call (``logits.head_greedy``: each row's argmax and
   log-probability), where the head takes linear.c's panels (``head_kernel``);
-- the draft's whole top-1 proposal chain as one call (``native_chain``: ``kernels/chain.c``).
+- the MTP draft's forward with its layer's native call, and its whole top-1 proposal chain as
+  one call (``DraftExecutor``; the chain is ``kernels/chain.c``).
 
 Each declines (None, nothing computed) where it does not apply -- a backend without native
 attention, too many tokens, sandwich norms, an embedding scale -- and the module's
@@ -22,10 +27,67 @@ from __future__ import annotations
 import torch
 
 from baton.kernels.chain import NativeChain
-from baton.kernels.layer import NativeStack
+from baton.kernels.layer import NativeLayer, NativeStack
 from baton.model.attention import AttentionBackend
-from baton.model.decoder import CausalLM
+from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.draft import MTPDraft
+
+Rotary = tuple[torch.Tensor, torch.Tensor]
+
+
+def native_layer(layer: DecoderLayer) -> NativeLayer | None:
+    """After ``fuse_projections``: the whole layer as one native call for small steps
+    (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
+    q/k norms; bf16 or fp32 (bf16 weights oneDNN packs for large steps are read from
+    linear.c's panels here too); else None."""
+    attn, mlp = layer.self_attn.native_weights(), layer.mlp.native_weights()
+    if layer.sandwich_norm or attn is None or mlp is None:
+        return None
+    norms = {
+        "input_norm": layer.input_layernorm.weight,
+        "post_norm": layer.post_attention_layernorm.weight,
+    }
+    a = layer.self_attn
+    return NativeLayer.build(
+        {**norms, **attn, **mlp},
+        heads=a.num_heads,
+        kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        act=layer.mlp.act_name,
+        eps=layer.input_layernorm.eps,
+        norm_offset=layer.input_layernorm.offset,
+        qk_eps=a.q_norm.eps,
+        round_once=layer.mlp.rounds_once,
+    )
+
+
+def layer_attention(layer: DecoderLayer, attn: AttentionBackend) -> tuple | None:
+    """The backend's ``native_args`` for ``layer``'s attention (what its native call or a
+    draft chain reads), or None where it has none."""
+    found = attn.native_args([layer.attention_spec])
+    return None if found is None else found[0]
+
+
+def run_layer(
+    layer: DecoderLayer,
+    native: NativeLayer | None,
+    x: torch.Tensor,
+    rotary: Rotary,
+    attn: AttentionBackend,
+    rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``layer(x, rotary, attn, rows)``: in ``native``'s one call where it takes the step
+    (few enough tokens, its dtype, contiguous rotary rows, a backend with native attention),
+    else by the module."""
+    if native is not None and x.shape[0] * x.shape[1] <= native.max_tokens:
+        cos, sin = rotary
+        fits = x.dtype == native.dtype and cos.dtype == x.dtype
+        if fits and cos.is_contiguous() and sin.is_contiguous():
+            args = layer_attention(layer, attn)
+            if args is not None:
+                out = native(x, cos, sin, args)
+                return out if rows is None else out[:, rows]
+    return layer(x, rotary, attn, rows)
 
 
 class NativeExecutor:
@@ -35,14 +97,14 @@ class NativeExecutor:
     def __init__(self, model: CausalLM) -> None:
         self.model = model
         self.attention_specs = [layer.attention_spec for layer in model.model.layers]
+        self.layers = [native_layer(layer) for layer in model.model.layers]
+        """Each layer's native call (``native_layer``), or None where it has none."""
         self.stack: NativeStack | None = None
         """Every layer and the final norm as one native call for small steps, or None."""
         norm = model.model.norm
         if model.model.embed_scale == 1.0:
-            self.stack = NativeStack.build(
-                [layer.native for layer in model.model.layers], model.model.embed_tokens.weight,
-                norm.weight, norm.eps, norm.offset,
-            )  # fmt: skip
+            embed = model.model.embed_tokens.weight
+            self.stack = NativeStack.build(self.layers, embed, norm.weight, norm.eps, norm.offset)
 
     def forward(
         self,
@@ -51,14 +113,23 @@ class NativeExecutor:
         attn: AttentionBackend,
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``CausalLM.forward``'s result, in the native stack's one call where it takes the
-        step, else by the module."""
+        """``CausalLM.forward``'s result: in the native stack's one call where it takes the
+        step, else its layers one by one (``run_layer``), or by the module where no layer
+        has a native call."""
         stack = self.stack
         if stack is not None and input_ids.numel() <= stack.max_tokens:
             out = self._run_stack(stack, input_ids, positions, attn)
             if out is not None:
                 return out if rows is None else out[:, rows]
-        return self.model(input_ids, positions, attn, rows)
+        if not any(self.layers):
+            return self.model(input_ids, positions, attn, rows)
+        decoder = self.model.model
+        x = decoder.embed(input_ids)
+        rotary = decoder.rotary_emb(positions, x.dtype)
+        last = len(self.layers) - 1
+        for i, (layer, native) in enumerate(zip(decoder.layers, self.layers, strict=True)):
+            x = run_layer(layer, native, x, rotary, attn, rows if i == last else None)
+        return decoder.norm(x)
 
     def forward_listed(
         self,
@@ -114,14 +185,49 @@ class NativeExecutor:
         return out
 
 
-def native_chain(draft: MTPDraft, target: CausalLM) -> NativeChain | None:
+class DraftExecutor:
+    """A fused ``MTPDraft``'s fast paths beside its target: its layer's native call in
+    ``forward`` and the whole proposal chain as one call (``chain``)."""
+
+    def __init__(self, draft: MTPDraft, target: CausalLM) -> None:
+        self.draft = draft
+        self.target = target
+        self.layer = native_layer(draft.layer)
+        """The draft layer's native call, or None."""
+        self.chain = native_chain(draft, target, self.layer)
+        """A proposal in one native call (``baton.kernels.chain``), or None."""
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``draft(target, hidden, next_ids, positions, attn, rows)``, its layer natively
+        where ``run_layer`` takes the step."""
+        draft = self.draft
+        x = draft.layer_input(self.target, hidden, next_ids)
+        rotary = draft.rotary_emb(positions, x.dtype)
+        return self.target.model.norm(run_layer(draft.layer, self.layer, x, rotary, attn, rows))
+
+    def native_attention(self, attn: AttentionBackend) -> tuple | None:
+        """``layer_attention`` of the draft's layer."""
+        return layer_attention(self.draft.layer, attn)
+
+
+def native_chain(
+    draft: MTPDraft, target: CausalLM, layer: NativeLayer | None
+) -> NativeChain | None:
     """After both models' ``fuse_projections``: a proposal chain as one native call
     (``baton.kernels.chain``: the draft's first step, then per guess the target's head and
-    argmax and the draft's step on it), or None where it does not apply."""
+    argmax and the draft's step on it; ``layer`` is the draft layer's ``native_layer``), or
+    None where it does not apply."""
     eh, head = draft.frozen_eh, target.frozen_head
     if eh is None or head is None or target.model.embed_scale != 1.0:
         return None
-    layer, norm = draft.layer.native, target.model.norm
+    norm = target.model.norm
     same_norms = (draft.enorm.eps, draft.enorm.offset) == (draft.hnorm.eps, draft.hnorm.offset)
     if layer is None or not same_norms:  # the kernel takes one eps and offset for both
         return None

@@ -27,7 +27,7 @@ from baton.kernels.logits import argmax_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.model.draft import MTPDraft
-from baton.model.executor import native_chain
+from baton.model.executor import DraftExecutor
 from baton.model.paged_attention import PagedAttention, Segment
 
 
@@ -56,7 +56,9 @@ class DraftProposer:
         self.context_floor: dict[str, int] = {}
         """Ablation switch: per request, draft slots below this are treated as absent (set
         to the prompt length, it empties the draft's prompt state)."""
-        self.chain = native_chain(draft, target)
+        self.executor = DraftExecutor(draft, target)
+        """The draft's forward with its layer's native call, and its native chain."""
+        self.chain = self.executor.chain
         """A proposal in one native call (``baton.kernels.chain``), or None: the per-step
         path below, the reference (tests compare the two)."""
         self.first_step_max_pairs = self.chain.max_rows if self.chain else FIRST_STEP_MAX_PAIRS
@@ -90,8 +92,7 @@ class DraftProposer:
         rows = None
         if len(ids) > len(entries):
             rows = torch.tensor([s.offset + s.num_tokens - 1 for s in segments])
-        out = self.draft(
-            self.target,
+        out = self.executor.forward(
             hidden[None],
             torch.tensor([ids]),
             torch.tensor([positions]),
@@ -203,7 +204,7 @@ class DraftProposer:
         first, state = None, None
         if sum(len(e[3]) for e in entries) <= chain.max_rows:
             segments, hidden, ids, positions = self._inputs(entries)
-            attention = self.draft.layer.native_attention(PagedAttention(self.cache, segments))
+            attention = self.executor.native_attention(PagedAttention(self.cache, segments))
             if attention is None:
                 return None
             last = [seg.offset + seg.num_tokens - 1 for seg in segments]
@@ -217,7 +218,7 @@ class DraftProposer:
             self.cache.grow(rid, slots[rid], slots[rid] + steps - 1)
             segments.append(Segment(rid, b * (steps - 1), slots[rid], steps - 1, floor))
         # NOTE: the draft pool keeps each kind of plan (the first step's, the chain's) alive.
-        attention = self.draft.layer.native_attention(
+        attention = self.executor.native_attention(
             PagedAttention(self.cache, segments, one_at_a_time=True)
         )
         if attention is None:  # the pool's storage is not the kernel's (then neither was it
