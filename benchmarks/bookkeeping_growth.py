@@ -85,8 +85,9 @@ def main() -> int:
             shutil.copy(BUNDLED / name, model_dir / name)
         llm = LLM(str(model_dir), dtype="float32", max_model_len=4096, max_num_seqs=args.batch)
         seconds, calls = time_in_place(args.bin)
-        params = SamplingParams(temperature=1.0, seed=1, max_tokens=args.new_tokens,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            temperature=1.0, seed=1, max_tokens=args.new_tokens, ignore_eos=True
+        )
         prompts = [{"prompt_token_ids": [5 + i, 7, 9]} for i in range(args.batch)]
         start = time.perf_counter()
         # Every step's outputs, as a server streams them (``LLM.generate`` asks for the
@@ -97,8 +98,10 @@ def main() -> int:
             llm.engine.step()
         elapsed = time.perf_counter() - start
     facts = machine_facts("float32", batch=args.batch, new_tokens=args.new_tokens)
-    print(f"CPU: {facts['cpu']}; batch {args.batch}, {args.new_tokens} new tokens each, "
-          f"{elapsed:.1f} s")  # fmt: skip
+    print(
+        f"CPU: {facts['cpu']}; batch {args.batch}, {args.new_tokens} new tokens each, "
+        f"{elapsed:.1f} s"
+    )
     results = {}
     for name in TIMED:
         bins = sorted(b for n, b in calls if n == name)
@@ -108,8 +111,10 @@ def main() -> int:
             "last_over_first": per_call[bins[-1]] / per_call[bins[0]],
         }
         row = "  ".join(f"{b * args.bin}+: {1e6 * s:5.2f}" for b, s in per_call.items())
-        print(f"  {name:24s} us per call by output length: {row}   "
-              f"last / first {results[name]['last_over_first']:.2f}x")  # fmt: skip
+        print(
+            f"  {name:24s} us per call by output length: {row}   "
+            f"last / first {results[name]['last_over_first']:.2f}x"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"machine": facts, "results": results}, indent=2))

@@ -163,10 +163,25 @@ def start_deployment(log_dir: Path) -> Deployment:
     port = _free_port()
     with open(log_dir / "stdout", "w") as out, open(log_dir / "stderr", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "launch", "--model", str(MODEL),
-             "--host", "127.0.0.1", "--port", str(port), "--dtype", "auto"],
-            stdout=out, stderr=err, stdin=subprocess.DEVNULL, cwd=REPO,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "baton.cli",
+                "launch",
+                "--model",
+                str(MODEL),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "auto",
+            ],
+            stdout=out,
+            stderr=err,
+            stdin=subprocess.DEVNULL,
+            cwd=REPO,
+        )
     dep = Deployment(proc, f"http://127.0.0.1:{port}", log_dir)
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
     while not (match := re.search(r"bearer token in (\S+)", (log_dir / "stdout").read_text())):
@@ -176,8 +191,9 @@ def start_deployment(log_dir: Path) -> Deployment:
         time.sleep(0.1)
     dep.started_s = time.monotonic()
     token = Path(match.group(1)).read_text().strip()
-    listed = httpx.get(f"{dep.url}/admin/instances", timeout=10,
-                       headers={"authorization": f"Bearer {token}"}).json()  # fmt: skip
+    listed = httpx.get(
+        f"{dep.url}/admin/instances", timeout=10, headers={"authorization": f"Bearer {token}"}
+    ).json()
     dep.workers = {i["role"]: i["url"] for i in listed["instances"]}
     _remember(dep, descendants(proc.pid))
     return dep
@@ -209,8 +225,11 @@ def stop_deployment(dep: Deployment) -> dict:
     segments = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
     for name in segments:
         os.unlink(os.path.join(SHM_DIR, name))
-    return {"launcher_exit": dep.proc.returncode, "leftover_processes": alive,
-            "leftover_segments": segments}  # fmt: skip
+    return {
+        "launcher_exit": dep.proc.returncode,
+        "leftover_processes": alive,
+        "leftover_segments": segments,
+    }
 
 
 # -- requests ----------------------------------------------------------------------------
@@ -218,8 +237,15 @@ def stop_deployment(dep: Deployment) -> dict:
 
 def stream(url: str, body: dict, t0: float, on_chunk=None) -> dict:
     """One streamed completion; what the client saw, times relative to ``t0``."""
-    seen: dict = {"outcome": None, "status": None, "text": "", "num_chunks": 0,
-                  "first_byte_s": None, "first_token_s": None, "error": None}  # fmt: skip
+    seen: dict = {
+        "outcome": None,
+        "status": None,
+        "text": "",
+        "num_chunks": 0,
+        "first_byte_s": None,
+        "first_token_s": None,
+        "error": None,
+    }
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=5.0)
     try:
         with (
@@ -276,8 +302,12 @@ def next_served(url: str, body: dict, want: str, t0: float) -> dict:
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=20)
             if r.status_code == 200:
                 text = r.json()["choices"][0]["text"]
-                return {"served_s": time.monotonic() - t0, "equal": text == want,
-                        "attempts": attempts, "text": text}  # fmt: skip
+                return {
+                    "served_s": time.monotonic() - t0,
+                    "equal": text == want,
+                    "attempts": attempts,
+                    "text": text,
+                }
             attempts.append(str(r.status_code))
         except httpx.HTTPError as e:
             attempts.append(type(e).__name__)
@@ -342,8 +372,9 @@ def references(dtype: str, phases: tuple[str, ...] = PHASES) -> Requests:
     }
     wants = {}
     for phase, b in bodies.items():
-        params = SamplingParams(temperature=0, max_tokens=b["max_tokens"],
-                                ignore_eos=b.get("ignore_eos", False))  # fmt: skip
+        params = SamplingParams(
+            temperature=0, max_tokens=b["max_tokens"], ignore_eos=b.get("ignore_eos", False)
+        )
         wants[phase] = llm.generate(b["prompt"], params)[0].outputs[0].text
     return Requests(bodies, wants)
 
@@ -351,14 +382,19 @@ def references(dtype: str, phases: tuple[str, ...] = PHASES) -> Requests:
 def run_cell(dep: Deployment, target: str, fault: str, phase: str, req: Requests) -> dict:
     pid = target_pid(dep, target)
     if pid is None:
-        return {"target": target, "fault": fault, "phase": phase,
-                "skipped": f"no single {target} child"}  # fmt: skip
+        return {
+            "target": target,
+            "fault": fault,
+            "phase": phase,
+            "skipped": f"no single {target} child",
+        }
     streamed = threading.Event()
     result: dict = {}
     t0 = time.monotonic()
     on_chunk = (lambda n: n >= 2 and streamed.set()) if phase == "streaming" else None
-    client = threading.Thread(target=lambda: result.update(
-        stream(dep.url, req.bodies[phase], t0, on_chunk)), daemon=True)  # fmt: skip
+    client = threading.Thread(
+        target=lambda: result.update(stream(dep.url, req.bodies[phase], t0, on_chunk)), daemon=True
+    )
     client.start()
     if phase == "prefill":
         time.sleep(PREFILL_FAULT_DELAY_S)
@@ -379,10 +415,17 @@ def run_cell(dep: Deployment, target: str, fault: str, phase: str, req: Requests
         resume.join()
     back = wait_units(dep, t_fault) if after["served_s"] is not None else {"back_s": None}
     _remember(dep, descendants(dep.proc.pid))
-    return {"target": target, "fault": fault, "phase": phase, "fault_s": fault_s,
-            "client": seen, "next": after, "units": back,
-            "launcher_alive": dep.proc.poll() is None,
-            "num_children": len(children(dep.proc.pid))}  # fmt: skip
+    return {
+        "target": target,
+        "fault": fault,
+        "phase": phase,
+        "fault_s": fault_s,
+        "client": seen,
+        "next": after,
+        "units": back,
+        "launcher_alive": dep.proc.poll() is None,
+        "num_children": len(children(dep.proc.pid)),
+    }
 
 
 def word(cell: dict) -> str:
@@ -391,8 +434,11 @@ def word(cell: dict) -> str:
         return "skipped"
     seen = cell["client"]
     outcome = seen["outcome"]
-    client = {"complete": "ok" if seen["equal"] else "DIFF", "sse error": "err-ev",
-              "conn error": "reset"}.get(outcome, outcome.removeprefix("http "))  # fmt: skip
+    client = {
+        "complete": "ok" if seen["equal"] else "DIFF",
+        "sse error": "err-ev",
+        "conn error": "reset",
+    }.get(outcome, outcome.removeprefix("http "))
     client += f" {seen['end_s']:.1f}s" if seen.get("end_s") is not None else ""
     if cell["phase"] != "streaming" and seen["fault_after_first_token"]:
         client += "*"  # the fault came after the first token: the phase was missed
@@ -432,8 +478,7 @@ def _stop_with_log(dep: Deployment) -> dict:
     end = stop_deployment(dep)
     stderr = (dep.log_dir / "stderr").read_text()
     restarts = re.findall(r"baton: (.+) exited with (-?\d+); restarting it in (\S+) s", stderr)
-    return {**end, "log_dir": str(dep.log_dir), "restarts": restarts,
-            "stderr_tail": stderr[-3000:]}  # fmt: skip
+    return {**end, "log_dir": str(dep.log_dir), "restarts": restarts, "stderr_tail": stderr[-3000:]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -480,9 +525,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {total_s:.0f} s")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"platform": platform.current().as_dict(), "dtype": dtype,
-                               "total_s": total_s, "cells": cells, "deployments": ends,
-                               "logs": str(logs)}, indent=2))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "platform": platform.current().as_dict(),
+                "dtype": dtype,
+                "total_s": total_s,
+                "cells": cells,
+                "deployments": ends,
+                "logs": str(logs),
+            },
+            indent=2,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

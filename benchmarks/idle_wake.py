@@ -88,17 +88,24 @@ def main() -> int:
         for way, times in ttft.items():
             times.sort()
             row = {
-                "gap_s": gap, "way": way, "ttft_p50_s": statistics.median(times),
+                "gap_s": gap,
+                "way": way,
+                "ttft_p50_s": statistics.median(times),
                 "ttft_p90_s": times[int(0.9 * (len(times) - 1))],
                 "cpu_s_per_idle_s": cpu[way] / (gap * len(times)) if gap else None,
-            }  # fmt: skip
+            }
             results.append(row)
             cost = f"{1e3 * row['cpu_s_per_idle_s']:19.1f}" if gap else f"{'--':>19}"
-            print(f"{gap:8.2f}{way:>11}{1e3 * row['ttft_p50_s']:15.1f}"
-                  f"{1e3 * row['ttft_p90_s']:8.1f}{cost}")  # fmt: skip
+            print(
+                f"{gap:8.2f}{way:>11}{1e3 * row['ttft_p50_s']:15.1f}"
+                f"{1e3 * row['ttft_p90_s']:8.1f}{cost}"
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**facts, "args": vars(args) | {"out": str(args.out)},
-                                    "results": results}, indent=2))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {**facts, "args": vars(args) | {"out": str(args.out)}, "results": results}, indent=2
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

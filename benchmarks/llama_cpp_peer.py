@@ -82,17 +82,27 @@ LLAMA_CPP_PYTHON = "0.3.36"
 CACHE = Path(os.environ.get("BATON_LLAMA_CPP_CACHE", Path.home() / ".cache/baton/llama.cpp"))
 BINARIES = ("llama-bench", "llama-server")
 CMAKE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-    "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
-)  # fmt: skip
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+)
 ISA_FLAGS = {
     "native": ("-DGGML_NATIVE=ON",),
     "avx2": (
-        "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
-        "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF",
+        "-DGGML_NATIVE=OFF",
+        "-DGGML_AVX=ON",
+        "-DGGML_AVX2=ON",
+        "-DGGML_FMA=ON",
+        "-DGGML_F16C=ON",
+        "-DGGML_BMI2=ON",
+        "-DGGML_AVX512=OFF",
     ),
-}  # fmt: skip
+}
 """llama.cpp's instruction sets: the CPU's own, or AVX2 + FMA only (an AVX-512 CPU standing
 in for one without it, such as a Zen 3: see ``avx2_stand_in``)."""
 AVX2_STAND_IN_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -129,8 +139,20 @@ def llama_cpp_sources() -> Path:
     CACHE.mkdir(parents=True, exist_ok=True)
     sdist = CACHE / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
     if not sdist.is_file():
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-             f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(CACHE)])  # fmt: skip
+        run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--no-binary",
+                ":all:",
+                f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                "-d",
+                str(CACHE),
+            ]
+        )
     with tarfile.open(sdist) as tar:
         tar.extractall(CACHE, filter="data")
     return src
@@ -361,8 +383,12 @@ def tokenizer_check(url: str) -> dict:
     ours = Tokenizer.from_dir(MODEL).encode(text, add_special_tokens=False)
     pairs = enumerate(zip(ours, theirs, strict=False))
     same = next((i for i, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
-    return {"num_tokens": len(ours), "llama_num_tokens": len(theirs), "leading_equal": same,
-            "equal": ours == theirs}  # fmt: skip
+    return {
+        "num_tokens": len(ours),
+        "llama_num_tokens": len(theirs),
+        "leading_equal": same,
+        "equal": ours == theirs,
+    }
 
 
 def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
@@ -374,10 +400,14 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
 
         def config(num_requests: int, seed: int, concurrency: int = concurrency) -> BenchConfig:
             return BenchConfig(
-                url=url, tokenizer_dir=str(MODEL), num_requests=num_requests,
-                concurrency=concurrency, prompt_tokens=(sizes["serve_prompt_tokens"],) * 2,
-                output_tokens=(sizes["serve_output_tokens"],) * 2, seed=seed,
-            )  # fmt: skip
+                url=url,
+                tokenizer_dir=str(MODEL),
+                num_requests=num_requests,
+                concurrency=concurrency,
+                prompt_tokens=(sizes["serve_prompt_tokens"],) * 2,
+                output_tokens=(sizes["serve_output_tokens"],) * 2,
+                seed=seed,
+            )
 
         # NOTE: a seed per run, so that no prompt repeats across runs: both servers keep
         # earlier prompts cached (llama-server in its slots and its RAM prompt cache).
@@ -390,23 +420,27 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
             print(f"  WARNING: {s['num_failed']} of {n} requests failed: {s['first_error']}")
         ms = lambda st, p: None if st is None else st[p] * 1e3  # noqa: E731
         cells[str(concurrency)] = {
-            "num_requests": n, "num_failed": s["num_failed"], "duration_s": s["duration_s"],
+            "num_requests": n,
+            "num_failed": s["num_failed"],
+            "duration_s": s["duration_s"],
             "output_tokens_per_s": s["output_token_throughput"],
-            "ttft_p50_ms": ms(s["ttft_s"], "p50"), "tpot_p50_ms": ms(s["tpot_s"], "p50"),
+            "ttft_p50_ms": ms(s["ttft_s"], "p50"),
+            "tpot_p50_ms": ms(s["tpot_s"], "p50"),
             "itl_chunk_p50_ms": ms(s["itl_chunk_s"], "p50"),
             "itl_chunk_p99_ms": ms(s["itl_chunk_s"], "p99"),
             "tokens_per_chunk_mean": s["tokens_per_chunk_mean"],
             "acceptance_length_mean": s.get("acceptance_length_mean"),
             "total_output_tokens": s["total_output_tokens"],
             "total_cached_tokens": s["total_cached_tokens"],
-        }  # fmt: skip
+        }
         tok_s = cells[str(concurrency)]["output_tokens_per_s"]
         print(f"  concurrency {concurrency}: {n} requests, {tok_s:.1f} output tok/s", flush=True)
     return cells
 
 
-def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: float,
-            log_dir: Path) -> dict:  # fmt: skip
+def serving(
+    bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: float, log_dir: Path
+) -> dict:
     """llama-server, then baton serve (never both at once), each through ``bench_cells``.
     llama-server is started for each concurrency with as many slots (its best configuration
     there: 32 slots served 8 clients at 2,116 tok/s where 8 slots had served 2,599-3,563 in
@@ -415,15 +449,33 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
 
     def llama_server(slots: int) -> list[str]:
         return [
-            str(bin_dir / "llama-server"), "-m", str(gguf), "--alias", MODEL.name,
-            "-t", str(threads), "-tb", str(threads), "--parallel", str(slots),
-            "--cont-batching", "-c", str(slots * ctx_per_slot), "--metrics",
-        ]  # fmt: skip
+            str(bin_dir / "llama-server"),
+            "-m",
+            str(gguf),
+            "--alias",
+            MODEL.name,
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--parallel",
+            str(slots),
+            "--cont-batching",
+            "-c",
+            str(slots * ctx_per_slot),
+            "--metrics",
+        ]
 
     baton = [
-        sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL),
-        "--threads", str(threads),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "baton.cli",
+        "serve",
+        "--model",
+        str(MODEL),
+        "--threads",
+        str(threads),
+    ]
     runs = [("llama_server", llama_server(c), (c,)) for c in sizes["concurrency"]]
     runs.append(("baton", baton, tuple(sizes["concurrency"])))
     result: dict = {"gguf": gguf.name, "threads": threads, "commands": {}}
@@ -447,15 +499,32 @@ def serving(bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: 
 
 # -- report --------------------------------------------------------------------------------------
 FULL = dict(
-    pp_tokens=512, tg_tokens=128, tg_depth=128, bench_repeats=5, prompt_tokens=128,
-    new_tokens=128, repeats=3, concurrency=(1, 8, 32), serve_prompt_tokens=128,
-    serve_output_tokens=128, cell_seconds=25.0, paired_rounds=12,
-)  # fmt: skip
+    pp_tokens=512,
+    tg_tokens=128,
+    tg_depth=128,
+    bench_repeats=5,
+    prompt_tokens=128,
+    new_tokens=128,
+    repeats=3,
+    concurrency=(1, 8, 32),
+    serve_prompt_tokens=128,
+    serve_output_tokens=128,
+    cell_seconds=25.0,
+    paired_rounds=12,
+)
 QUICK = FULL | dict(
-    pp_tokens=64, tg_tokens=16, tg_depth=32, bench_repeats=1, prompt_tokens=32, new_tokens=16,
-    repeats=1, serve_prompt_tokens=32, serve_output_tokens=16, cell_seconds=3.0,
+    pp_tokens=64,
+    tg_tokens=16,
+    tg_depth=32,
+    bench_repeats=1,
+    prompt_tokens=32,
+    new_tokens=16,
+    repeats=1,
+    serve_prompt_tokens=32,
+    serve_output_tokens=16,
+    cell_seconds=3.0,
     paired_rounds=2,
-)  # fmt: skip
+)
 """Development sizes: the numbers mean nothing."""
 
 
@@ -480,18 +549,25 @@ def ratios(r: dict, sizes: dict) -> dict:
             theirs = serve["llama_server"][c]
             out[f"serving_c{c}"] = {
                 k: ours[k] / theirs[k]
-                for k in ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms",
-                          "itl_chunk_p50_ms", "itl_chunk_p99_ms")
+                for k in (
+                    "output_tokens_per_s",
+                    "ttft_p50_ms",
+                    "tpot_p50_ms",
+                    "itl_chunk_p50_ms",
+                    "itl_chunk_p99_ms",
+                )
                 if ours[k] and theirs[k]
-            }  # fmt: skip
+            }
     return out
 
 
 def print_report(r: dict, sizes: dict) -> None:
     m = r["machine"]
     load = f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
-    print(f"\nCPU: {m['cpu']}, {m['threads']} threads; 1-minute load average {load} "
-          "(other work on the machine makes every figure noisy)")  # fmt: skip
+    print(
+        f"\nCPU: {m['cpu']}, {m['threads']} threads; 1-minute load average {load} "
+        "(other work on the machine makes every figure noisy)"
+    )
     if m.get("avx2_stand_in"):
         print(
             "AVX2 stand-in: baton's kernels, torch, oneDNN and llama.cpp all without AVX-512 "
@@ -499,35 +575,56 @@ def print_report(r: dict, sizes: dict) -> None:
         )
     if b := r.get("build"):
         how = "cached" if b["cached"] else "built now"
-        print(f"llama.cpp {b['llama_cpp_python']} (llama-cpp-python sdist), {how}; "
-              f"build took {b['build_seconds']:.0f} s")  # fmt: skip
+        print(
+            f"llama.cpp {b['llama_cpp_python']} (llama-cpp-python sdist), {how}; "
+            f"build took {b['build_seconds']:.0f} s"
+        )
     pp, tg, d = f"pp{sizes['pp_tokens']}", f"tg{sizes['tg_tokens']}", sizes["tg_depth"]
     for dtype, row in r.get("llama_bench", {}).items():
-        cells = ", ".join(f"{k} {row[k]['tokens_per_s']:.1f} +- {row[k]['stddev']:.1f}"
-                          for k in (pp, tg, f"{tg}@d{d}"))  # fmt: skip
+        cells = ", ".join(
+            f"{k} {row[k]['tokens_per_s']:.1f} +- {row[k]['stddev']:.1f}"
+            for k in (pp, tg, f"{tg}@d{d}")
+        )
         print(f"llama-bench {dtype}: {cells} tok/s")
     if b1 := r.get("baton_batch1"):
         prefill = b1[f"prefill{sizes['pp_tokens']}_tokens_per_s"]
-        print(f"baton batch 1 ({b1['dtype']}; {sizes['prompt_tokens']}-token prompt, "
-              f"{sizes['new_tokens']} new): prefill {sizes['pp_tokens']} "
-              f"{prefill:.1f} tok/s")  # fmt: skip
+        print(
+            f"baton batch 1 ({b1['dtype']}; {sizes['prompt_tokens']}-token prompt, "
+            f"{sizes['new_tokens']} new): prefill {sizes['pp_tokens']} "
+            f"{prefill:.1f} tok/s"
+        )
         for mode in ("plain", "mtp"):
             m = b1[mode]
-            print(f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
-                  f"{m['baton_decode_only_tokens_per_s']:.1f} decode only")  # fmt: skip
+            print(
+                f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
+                f"{m['baton_decode_only_tokens_per_s']:.1f} decode only"
+            )
     if p := r.get("paired_batch1"):
-        print(f"in turns, {len(p['rounds'])} rounds (tok/s): llama-bench tg{sizes['tg_tokens']}"
-              f"@d{d} / baton plain / baton mtp decode only: " + "; ".join(
-                  f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x['mtp']:.0f}" for x in p["rounds"]
-              ))  # fmt: skip
+        print(
+            f"in turns, {len(p['rounds'])} rounds (tok/s): llama-bench tg{sizes['tg_tokens']}"
+            f"@d{d} / baton plain / baton mtp decode only: "
+            + "; ".join(
+                f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x['mtp']:.0f}" for x in p["rounds"]
+            )
+        )
     if s := r.get("serving"):
-        print(f"serving ({s['threads']} threads, {sizes['serve_prompt_tokens']}-token prompts, "
-              f"{sizes['serve_output_tokens']} output tokens; ms; tokenizer check: "
-              f"{s['tokenizer_check']})")  # fmt: skip
-        keys = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_chunk_p50_ms",
-                "itl_chunk_p99_ms", "num_requests")  # fmt: skip
-        print(f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
-              f"{'ITL p50':>9}{'ITL p99':>9}{'reqs':>6}")  # fmt: skip
+        print(
+            f"serving ({s['threads']} threads, {sizes['serve_prompt_tokens']}-token prompts, "
+            f"{sizes['serve_output_tokens']} output tokens; ms; tokenizer check: "
+            f"{s['tokenizer_check']})"
+        )
+        keys = (
+            "output_tokens_per_s",
+            "ttft_p50_ms",
+            "tpot_p50_ms",
+            "itl_chunk_p50_ms",
+            "itl_chunk_p99_ms",
+            "num_requests",
+        )
+        print(
+            f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+            f"{'ITL p50':>9}{'ITL p99':>9}{'reqs':>6}"
+        )
         for name in ("llama_server", "baton"):
             for c, cell in s[name].items():
                 vals = "".join(
@@ -545,26 +642,38 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
-                   help="threads for every side (default: usable cores)")  # fmt: skip
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="threads for every side (default: usable cores)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for development")
     p.add_argument("--cell-seconds", type=float, help="target length of a serving cell")
     p.add_argument("--skip-llama-bench", action="store_true")
     p.add_argument("--skip-baton", action="store_true", help="skip baton's offline batch 1")
     p.add_argument("--skip-serving", action="store_true")
-    p.add_argument("--serve-threads", type=int,
-                   help="threads of both servers (default: --threads); the bench client and "
-                   "the servers' HTTP threads share the same cores")  # fmt: skip
+    p.add_argument(
+        "--serve-threads",
+        type=int,
+        help="threads of both servers (default: --threads); the bench client and "
+        "the servers' HTTP threads share the same cores",
+    )
     p.add_argument("--skip-bf16", action="store_true", help="f32 GGUF only")
-    p.add_argument("--skip-build-check", action="store_true",
-                   help="use cached binaries even if built with other cmake flags")  # fmt: skip
+    p.add_argument(
+        "--skip-build-check",
+        action="store_true",
+        help="use cached binaries even if built with other cmake flags",
+    )
     p.add_argument("--build-only", action="store_true", help="fetch, build, convert; then stop")
-    p.add_argument("--out", type=Path,
-                   default=REPO / "benchmarks" / "results" / "llama_cpp_peer.json")  # fmt: skip
+    p.add_argument(
+        "--out", type=Path, default=REPO / "benchmarks" / "results" / "llama_cpp_peer.json"
+    )
     args = p.parse_args()
     if args.threads < 1 or (args.serve_threads is not None and args.serve_threads < 1):
-        p.error(f"--threads and --serve-threads must be >= 1, got {args.threads}, "
-                f"{args.serve_threads}")  # fmt: skip
+        p.error(
+            f"--threads and --serve-threads must be >= 1, got {args.threads}, {args.serve_threads}"
+        )
     return args
 
 

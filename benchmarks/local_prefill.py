@@ -49,9 +49,21 @@ TOKEN = secrets.token_hex(16)
 
 def start_prefill(dtype: str, cpu: int) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "BATON_PD_TOKEN": TOKEN, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "baton.transfer.worker", "--role", "prefill",
-           "--model", str(BUNDLED), "--engine", f"dtype={dtype}", "--engine", "num_threads=1",
-           "--log-level", "WARNING"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "baton.transfer.worker",
+        "--role",
+        "prefill",
+        "--model",
+        str(BUNDLED),
+        "--engine",
+        f"dtype={dtype}",
+        "--engine",
+        "num_threads=1",
+        "--log-level",
+        "WARNING",
+    ]
     proc = subprocess.Popen(
         ["taskset", "-c", str(cpu), *cmd], env=env, stdout=subprocess.PIPE, text=True
     )
@@ -124,10 +136,14 @@ def main() -> int:
     finally:
         prefill.terminate()
         prefill.wait(10)
-    print(f"{platform.current().summary()}; {args.dtype}; prefill on core 0, decode on core "
-          f"1, {args.background} background streams; plain step {step_s * 1e3:.2f} ms")  # fmt: skip
-    print(f"{'prompt':>7}{'ttft pd':>10}{'ttft local':>12}{'saved':>8}{'stall':>8}"
-          f"{'cost':>8}  (ms; cost = stall x background)")  # fmt: skip
+    print(
+        f"{platform.current().summary()}; {args.dtype}; prefill on core 0, decode on core "
+        f"1, {args.background} background streams; plain step {step_s * 1e3:.2f} ms"
+    )
+    print(
+        f"{'prompt':>7}{'ttft pd':>10}{'ttft local':>12}{'saved':>8}{'stall':>8}"
+        f"{'cost':>8}  (ms; cost = stall x background)"
+    )
     summary, crossover, counting = {}, 0, True
     for n in sorted(lengths):
         pd = statistics.median(x["ttft_s"] for x in results[n]["pd"])
@@ -135,19 +151,32 @@ def main() -> int:
         longest = statistics.median(x["longest_step_s"] for x in results[n]["local"])
         stall = max(0.0, longest - step_s)
         saved, cost = pd - local, stall * args.background
-        summary[n] = {"ttft_pd_s": pd, "ttft_local_s": local, "saved_s": saved,
-                      "stall_s": stall, "cost_s": cost}  # fmt: skip
+        summary[n] = {
+            "ttft_pd_s": pd,
+            "ttft_local_s": local,
+            "saved_s": saved,
+            "stall_s": stall,
+            "cost_s": cost,
+        }
         counting = counting and saved >= cost
         crossover = n if counting else crossover
-        print(f"{n:7d}{pd * 1e3:10.2f}{local * 1e3:12.2f}{saved * 1e3:8.2f}{stall * 1e3:8.2f}"
-              f"{cost * 1e3:8.2f}")  # fmt: skip
+        print(
+            f"{n:7d}{pd * 1e3:10.2f}{local * 1e3:12.2f}{saved * 1e3:8.2f}{stall * 1e3:8.2f}"
+            f"{cost * 1e3:8.2f}"
+        )
     print(
         f"crossover: local prefill pays up to {crossover} prompt tokens "
         "(the longest length, counting up, at which saved >= cost)"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**facts, "args": vars(args) | {"out": str(args.out)}, "plain_step_s": step_s,
-              "runs": results, "summary": summary, "crossover_tokens": crossover}  # fmt: skip
+    report = {
+        **facts,
+        "args": vars(args) | {"out": str(args.out)},
+        "plain_step_s": step_s,
+        "runs": results,
+        "summary": summary,
+        "crossover_tokens": crossover,
+    }
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0

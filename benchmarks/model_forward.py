@@ -65,8 +65,12 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="use a random Qwen3 of the bundled model's shape even if the bundled model exists",
     )
-    p.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
-                   help="auto: bf16 where the CPU computes it natively, else fp32")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="auto: bf16 where the CPU computes it natively, else fp32",
+    )
     p.add_argument(
         "--threads",
         type=int,

@@ -110,8 +110,12 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--model", type=Path, help=f"HF model directory (default: {BUNDLED_MODEL})")
-    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
-                   help="auto: bf16 where the CPU computes it natively, else fp32")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="auto: bf16 where the CPU computes it natively, else fp32",
+    )
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, help="timed runs per side (default 3, --quick 1)")
     p.add_argument("--skip-transformers", action="store_true", help="baton only for a. and b.")

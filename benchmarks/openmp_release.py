@@ -64,10 +64,12 @@ def main() -> int:
     dtype = resolve_dtype_arg(args.dtype)
     torch.set_num_threads(args.threads)
     llm = new_llm(
-        MODEL, argparse.Namespace(dtype=dtype, threads=args.threads),
-        PROMPT_TOKENS + args.new_tokens, enable_prefix_caching=False,
+        MODEL,
+        argparse.Namespace(dtype=dtype, threads=args.threads),
+        PROMPT_TOKENS + args.new_tokens,
+        enable_prefix_caching=False,
         speculative=not args.no_speculative,
-    )  # fmt: skip
+    )
     facts = machine_facts(dtype, threads=args.threads)
     stream, source = token_stream(MODEL, 4096, NUM_PROMPTS * PROMPT_TOKENS)
     prompts = [stream[i * PROMPT_TOKENS : (i + 1) * PROMPT_TOKENS] for i in range(NUM_PROMPTS)]
@@ -82,11 +84,14 @@ def main() -> int:
                 if r == 0:
                     continue  # warm-up round
                 steady = statistics.median(steps[FIRST_STEPS + 4 :])
-                runs[release].append({
-                    "prefill_s": steps[0], "decode_s": sum(steps[1:]),
-                    "first_steps_over_steady": sum(steps[1 : 1 + FIRST_STEPS])
-                    / (FIRST_STEPS * steady),
-                })  # fmt: skip
+                runs[release].append(
+                    {
+                        "prefill_s": steps[0],
+                        "decode_s": sum(steps[1:]),
+                        "first_steps_over_steady": sum(steps[1 : 1 + FIRST_STEPS])
+                        / (FIRST_STEPS * steady),
+                    }
+                )
     llm.engine.config = config
     keys = ("prefill_s", "decode_s", "first_steps_over_steady")
     med = {
@@ -95,18 +100,24 @@ def main() -> int:
         for key in keys
     }
     result = {
-        **facts, "args": vars(args) | {"out": str(args.out)}, "prompts": source,
+        **facts,
+        "args": vars(args) | {"out": str(args.out)},
+        "prompts": source,
         "released": {k: med[(True, k)] for k in keys},
         "kept": {k: med[(False, k)] for k in keys},
         "decode_kept_over_released": med[(False, "decode_s")] / med[(True, "decode_s")],
-    }  # fmt: skip
+    }
     mode = "plain" if args.no_speculative else "MTP"
-    print(f"CPU: {facts['cpu']}; {dtype}, {mode}, {args.new_tokens} new tokens, "
-          f"{len(runs[True])} requests per side")  # fmt: skip
+    print(
+        f"CPU: {facts['cpu']}; {dtype}, {mode}, {args.new_tokens} new tokens, "
+        f"{len(runs[True])} requests per side"
+    )
     for name, release in (("released", True), ("kept", False)):
-        print(f"  worker {name:8s}: prefill {med[(release, 'prefill_s')] * 1e3:.2f} ms, decode "
-              f"{med[(release, 'decode_s')] * 1e3:.2f} ms, first {FIRST_STEPS} decode steps "
-              f"{med[(release, 'first_steps_over_steady')]:.2f}x the steady step")  # fmt: skip
+        print(
+            f"  worker {name:8s}: prefill {med[(release, 'prefill_s')] * 1e3:.2f} ms, decode "
+            f"{med[(release, 'decode_s')] * 1e3:.2f} ms, first {FIRST_STEPS} decode steps "
+            f"{med[(release, 'first_steps_over_steady')]:.2f}x the steady step"
+        )
     print(f"  decode kept / released: {result['decode_kept_over_released']:.3f}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

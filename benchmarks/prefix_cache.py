@@ -153,8 +153,11 @@ def pd_bytes(
                     cached += out.metrics.num_cached_tokens
                     prompt_tokens += out.metrics.num_prompt_tokens
     per_request = {name: n / len(requests) for name, n in by_component.items()}
-    return {"bytes_per_request": statistics.mean(moved), "hit_rate": cached / prompt_tokens,
-            "component_bytes_per_request": per_request}  # fmt: skip
+    return {
+        "bytes_per_request": statistics.mean(moved),
+        "hit_rate": cached / prompt_tokens,
+        "component_bytes_per_request": per_request,
+    }
 
 
 def main() -> int:
@@ -170,20 +173,26 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sliding-mode", choices=["paged", "ring"], default="paged")
     p.add_argument(
-        "--keep-warm-s", type=float, default=EngineConfig().keep_warm_s,
+        "--keep-warm-s",
+        type=float,
+        default=EngineConfig().keep_warm_s,
         help="as baton serve's: threads kept warm this long after a step (0: the loop just "
         "sleeps between arrivals, and a step after a long gap starts late on a VM)",
-    )  # fmt: skip
+    )
     p.add_argument("--pd", action="store_true", help="also: PD bytes moved per request")
     p.add_argument(
-        "--max-model-len", type=int, default=None,
+        "--max-model-len",
+        type=int,
+        default=None,
         help="past the bundled model's 512 positions, for longer prompts (speed only: RoPE "
         "runs on, the text is not what the model was trained for)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--model", choices=["bundled", "half-b"], default="bundled",
+        "--model",
+        choices=["bundled", "half-b"],
+        default="bundled",
         help="half-b: a random ~0.5B Qwen3 (no draft), written to a temporary directory",
-    )  # fmt: skip
+    )
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prefix.json")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,9 +214,12 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
     for _ in range(args.repeats):
         for side, on in (("uncached", False), ("cached", True)):
             config = EngineConfig.from_kwargs(
-                dtype=dtype, num_threads=args.threads, enable_prefix_caching=on,
-                max_model_len=args.max_model_len, sliding_mode=args.sliding_mode,
-            )  # fmt: skip
+                dtype=dtype,
+                num_threads=args.threads,
+                enable_prefix_caching=on,
+                max_model_len=args.max_model_len,
+                sliding_mode=args.sliding_mode,
+            )
             engine = LLMEngine(model_dir, config)
             run(engine, requests[:4], params, args.keep_warm_s)  # warm-up; cache too
             engine = LLMEngine(model_dir, config)  # a fresh, empty cache for the timed run
@@ -217,13 +229,18 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
         for side, runs in results.items()
     }
     reuse = args.shared / (args.shared + args.own)
-    print(f"{args.model} model: {args.num_requests} requests at {args.rate}/s, "
-          f"{args.shared} shared + {args.own} own tokens ({reuse:.0%} reuse), "
-          f"{args.max_tokens} new, {dtype}, {args.threads} threads, "
-          f"sliding layers {args.sliding_mode}, keep warm {args.keep_warm_s:g} s")  # fmt: skip
+    print(
+        f"{args.model} model: {args.num_requests} requests at {args.rate}/s, "
+        f"{args.shared} shared + {args.own} own tokens ({reuse:.0%} reuse), "
+        f"{args.max_tokens} new, {dtype}, {args.threads} threads, "
+        f"sliding layers {args.sliding_mode}, keep warm {args.keep_warm_s:g} s"
+    )
     print(f"{'':24}{'uncached':>12}{'cached':>12}{'ratio':>8}")
-    for key, unit, scale in (("ttft_p50_s", "ms", 1e3), ("ttft_p99_s", "ms", 1e3),
-                             ("request_throughput", "req/s", 1.0)):  # fmt: skip
+    for key, unit, scale in (
+        ("ttft_p50_s", "ms", 1e3),
+        ("ttft_p99_s", "ms", 1e3),
+        ("request_throughput", "req/s", 1.0),
+    ):
         u, c = summary["uncached"][key], summary["cached"][key]
         ratio = u / c if key.startswith("ttft") else c / u
         print(f"{key + ' (' + unit + ')':24}{u * scale:12.1f}{c * scale:12.1f}{ratio:7.2f}x")
@@ -238,19 +255,28 @@ def measure(args: argparse.Namespace, model_dir: Path) -> int:
         on = pd_bytes(*pd_args, True, args.max_model_len, args.sliding_mode)
         pd = {"decode_cache_off": off, "decode_cache_on": on}
         ratio = on["bytes_per_request"] / off["bytes_per_request"]
-        print(f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "
-              f"decode-side reuse, {on['bytes_per_request'] / 1e6:.3f} MB with = {ratio:.2f} of "
-              f"the cold figure (decode hit rate {on['hit_rate']:.2f}; target <= "
-              f"{1 - on['hit_rate'] + 0.1:.2f})")  # fmt: skip
-        print("  per component (MB per request, cold -> with decode-side reuse; a sliding "
-              "component's cold figure is its window only, so its share cannot fall with the "
-              "hit as a full-attention one's does):")  # fmt: skip
+        print(
+            f"PD bytes pushed per request: {off['bytes_per_request'] / 1e6:.3f} MB without "
+            f"decode-side reuse, {on['bytes_per_request'] / 1e6:.3f} MB with = {ratio:.2f} of "
+            f"the cold figure (decode hit rate {on['hit_rate']:.2f}; target <= "
+            f"{1 - on['hit_rate'] + 0.1:.2f})"
+        )
+        print(
+            "  per component (MB per request, cold -> with decode-side reuse; a sliding "
+            "component's cold figure is its window only, so its share cannot fall with the "
+            "hit as a full-attention one's does):"
+        )
         for name, cold in off["component_bytes_per_request"].items():
             warm = on["component_bytes_per_request"].get(name, 0.0)
             print(f"    {name:<14}{cold / 1e6:8.3f} -> {warm / 1e6:8.3f}  = {warm / cold:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    report = {**facts, "args": vars(args) | {"out": str(args.out)}, "runs": results,
-              "summary": summary, "pd": pd}  # fmt: skip
+    report = {
+        **facts,
+        "args": vars(args) | {"out": str(args.out)},
+        "runs": results,
+        "summary": summary,
+        "pd": pd,
+    }
     args.out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     return 0

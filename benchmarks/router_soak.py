@@ -82,8 +82,12 @@ async def _load(url: str, args: argparse.Namespace, pid: int) -> dict:
     async def client(http: httpx.AsyncClient) -> None:
         while time.monotonic() < end:
             stream = random.random() < 0.5
-            body = {"model": "m", "prompt": "hi " * random.randint(1, 200), "max_tokens": 8,
-                    "stream": stream}  # fmt: skip
+            body = {
+                "model": "m",
+                "prompt": "hi " * random.randint(1, 200),
+                "max_tokens": 8,
+                "stream": stream,
+            }
             try:
                 if stream:
                     async with http.stream("POST", url, json=body) as r:
@@ -112,12 +116,15 @@ async def _load(url: str, args: argparse.Namespace, pid: int) -> dict:
     slope = _slope(half)
     rate = counts["ok"] / (time.monotonic() - start)
     return {
-        **counts, "errors": errors, "requests_per_s": round(rate, 1),
-        "rss_start_mb": samples[0][1], "rss_end_mb": samples[-1][1],
+        **counts,
+        "errors": errors,
+        "requests_per_s": round(rate, 1),
+        "rss_start_mb": samples[0][1],
+        "rss_end_mb": samples[-1][1],
         "slope_mb_per_min_second_half": slope,
         "bytes_per_request": None if slope is None else slope * 2**20 / 60 / rate,
         "samples": samples,
-    }  # fmt: skip
+    }
 
 
 def main() -> int:
@@ -130,10 +137,20 @@ def main() -> int:
     try:
         time.sleep(2)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "router", "--port", str(router),
-             "--decode", f"http://127.0.0.1:{decode}", "--prefill", f"http://127.0.0.1:{prefill}"],
+            [
+                sys.executable,
+                "-m",
+                "baton.cli",
+                "router",
+                "--port",
+                str(router),
+                "--decode",
+                f"http://127.0.0.1:{decode}",
+                "--prefill",
+                f"http://127.0.0.1:{prefill}",
+            ],
             cwd=REPO,
-        )  # fmt: skip
+        )
         for _ in range(100):
             try:
                 if httpx.get(f"http://127.0.0.1:{router}/health").status_code == 200:
@@ -151,10 +168,12 @@ def main() -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     slope, per_request = result["slope_mb_per_min_second_half"], result["bytes_per_request"]
-    print(f"router: {result['ok']} ok, {result['failed']} failed, "
-          f"{result['requests_per_s']} requests/s; RSS {result['rss_start_mb']:.1f} -> "
-          f"{result['rss_end_mb']:.1f} MB; slope (second half) "
-          + ("n/a" if slope is None else f"{slope:+.3f} MB/min, {per_request:+.1f} B/request"))  # fmt: skip  # noqa: E501
+    trend = "n/a" if slope is None else f"{slope:+.3f} MB/min, {per_request:+.1f} B/request"
+    print(
+        f"router: {result['ok']} ok, {result['failed']} failed, "
+        f"{result['requests_per_s']} requests/s; RSS {result['rss_start_mb']:.1f} -> "
+        f"{result['rss_end_mb']:.1f} MB; slope (second half) {trend}"
+    )
     for kind, n in sorted(result["errors"].items(), key=lambda kv: -kv[1]):
         print(f"  {n} x {kind}")
     return 0

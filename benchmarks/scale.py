@@ -50,25 +50,62 @@ from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.request import SamplingParams  # noqa: E402
 
 SHAPES = {
-    "qwen3-0.6b": ("qwen3", dict(vocab=151936, hidden=1024, intermediate=3072, layers=28,
-                                 heads=16, kv_heads=8, head_dim=128)),
-    "qwen3-1.7b": ("qwen3", dict(vocab=151936, hidden=2048, intermediate=6144, layers=28,
-                                 heads=16, kv_heads=8, head_dim=128)),
-    "llama-1b": ("llama", dict(vocab=128256, hidden=2048, intermediate=8192, layers=16,
-                               heads=32, kv_heads=8, head_dim=64)),
-}  # fmt: skip
+    "qwen3-0.6b": (
+        "qwen3",
+        dict(
+            vocab=151936,
+            hidden=1024,
+            intermediate=3072,
+            layers=28,
+            heads=16,
+            kv_heads=8,
+            head_dim=128,
+        ),
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        dict(
+            vocab=151936,
+            hidden=2048,
+            intermediate=6144,
+            layers=28,
+            heads=16,
+            kv_heads=8,
+            head_dim=128,
+        ),
+    ),
+    "llama-1b": (
+        "llama",
+        dict(
+            vocab=128256,
+            hidden=2048,
+            intermediate=8192,
+            layers=16,
+            heads=32,
+            kv_heads=8,
+            head_dim=64,
+        ),
+    ),
+}
 DECODE_PROMPT = 32
 
 
 def save_random(out_dir: Path, family: str, shape: dict) -> Path:
     """A random checkpoint of ``shape`` (bf16, tied embeddings) in ``out_dir``."""
     common = dict(
-        vocab_size=shape["vocab"], hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"], num_key_value_heads=shape["kv_heads"],
-        head_dim=shape["head_dim"], max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=shape["head_dim"],
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     config_class = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
@@ -93,9 +130,13 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 
 def engine_for(model_dir: Path, dtype: str, threads: int, max_seqs: int) -> LLMEngine:
     config = EngineConfig.from_kwargs(
-        dtype=dtype, num_threads=threads, speculative=False, enable_prefix_caching=False,
-        max_num_seqs=max_seqs, max_num_batched_tokens=2048,
-    )  # fmt: skip
+        dtype=dtype,
+        num_threads=threads,
+        speculative=False,
+        enable_prefix_caching=False,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=2048,
+    )
     return LLMEngine(model_dir, config)
 
 
@@ -160,17 +201,22 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
                 bandwidth, matmul = batch * steps_bound, peak / (2 * params)
                 bound = min(bandwidth, matmul)
                 cell["decode"][batch] = {
-                    "tok_s": tok_s, "bound_tok_s": bound, "of_bound": tok_s / bound,
+                    "tok_s": tok_s,
+                    "bound_tok_s": bound,
+                    "of_bound": tok_s / bound,
                     "bound": "bandwidth" if bandwidth <= matmul else "matmul",
-                }  # fmt: skip
+                }
             for length in (int(n) for n in args.prompts.split(",")):
                 if time.monotonic() > deadline:
                     cell["prefill"][length] = "skipped (budget)"
                     continue
                 tok_s = prefill_tok_s(engine, length, shape["vocab"])
                 bound = peak / (2 * params)
-                cell["prefill"][length] = {"tok_s": tok_s, "bound_tok_s": bound,
-                                           "of_bound": tok_s / bound}  # fmt: skip
+                cell["prefill"][length] = {
+                    "tok_s": tok_s,
+                    "bound_tok_s": bound,
+                    "of_bound": tok_s / bound,
+                }
             result["threads"][threads] = cell
             del engine
             print_cell(name, threads, cell, flush=True)

@@ -79,11 +79,14 @@ class Run:
         self.net, self.logs = net, logs
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "UCX_"))}
         self.env = {
-            **env, "BATON_PD_TOKEN": secrets.token_hex(16),
-            "BATON_ADMIN_TOKEN": secrets.token_hex(16), "UCX_TLS": "tcp", "OMP_NUM_THREADS": "1",
+            **env,
+            "BATON_PD_TOKEN": secrets.token_hex(16),
+            "BATON_ADMIN_TOKEN": secrets.token_hex(16),
+            "UCX_TLS": "tcp",
+            "OMP_NUM_THREADS": "1",
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
-        }  # fmt: skip
+        }
 
     def address(self, host: str) -> str:
         return self.net.addresses[host]
@@ -100,8 +103,10 @@ class Run:
         fails)."""
         done = self.net.run(host, command, self.env, timeout_s)
         if done.returncode != 0:
-            raise RuntimeError(f"on {host}: {command}\nexit {done.returncode}\n"
-                               f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")  # fmt: skip
+            raise RuntimeError(
+                f"on {host}: {command}\nexit {done.returncode}\n"
+                f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+            )
         return done.stdout
 
 
@@ -130,8 +135,10 @@ def write_json(path: Path, value: object) -> None:
 
 def raw_ops(piece_bytes: int) -> list[TransferOp]:
     """``RAW_BYTES`` from ``raw_src`` to ``raw_dst``, contiguous, in pieces of this size."""
-    return [TransferOp("raw_src", o, "raw_dst", o, piece_bytes)
-            for o in range(0, RAW_BYTES, piece_bytes)]  # fmt: skip
+    return [
+        TransferOp("raw_src", o, "raw_dst", o, piece_bytes)
+        for o in range(0, RAW_BYTES, piece_bytes)
+    ]
 
 
 def raw_backend(run: Run, kind: str) -> dict:
@@ -140,19 +147,30 @@ def raw_backend(run: Run, kind: str) -> dict:
     work.mkdir(exist_ok=True)
     for stale in work.iterdir():
         stale.unlink()
-    receiver = run.spawn("decode", f"raw-{kind}", f"taskset -c {CORES['decode']} python "
-                         f"{__file__} --helper receive --backend {kind} "
-                         f"--address {run.address('decode')} --dir {work}")  # fmt: skip
+    receiver = run.spawn(
+        "decode",
+        f"raw-{kind}",
+        f"taskset -c {CORES['decode']} python "
+        f"{__file__} --helper receive --backend {kind} "
+        f"--address {run.address('decode')} --dir {work}",
+    )
     try:
         job = {
-            "backend": kind, "host": run.address("prefill"),
+            "backend": kind,
+            "host": run.address("prefill"),
             "descriptors": wait_for_file(work / "descriptors.json", receiver),
-            "sources": {"raw_src": RAW_BYTES}, "repeats": RAW_REPEATS,
+            "sources": {"raw_src": RAW_BYTES},
+            "repeats": RAW_REPEATS,
             "phases": {name: [list(op) for op in raw_ops(n)] for name, n in PIECES.items()},
-        }  # fmt: skip
+        }
         (work / "job.json").write_text(json.dumps(job) + "\n")
-        sent = tagged(run.on("prefill", f"taskset -c {CORES['prefill']} python "
-                             f"{transfer.__file__} --peer < {work / 'job.json'}"))  # fmt: skip
+        sent = tagged(
+            run.on(
+                "prefill",
+                f"taskset -c {CORES['prefill']} python "
+                f"{transfer.__file__} --peer < {work / 'job.json'}",
+            )
+        )
         (work / "sent").touch()
         landed = wait_for_file(work / "landed.json", receiver)
     finally:
@@ -175,8 +193,12 @@ def receive(kind: str, address: str, work: Path) -> None:
 
 def tcp_gbps(run: Run) -> float:
     """One TCP stream, prefill host -> decode host: ``TCP_BYTES`` per send, median of 5."""
-    sink = run.spawn("decode", "tcp", f"taskset -c {CORES['decode']} python {__file__} "
-                     f"--helper tcp-sink --address {run.address('decode')}")  # fmt: skip
+    sink = run.spawn(
+        "decode",
+        "tcp",
+        f"taskset -c {CORES['decode']} python {__file__} "
+        f"--helper tcp-sink --address {run.address('decode')}",
+    )
     try:
         blast = f"{__file__} --helper tcp-blast --address {run.address('decode')}"
         return tagged(run.on("prefill", f"taskset -c {CORES['prefill']} python {blast}"))["gbps"]
@@ -226,15 +248,27 @@ def pd(run: Run, kind: str, args: argparse.Namespace) -> dict:
     p, d = run.address("prefill"), run.address("decode")
     flags = f"--backend {kind} --threads 1 {SERVE_FLAGS}"
     procs = [
-        run.spawn("prefill", kind, f"taskset -c {CORES['prefill']} baton serve --role prefill "
-                  f"{flags} --host {p} --port {PORTS['prefill']} --pd-host {p} "
-                  f"--pd-port {PD_PORT}"),
-        run.spawn("decode", kind, f"taskset -c {CORES['decode']} baton serve --role decode "
-                  f"{flags} --host {d} --port {PORTS['decode']} --local-prefill-tokens 0 "
-                  f"--shm-prefix {netns.PREFIX}-{kind}"),
-        run.spawn("router", kind, f"baton router --host {run.address('router')} --port "
-                  f"{PORTS['router']} --prefill {run.url('prefill')} --decode {run.url('decode')}"),
-    ]  # fmt: skip
+        run.spawn(
+            "prefill",
+            kind,
+            f"taskset -c {CORES['prefill']} baton serve --role prefill "
+            f"{flags} --host {p} --port {PORTS['prefill']} --pd-host {p} "
+            f"--pd-port {PD_PORT}",
+        ),
+        run.spawn(
+            "decode",
+            kind,
+            f"taskset -c {CORES['decode']} baton serve --role decode "
+            f"{flags} --host {d} --port {PORTS['decode']} --local-prefill-tokens 0 "
+            f"--shm-prefix {netns.PREFIX}-{kind}",
+        ),
+        run.spawn(
+            "router",
+            kind,
+            f"baton router --host {run.address('router')} --port "
+            f"{PORTS['router']} --prefill {run.url('prefill')} --decode {run.url('decode')}",
+        ),
+    ]
     try:
         workers = {"prefill": [run.url("prefill")], "decode": [run.url("decode")]}
         wait = (
@@ -251,12 +285,20 @@ def pd(run: Run, kind: str, args: argparse.Namespace) -> dict:
 
 def colocated(run: Run, args: argparse.Namespace) -> dict:
     url = run.url("decode", "colocated")
-    server = run.spawn("decode", "colocated", f"taskset -c {CORES['colocated']} baton serve "
-                       f"--threads 2 {SERVE_FLAGS} --host {run.address('decode')} "
-                       f"--port {PORTS['colocated']}")  # fmt: skip
+    server = run.spawn(
+        "decode",
+        "colocated",
+        f"taskset -c {CORES['colocated']} baton serve "
+        f"--threads 2 {SERVE_FLAGS} --host {run.address('decode')} "
+        f"--port {PORTS['colocated']}",
+    )
     try:
-        run.on("client", f"for i in $(seq {int(START_TIMEOUT_S * 2)}); do curl -sf {url}/health "
-               ">/dev/null && exit 0; sleep 0.5; done; exit 1", START_TIMEOUT_S + 10)  # fmt: skip
+        run.on(
+            "client",
+            f"for i in $(seq {int(START_TIMEOUT_S * 2)}); do curl -sf {url}/health "
+            ">/dev/null && exit 0; sleep 0.5; done; exit 1",
+            START_TIMEOUT_S + 10,
+        )
         return bench(run, "colocated", url, args)
     finally:
         run.net.stop(server)
@@ -265,27 +307,37 @@ def colocated(run: Run, args: argparse.Namespace) -> dict:
 def bench(run: Run, name: str, url: str, args: argparse.Namespace) -> dict:
     """``baton bench`` from the client host: a warm-up (other prompts), then the workload."""
     base = f"baton bench --url {url} --model {MODEL} --no-progress"
-    run.on("client", f"{base} --seed 1 --num-requests 4 --concurrency 2 --output-tokens 16 "
-           f"--prompt-tokens {args.prompt_tokens} > /dev/null")  # fmt: skip
+    run.on(
+        "client",
+        f"{base} --seed 1 --num-requests 4 --concurrency 2 --output-tokens 16 "
+        f"--prompt-tokens {args.prompt_tokens} > /dev/null",
+    )
     out = run.logs / f"{name}-bench.json"
-    run.on("client", f"{base} --seed 0 --num-requests {args.num_requests} --request-rate "
-           f"{args.request_rate} --prompt-tokens {args.prompt_tokens} --output-tokens "
-           f"{args.output_tokens} --count-chunk-tokens --out {out} "
-           f"> {run.logs / f'{name}-bench.txt'} || test -s {out}")  # fmt: skip
+    run.on(
+        "client",
+        f"{base} --seed 0 --num-requests {args.num_requests} --request-rate "
+        f"{args.request_rate} --prompt-tokens {args.prompt_tokens} --output-tokens "
+        f"{args.output_tokens} --count-chunk-tokens --out {out} "
+        f"> {run.logs / f'{name}-bench.txt'} || test -s {out}",
+    )
     return json.loads(out.read_text())["summary"]
 
 
 def report(results: dict) -> None:
-    print(f"\n{'deployment':<11}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>9}{'p99':>7}{'req/s':>7}"
-          f"{'out tok/s':>10}{'GB/s':>7}  handoffs (ms; ITL per token)")  # fmt: skip
+    print(
+        f"\n{'deployment':<11}{'TTFT p50':>9}{'p99':>8}{'ITL p50':>9}{'p99':>7}{'req/s':>7}"
+        f"{'out tok/s':>10}{'GB/s':>7}  handoffs (ms; ITL per token)"
+    )
     for name, s in results["serving"].items():
         ms = [s[k][p] * 1e3 for k in ("ttft_s", "itl_token_s") for p in ("p50", "p99")]
         gbps = s.get("transfer_gb_per_s")
         handoffs = ", ".join(f"{n} {k}" for k, n in sorted(s["handoffs"].items())) or "-"
         failed = f"; {s['num_failed']} failed" if s["num_failed"] else ""
-        print(f"{name:<11}{ms[0]:9.1f}{ms[1]:8.1f}{ms[2]:9.2f}{ms[3]:7.2f}"
-              f"{s['request_throughput']:7.2f}{s['output_token_throughput']:10.1f}"
-              f"{'-' if gbps is None else f'{gbps:.3f}':>7}  {handoffs}{failed}")  # fmt: skip
+        print(
+            f"{name:<11}{ms[0]:9.1f}{ms[1]:8.1f}{ms[2]:9.2f}{ms[3]:7.2f}"
+            f"{s['request_throughput']:7.2f}{s['output_token_throughput']:10.1f}"
+            f"{'-' if gbps is None else f'{gbps:.3f}':>7}  {handoffs}{failed}"
+        )
     tcp = results["tcp_gbps"]
     print(f"TCP prefill -> decode namespace (one stream): {tcp:.2f} GB/s")
     for kind, raw in results["raw"].items():
@@ -345,8 +397,9 @@ def main() -> None:
     finally:
         teardown(net)
     dtype = platform.current().auto_dtype("bfloat16")  # serve's --dtype auto, bf16 weights
-    results["machine"] = machine_facts(dtype, hosts=dict(net.addresses), cores=CORES,
-                                       wall_s=time.monotonic() - start)  # fmt: skip
+    results["machine"] = machine_facts(
+        dtype, hosts=dict(net.addresses), cores=CORES, wall_s=time.monotonic() - start
+    )
     results["config"] = {k: v for k, v in vars(args).items() if v is not None}
     Path(args.out).write_text(json.dumps(results, indent=2))
     report(results)

@@ -95,8 +95,10 @@ def _start(port: int, log: Path) -> tuple[subprocess.Popen, str, str]:
     out = open(log, "w")  # noqa: SIM115 (lives as long as the deployment)
     proc = subprocess.Popen(
         [sys.executable, "-m", "baton.cli", "launch", "--model", str(MODEL), "--port", str(port)],
-        stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-    )  # fmt: skip
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     deadline = time.monotonic() + 180
     while not (m := re.search(r"takes the bearer token in (\S+)", log.read_text())):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -119,10 +121,15 @@ def main() -> None:
     try:
         while time.monotonic() - start < args.minutes * 60:
             config = BenchConfig(
-                url=url, tokenizer_dir=str(MODEL), num_requests=args.requests_per_round,
-                concurrency=args.concurrency, prompt_tokens=(100, 384), output_tokens=(64, 128),
-                seed=rounds, admin_token=token,
-            )  # fmt: skip
+                url=url,
+                tokenizer_dir=str(MODEL),
+                num_requests=args.requests_per_round,
+                concurrency=args.concurrency,
+                prompt_tokens=(100, 384),
+                output_tokens=(64, 128),
+                seed=rounds,
+                admin_token=token,
+            )
             # NOTE: rounds run in this thread; RSS is sampled between them and at most every
             # --sample-s (a round at concurrency 64 takes tens of seconds here).
             summary = run_bench(config, show_progress=False)["summary"]
@@ -137,8 +144,11 @@ def main() -> None:
                     if (rss := _rss_mb(pid)) is not None:
                         samples.setdefault(pid, []).append((now - start, rss))
                 next_sample = now + args.sample_s
-            print(f"round {rounds}: {summary['num_completed']} ok, {summary['num_failed']} failed, "
-                  f"{now - start:.0f} s", flush=True)  # fmt: skip
+            print(
+                f"round {rounds}: {summary['num_completed']} ok, {summary['num_failed']} failed, "
+                f"{now - start:.0f} s",
+                flush=True,
+            )
         auth = {"authorization": f"Bearer {token}"}
         workers = httpx.get(f"{url}/admin/instances", headers=auth, timeout=10).json()["instances"]
         time.sleep(2.0)  # let the last requests' units come back
@@ -148,8 +158,9 @@ def main() -> None:
             async with httpx.AsyncClient(timeout=10) as client:
                 for w in workers:
                     metrics = await scrape(client, w["url"])
-                    units[w["url"]] = {k: v for k, v in metrics.items()
-                                       if k.startswith("baton_units_in_use")}  # fmt: skip
+                    units[w["url"]] = {
+                        k: v for k, v in metrics.items() if k.startswith("baton_units_in_use")
+                    }
 
         asyncio.run(read_units())
     finally:
@@ -158,19 +169,26 @@ def main() -> None:
     half = args.minutes * 30
     report = {
         "platform": platform.current().as_dict(),
-        "minutes": args.minutes, "concurrency": args.concurrency, "rounds": rounds,
-        "requests_ok": ok, "requests_failed": failed, "units_in_use_at_end": units,
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "rounds": rounds,
+        "requests_ok": ok,
+        "requests_failed": failed,
+        "units_in_use_at_end": units,
         "processes": {
             f"{roles[pid]} ({pid})": {
-                "rss_start_mb": pts[0][1], "rss_end_mb": pts[-1][1],
+                "rss_start_mb": pts[0][1],
+                "rss_end_mb": pts[-1][1],
                 "slope_mb_per_min_second_half": _slope([p for p in pts if p[0] >= half]),
             }
             for pid, pts in samples.items()
         },
-    }  # fmt: skip
+    }
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"\n{line}\n{rounds} rounds, {ok} ok, {failed} failed in {args.minutes:g} min at "
-          f"concurrency {args.concurrency}")  # fmt: skip
+    print(
+        f"\n{line}\n{rounds} rounds, {ok} ok, {failed} failed in {args.minutes:g} min at "
+        f"concurrency {args.concurrency}"
+    )
     for name, p in report["processes"].items():
         slope = p["slope_mb_per_min_second_half"]
         print(

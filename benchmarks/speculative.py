@@ -128,17 +128,23 @@ def main() -> None:
     }
     print(f"acceptance length (k={result['k']}), {acc['verify_steps']} verify steps:")
     first = acc[f"first_{FIRST_STEPS}_steps"]
-    print(f"  mean {acc['mean']:.2f}   first {FIRST_STEPS} steps {first:.2f}"
-          f"   later {acc['later_steps']:.2f}   (target >= 2.0)")  # fmt: skip
+    print(
+        f"  mean {acc['mean']:.2f}   first {FIRST_STEPS} steps {first:.2f}"
+        f"   later {acc['later_steps']:.2f}   (target >= 2.0)"
+    )
     print(f"  per position: {', '.join(f'{a:.2f}' for a in acc['acceptance_per_position'])}")
     a = acc_ablated
-    print(f"  draft prompt state emptied: mean {a['mean']:.2f}   first {FIRST_STEPS} steps "
-          f"{a[f'first_{FIRST_STEPS}_steps']:.2f}   later {a['later_steps']:.2f}")  # fmt: skip
+    print(
+        f"  draft prompt state emptied: mean {a['mean']:.2f}   first {FIRST_STEPS} steps "
+        f"{a[f'first_{FIRST_STEPS}_steps']:.2f}   later {a['later_steps']:.2f}"
+    )
     print(f"greedy output identical with and without speculation: {identical}")
     for name, s in speed.items():
         target = "  (target >= 1.5x)" if name == "batch_1" else ""
-        print(f"{name}: {s['spec_tok_s']:.1f} tok/s with vs {s['plain_tok_s']:.1f} without "
-              f"-> {s['speedup']:.2f}x{target}")  # fmt: skip
+        print(
+            f"{name}: {s['spec_tok_s']:.1f} tok/s with vs {s['plain_tok_s']:.1f} without "
+            f"-> {s['speedup']:.2f}x{target}"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
 

@@ -134,9 +134,12 @@ def decoding_engine(
     """An engine with ``batch`` requests past their prefill, and its part timer; ``layers``:
     ``fused`` (native decoder layers) or ``torch`` (op by op)."""
     config = EngineConfig.from_kwargs(
-        dtype=dtype, num_threads=threads, speculative=speculative,
-        enable_prefix_caching=False, max_num_seqs=max(batch, 1),
-    )  # fmt: skip
+        dtype=dtype,
+        num_threads=threads,
+        speculative=speculative,
+        enable_prefix_caching=False,
+        max_num_seqs=max(batch, 1),
+    )
     os.environ["BATON_NATIVE_LAYERS"] = "1" if layers == "fused" else "0"  # read at load
     try:
         engine = LLMEngine(model_dir, config)
@@ -240,44 +243,56 @@ def measure_bandwidth(args: argparse.Namespace, model_dir: Path, layers: str) ->
 
 def print_bandwidth(layers: str, r: dict) -> None:
     copy = r["memcpy_read_plus_written_bytes_per_s"]
-    print(f"{layers} layers, ~0.5B random Qwen3 ({r['weight_bytes'] / 1e9:.2f} GB of weights), "
-          f"batch-1 decode: {r['step_s'] * 1e3:.1f} ms per step = "
-          f"{r['weight_bytes_per_s'] / 1e9:.1f} GB/s; memcpy {copy / 1e9:.1f} GB/s read + "
-          f"written: {r['fraction_of_memcpy_read_plus_written']:.0%} of it, "
-          f"{r['fraction_of_memcpy_bytes_copied']:.0%} of bytes copied per second "
-          f"(target >= {BANDWIDTH_TARGET:.0%})")  # fmt: skip
+    print(
+        f"{layers} layers, ~0.5B random Qwen3 ({r['weight_bytes'] / 1e9:.2f} GB of weights), "
+        f"batch-1 decode: {r['step_s'] * 1e3:.1f} ms per step = "
+        f"{r['weight_bytes_per_s'] / 1e9:.1f} GB/s; memcpy {copy / 1e9:.1f} GB/s read + "
+        f"written: {r['fraction_of_memcpy_read_plus_written']:.0%} of it, "
+        f"{r['fraction_of_memcpy_bytes_copied']:.0%} of bytes copied per second "
+        f"(target >= {BANDWIDTH_TARGET:.0%})"
+    )
 
 
 def print_table(layers: str, results: dict[str, dict]) -> None:
     print(f"{layers} layers")
-    print(f"{'batch':>6}{'real':>9}{'twin':>9}{'arith':>9}{'sched':>8}{'fwd':>8}{'sample':>8}"
-          f"{'books':>8}{'books/req':>10}{'ops':>6}   (ms; twin = overhead)")  # fmt: skip
+    print(
+        f"{'batch':>6}{'real':>9}{'twin':>9}{'arith':>9}{'sched':>8}{'fwd':>8}{'sample':>8}"
+        f"{'books':>8}{'books/req':>10}{'ops':>6}   (ms; twin = overhead)"
+    )
     for batch, row in results.items():
         if batch in ("1_mtp", "bandwidth"):
             continue
         real, twin = row["real"], row["twin"]
-        print(f"{batch:>6}{real['step_s'] * 1e3:9.2f}{twin['step_s'] * 1e3:9.2f}"
-              f"{row['arithmetic_s'] * 1e3:9.2f}{real['schedule_s'] * 1e3:8.2f}"
-              f"{real['forward_s'] * 1e3:8.2f}{real['sample_s'] * 1e3:8.2f}"
-              f"{real['bookkeeping_s'] * 1e3:8.2f}{row['bookkeeping_per_request_s'] * 1e3:10.3f}"
-              f"{row['twin_ops_per_step']:6d}")  # fmt: skip
+        print(
+            f"{batch:>6}{real['step_s'] * 1e3:9.2f}{twin['step_s'] * 1e3:9.2f}"
+            f"{row['arithmetic_s'] * 1e3:9.2f}{real['schedule_s'] * 1e3:8.2f}"
+            f"{real['forward_s'] * 1e3:8.2f}{real['sample_s'] * 1e3:8.2f}"
+            f"{real['bookkeeping_s'] * 1e3:8.2f}{row['bookkeeping_per_request_s'] * 1e3:10.3f}"
+            f"{row['twin_ops_per_step']:6d}"
+        )
     mtp = results["1_mtp"]
     step, accepted = mtp["real"]["step_s"], mtp["acceptance_length"] or 1.0
     k = mtp.get("num_speculative_tokens")
-    print(f"batch 1 with the MTP draft (k={k}): {step * 1e3:.2f} ms per verify step, "
-          f"{accepted:.2f} tokens per step = {accepted / step:.0f} tok/s")  # fmt: skip
+    print(
+        f"batch 1 with the MTP draft (k={k}): {step * 1e3:.2f} ms per verify step, "
+        f"{accepted:.2f} tokens per step = {accepted / step:.0f} tok/s"
+    )
     native = {name: mtp["real"].get(f"{name}_s") for name in NATIVE_PARTS}
     timed = {name: t for name, t in native.items() if t is not None}
     if "stack" in timed:  # the fused layers (op by op, the rest is the torch ops)
         rest = step - sum(timed.values())
         names = {"stack": "stack" if "head" in timed else "stack+head"}
         split = " + ".join(f"{names.get(name, name)} {t * 1e3:.3f}" for name, t in timed.items())
-        print(f"  the verify step: {split} + the rest {rest * 1e3:.3f} ms "
-              f"(Python and small native calls: {rest / step:.0%})")  # fmt: skip
+        print(
+            f"  the verify step: {split} + the rest {rest * 1e3:.3f} ms "
+            f"(Python and small native calls: {rest / step:.0%})"
+        )
     b1 = results.get("1")
     if b1:
-        print(f"batch-1 overhead {b1['overhead_s'] * 1e3:.2f} ms per step (target <= 1 ms), "
-              f"{1 / b1['real']['step_s']:.0f} tok/s plain")  # fmt: skip
+        print(
+            f"batch-1 overhead {b1['overhead_s'] * 1e3:.2f} ms per step (target <= 1 ms), "
+            f"{1 / b1['real']['step_s']:.0f} tok/s plain"
+        )
 
 
 def main() -> int:
@@ -314,9 +329,11 @@ def main() -> int:
             print_bandwidth(layers, results[layers]["bandwidth"])
     if len(variants) == 2 and "1" in results[variants[0]]:
         a, b = (results[v]["1"] for v in variants)
-        print(f"batch-1 step {variants[1]} / {variants[0]}: "
-              f"{b['real']['step_s'] / a['real']['step_s']:.2f}x, overhead "
-              f"{b['overhead_s'] * 1e3:.2f} -> {a['overhead_s'] * 1e3:.2f} ms")  # fmt: skip
+        print(
+            f"batch-1 step {variants[1]} / {variants[0]}: "
+            f"{b['real']['step_s'] / a['real']['step_s']:.2f}x, overhead "
+            f"{b['overhead_s'] * 1e3:.2f} -> {a['overhead_s'] * 1e3:.2f} ms"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {**facts, "args": vars(args) | {"out": str(args.out)}, "results": results}
     args.out.write_text(json.dumps(report, indent=2))

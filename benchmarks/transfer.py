@@ -68,11 +68,20 @@ def make_model(directory: Path) -> None:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     config = Qwen3Config(
-        vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=128, use_sliding_window=True,
-        sliding_window=1024, layer_types=["sliding_attention", "full_attention"] * 4,
-        max_position_embeddings=32768, tie_word_embeddings=True, dtype="bfloat16",
-    )  # fmt: skip
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=128,
+        use_sliding_window=True,
+        sliding_window=1024,
+        layer_types=["sliding_attention", "full_attention"] * 4,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(directory)
     target = load_model(directory)
@@ -81,9 +90,11 @@ def make_model(directory: Path) -> None:
 
 def engines(directory: Path, max_len: int, allocator):
     config = EngineConfig.from_kwargs(
-        page_size=16, max_model_len=max_len + 64, max_num_seqs=2,
+        page_size=16,
+        max_model_len=max_len + 64,
+        max_num_seqs=2,
         kv_cache_memory_mb=max(64, 2 * max_len * 16 * 1024 // MiB),
-    )  # fmt: skip
+    )
     return LLMEngine(directory, config), LLMEngine(directory, config, allocator=allocator)
 
 
@@ -218,8 +229,12 @@ def measure(directory: Path, length: int, allocator, args) -> dict:
             raw = stats.total_bytes / seconds / 1e9
         else:  # raw for shm: one contiguous shared region of the same size
             raw = shm_raw_gbps(src, args.repeats)
-        row[kind] = {"state_gbps": state, "raw_gbps": raw, "state_over_raw": state / raw,
-                     "state_over_memcpy": state / memcpy}  # fmt: skip
+        row[kind] = {
+            "state_gbps": state,
+            "raw_gbps": raw,
+            "state_over_raw": state / raw,
+            "state_over_memcpy": state / memcpy,
+        }
         sender.close()
         receiver.close()
     return row
@@ -233,9 +248,13 @@ def raw_ops(nbytes: int) -> list[TransferOp]:
 
 
 def remote_row(
-    kind: str, state_ops: list[TransferOp], decode: LLMEngine, dst: torch.Tensor,
-    memcpy: float, repeats: int,
-) -> dict:  # fmt: skip
+    kind: str,
+    state_ops: list[TransferOp],
+    decode: LLMEngine,
+    dst: torch.Tensor,
+    memcpy: float,
+    repeats: int,
+) -> dict:
     """State vs raw through ``kind`` from a child process (the sender) into this one."""
     try:
         receiver = backend_class(kind)()
@@ -273,8 +292,12 @@ def remote_row(
     nbytes = sum(op.nbytes for op in state_ops)
     state = nbytes / statistics.median(result["seconds"]["state"]) / 1e9
     raw = nbytes / statistics.median(result["seconds"]["raw"]) / 1e9
-    return {"state_gbps": state, "raw_gbps": raw, "state_over_raw": state / raw,
-            "state_over_memcpy": state / memcpy}  # fmt: skip
+    return {
+        "state_gbps": state,
+        "raw_gbps": raw,
+        "state_over_raw": state / raw,
+        "state_over_memcpy": state / memcpy,
+    }
 
 
 _sources: dict[tuple[str, int], torch.Tensor] = {}
@@ -293,9 +316,13 @@ def source(region: str, nbytes: int) -> torch.Tensor:
 def run_peer(job: dict) -> dict:
     """Run the sending side (``--peer``) in a child process; its tagged JSON result."""
     child = subprocess.run(
-        [sys.executable, __file__, "--peer"], input=json.dumps(job), capture_output=True,
-        text=True, timeout=PEER_TIMEOUT_S, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        [sys.executable, __file__, "--peer"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        timeout=PEER_TIMEOUT_S,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     lines = [x for x in child.stdout.splitlines() if x.startswith(RESULT_TAG)]
     if child.returncode != 0 or not lines:
         return {"error": f"exit {child.returncode}: {child.stderr[-2000:]}"}
@@ -412,23 +439,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         make_model(Path(tmp))
         results["ttft"] = {n: ttft(Path(tmp), n) for n in args.ttft_lengths}
-    print(f"{'tokens':>7} {'MB':>7} {'runs':>5} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
-          f"{'backend':<9} {'state':>7} {'raw':>7} {'state/raw':>9} {'/memcpy':>8}")  # fmt: skip
+    print(
+        f"{'tokens':>7} {'MB':>7} {'runs':>5} {'mean run':>9} {'memcpy':>7} {'socket':>7}  "
+        f"{'backend':<9} {'state':>7} {'raw':>7} {'state/raw':>9} {'/memcpy':>8}"
+    )
     for length, r in results["lengths"].items():
         mean_kib = r["mean_run_bytes"] / 1024
-        head = (f"{length:>7} {r['bytes'] / 1e6:7.1f} {r['runs']:>5} {mean_kib:8.0f}K"
-                f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}")  # fmt: skip
+        head = (
+            f"{length:>7} {r['bytes'] / 1e6:7.1f} {r['runs']:>5} {mean_kib:8.0f}K"
+            f" {r['memcpy_gbps']:7.2f} {r['socket_gbps']:7.2f}"
+        )
         for b in args.backends:
             c = r[b]
             if "skipped" in c:
                 print(f"{head}  {b:<9} skipped: {c['skipped'][:80]}")
                 continue
-            print(f"{head}  {b:<9} {c['state_gbps']:7.2f} {c['raw_gbps']:7.2f}"
-                  f" {c['state_over_raw']:9.0%} {c['state_over_memcpy']:8.0%}")  # fmt: skip
+            print(
+                f"{head}  {b:<9} {c['state_gbps']:7.2f} {c['raw_gbps']:7.2f}"
+                f" {c['state_over_raw']:9.0%} {c['state_over_memcpy']:8.0%}"
+            )
     print("GB/s; memcpy and socket (loopback TCP) move the same bytes as one buffer.")
     for length, t in results["ttft"].items():
-        print(f"TTFT {length} tokens: colocated {t['colocated_s'] * 1e3:.0f} ms, PD (shm, one "
-              f"process) {t['pd_s'] * 1e3:.0f} ms = {t['pd_over_colocated']:.2f}x")  # fmt: skip
+        print(
+            f"TTFT {length} tokens: colocated {t['colocated_s'] * 1e3:.0f} ms, PD (shm, one "
+            f"process) {t['pd_s'] * 1e3:.0f} ms = {t['pd_over_colocated']:.2f}x"
+        )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
 

@@ -219,14 +219,29 @@ def test_the_bundled_model_is_found_by_name_from_any_directory(tmp_path):
     assert resolve_model_dir("baton-stdlib-qwen3") == BUNDLED_MODEL_DIR
     assert resolve_model_dir(tmp_path) == tmp_path  # a path is taken as given
     (tmp_path / "baton-stdlib-qwen3").mkdir()  # a directory of that name here wins
-    code = ("import os; from baton.config import resolve_model_dir; "
-            "print(resolve_model_dir('baton-stdlib-qwen3'))")  # fmt: skip
-    here = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, check=True).stdout.strip()  # fmt: skip
+    code = (
+        "import os; from baton.config import resolve_model_dir; "
+        "print(resolve_model_dir('baton-stdlib-qwen3'))"
+    )
+    here = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
     assert here == "baton-stdlib-qwen3"
     elsewhere = subprocess.run(
-        [sys.executable, "-m", "baton", "generate", "--model", "baton-stdlib-qwen3",
-         "--max-tokens", "4", "def f(x):"],
-        cwd=tmp_path / "baton-stdlib-qwen3", capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "baton",
+            "generate",
+            "--model",
+            "baton-stdlib-qwen3",
+            "--max-tokens",
+            "4",
+            "def f(x):",
+        ],
+        cwd=tmp_path / "baton-stdlib-qwen3",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert elsewhere.returncode == 0, elsewhere.stderr

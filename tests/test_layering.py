@@ -429,10 +429,13 @@ def test_router_and_cli_do_not_load_torch():
     import sys
 
     heavy = "('torch', 'numpy', 'transformers')"
-    code = ("import sys, baton.router.router, baton.cli, baton.launch, baton.supervisor; "
-            f"print(sorted(m for m in {heavy} if m in sys.modules))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)  # fmt: skip
+    code = (
+        "import sys, baton.router.router, baton.cli, baton.launch, baton.supervisor; "
+        f"print(sorted(m for m in {heavy} if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     assert out.stdout.strip() == "[]", out.stdout
 
 
@@ -452,10 +455,12 @@ def private_uses_across_files(root: Path) -> list[str]:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _is_private(node.name):
                 owners[node.name].add(path)
             elif (
-                isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
                 and _is_private(node.attr)
-            ):  # fmt: skip
+            ):
                 owners[node.attr].add(path)
     sites = []
     for path, tree in trees.items():

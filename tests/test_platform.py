@@ -98,8 +98,9 @@ del chunks
 before = rss()
 print(platform.release_free_memory(), before - rss())
 """
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
     supported, released_mb = out.stdout.split()
     if supported == "False":
         pytest.skip("this C library has no malloc_trim")

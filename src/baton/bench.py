@@ -107,14 +107,21 @@ def sample_prompts(config: BenchConfig) -> list[tuple[list[int], int]]:
 
 
 async def _one(
-    client: httpx.AsyncClient, config: BenchConfig, record: RequestRecord, prompt: list[int],
+    client: httpx.AsyncClient,
+    config: BenchConfig,
+    record: RequestRecord,
+    prompt: list[int],
     t0: float,
-) -> None:  # fmt: skip
+) -> None:
     body: dict[str, Any] = {
-        "model": config.model, "prompt": prompt, "max_tokens": record.max_tokens,
-        "temperature": 0, "ignore_eos": True, "stream": True,
+        "model": config.model,
+        "prompt": prompt,
+        "max_tokens": record.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
         "stream_options": {"include_usage": True},
-    }  # fmt: skip
+    }
     if config.count_chunk_tokens:
         body["logprobs"] = 0
     sent = time.perf_counter()
@@ -267,9 +274,11 @@ def config_record(config: BenchConfig) -> dict[str, Any]:
 
 
 def run_bench(
-    config: BenchConfig, out_json: str | Path | None = None, out_png: str | Path | None = None,
+    config: BenchConfig,
+    out_json: str | Path | None = None,
+    out_png: str | Path | None = None,
     show_progress: bool = True,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """Run the benchmark; write the JSON and PNG where asked; return the result dict."""
     result = asyncio.run(_run(config, show_progress))
     if out_json is not None:

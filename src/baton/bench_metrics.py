@@ -58,8 +58,9 @@ def engine_summary(deltas: list[dict[str, float]]) -> dict[str, float | None]:
     accepted = sum(d.get("baton_acceptance_length_sum", 0.0) for d in deltas)
     verified = sum(d.get("baton_acceptance_length_count", 0.0) for d in deltas)
     decodes = [d for d in deltas if "baton_acceptance_length_count" in d]
-    moved = sum(v for d in decodes for k, v in d.items()
-                if k.startswith("baton_transfer_bytes_total"))  # fmt: skip
+    moved = sum(
+        v for d in decodes for k, v in d.items() if k.startswith("baton_transfer_bytes_total")
+    )
     seconds = sum(d.get("baton_transfer_push_seconds_total", 0.0) for d in decodes)
     return {
         "acceptance_length_mean": accepted / verified if verified else None,

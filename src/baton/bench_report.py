@@ -124,11 +124,14 @@ def format_summary(result: dict[str, Any]) -> str:
     if s["tokens_per_chunk_mean"] is not None:
         lines.append(f"tokens per chunk (after the first): {s['tokens_per_chunk_mean']:.2f}")
     if s.get("acceptance_length_mean") is not None:
-        lines.append(f"acceptance length (server, per request mean): "
-                     f"{s['acceptance_length_mean']:.2f}")  # fmt: skip
+        lines.append(
+            f"acceptance length (server, per request mean): {s['acceptance_length_mean']:.2f}"
+        )
     if s.get("transfer_gb_per_s") is not None:
-        lines.append(f"PD state transfer: {s['transfer_bytes'] / 1e6:.1f} MB at "
-                     f"{s['transfer_gb_per_s']:.2f} GB/s (while pushing)")  # fmt: skip
+        lines.append(
+            f"PD state transfer: {s['transfer_bytes'] / 1e6:.1f} MB at "
+            f"{s['transfer_gb_per_s']:.2f} GB/s (while pushing)"
+        )
     m = result["server_metrics"]
     if m:
         lines.append("server /metrics during the run:")
@@ -150,9 +153,12 @@ def plot(result: dict[str, Any], path: str | Path) -> None:
     fig, (ax_itl, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     chunk = sorted(g for r in ok for g in r["chunk_itl_s"])
     token = sorted(
-        g / n for r in ok if r["tokens_per_chunk"]
-        for g, n in zip(r["chunk_itl_s"], r["tokens_per_chunk"], strict=True) if n
-    )  # fmt: skip
+        g / n
+        for r in ok
+        if r["tokens_per_chunk"]
+        for g, n in zip(r["chunk_itl_s"], r["tokens_per_chunk"], strict=True)
+        if n
+    )
     for values, label in ((chunk, "per chunk"), (token, "per token")):
         if values:
             ms = np.asarray(values) * 1e3

@@ -69,25 +69,35 @@ def _router(args: argparse.Namespace) -> int:
 
     admin_token = read_secret_env(args.admin_token_env) or None
     if admin_token is None and not _is_loopback(args.host):
-        print(f"error: a router bound to {args.host} (not loopback) needs an admin token: set "
-              f"${args.admin_token_env}", file=sys.stderr)  # fmt: skip
+        print(
+            f"error: a router bound to {args.host} (not loopback) needs an admin token: set "
+            f"${args.admin_token_env}",
+            file=sys.stderr,
+        )
         return 2
     try:
         router = Router(
-            args.prefill or [], args.decode or [], args.policy,
+            args.prefill or [],
+            args.decode or [],
+            args.policy,
             admin_token=admin_token,
             health_interval_s=args.health_interval,
             max_body_bytes=int(args.max_body_mb * 2**20),
             route_token=read_secret_env(args.token_env) or None,
             launch_id=args.launch_id,
-        )  # fmt: skip
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # health changes and retries (one line per relayed request with --access-log)
     uvicorn_level = configure_logging("router", args.log_level, args.access_log)
-    http_server(build_router_app(router), args.host, args.port, log_level=uvicorn_level,
-                access_log=args.access_log).run()  # fmt: skip
+    http_server(
+        build_router_app(router),
+        args.host,
+        args.port,
+        log_level=uvicorn_level,
+        access_log=args.access_log,
+    ).run()
     return 0
 
 
@@ -106,12 +116,22 @@ def _launch(args: argparse.Namespace) -> int:
     from baton.launch import launch
 
     return launch(
-        args.model, args.host, args.port, engine_options(args), args.served_model_name,
-        num_prefill=args.num_prefill, num_decode=args.num_decode, policy=args.policy,
-        prefill_cpus=args.prefill_cpus, decode_cpus=args.decode_cpus,
-        restart=args.restart, decode_args=_local_prefill_argv(args),
-        log_level=args.log_level, access_log=args.access_log, ready_timeout_s=args.ready_timeout,
-    )  # fmt: skip
+        args.model,
+        args.host,
+        args.port,
+        engine_options(args),
+        args.served_model_name,
+        num_prefill=args.num_prefill,
+        num_decode=args.num_decode,
+        policy=args.policy,
+        prefill_cpus=args.prefill_cpus,
+        decode_cpus=args.decode_cpus,
+        restart=args.restart,
+        decode_args=_local_prefill_argv(args),
+        log_level=args.log_level,
+        access_log=args.access_log,
+        ready_timeout_s=args.ready_timeout,
+    )
 
 
 def _local_prefill_argv(args: argparse.Namespace) -> list[str]:
@@ -126,14 +146,20 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         config = BenchConfig(
-            url=args.url.rstrip("/"), model=args.model, tokenizer_dir=args.tokenizer,
-            num_requests=args.num_requests, request_rate=args.request_rate,
-            concurrency=args.concurrency, prompt_tokens=parse_range(args.prompt_tokens),
-            output_tokens=parse_range(args.output_tokens), seed=args.seed,
+            url=args.url.rstrip("/"),
+            model=args.model,
+            tokenizer_dir=args.tokenizer,
+            num_requests=args.num_requests,
+            request_rate=args.request_rate,
+            concurrency=args.concurrency,
+            prompt_tokens=parse_range(args.prompt_tokens),
+            output_tokens=parse_range(args.output_tokens),
+            seed=args.seed,
             shared_prefix_tokens=args.shared_prefix_tokens,
-            count_chunk_tokens=args.count_chunk_tokens, metrics_urls=tuple(args.metrics_url or ()),
+            count_chunk_tokens=args.count_chunk_tokens,
+            metrics_urls=tuple(args.metrics_url or ()),
             admin_token=_read_token(args.admin_token_file),
-        )  # fmt: skip
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -160,11 +186,16 @@ def _warmup(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     level = kernels.active_level()
     if kernels.library() is None:  # not an error: baton runs its torch paths (make goes on)
-        print(f"baton: no native kernels for {level}: the torch paths will be used (see the "
-              "warning above)", file=sys.stderr)  # fmt: skip
+        print(
+            f"baton: no native kernels for {level}: the torch paths will be used (see the "
+            "warning above)",
+            file=sys.stderr,
+        )
         return 0
-    print(f"baton: native kernels for {level} ready in {time.perf_counter() - start:.1f} s "
-          f"({platform.current().summary()})")  # fmt: skip
+    print(
+        f"baton: native kernels for {level} ready in {time.perf_counter() - start:.1f} s "
+        f"({platform.current().summary()})"
+    )
     return 0
 
 
@@ -183,9 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"baton {_version()}")
     parser.add_argument(
-        "--debug", action="store_true",
+        "--debug",
+        action="store_true",
         help="show the traceback of an error (default: one line naming what was wrong)",
-    )  # fmt: skip
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add_parser, _ in _COMMANDS.values():
         add_parser(sub)

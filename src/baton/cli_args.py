@@ -14,12 +14,13 @@ from baton.config import BUNDLED_MODEL_DIR as BUNDLED_MODEL  # light: no torch
 
 def _add_log_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--log-level", default="info", choices=("debug", "info", "warning", "error"),
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
         help="console detail: info (default) says what changes -- start-up, a worker "
         "healthy or not, restarted; debug adds every health check and HTTP-client line",
-    )  # fmt: skip
-    p.add_argument("--access-log", action="store_true",
-                   help="one line per request (default: none)")  # fmt: skip
+    )
+    p.add_argument("--access-log", action="store_true", help="one line per request (default: none)")
 
 
 def _cpu_list(text: str) -> list[int]:
@@ -34,10 +35,12 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
     from baton.config import DTYPES
 
     p.add_argument(
-        "--dtype", default="auto", choices=DTYPES,
+        "--dtype",
+        default="auto",
+        choices=DTYPES,
         help="compute dtype; auto: the checkpoint's where this CPU computes it natively, "
         "else float32 (a bf16 checkpoint on a CPU without native bf16)",
-    )  # fmt: skip
+    )
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -48,36 +51,45 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     _add_dtype_arg(p)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument(
-        "--small-step-threads", type=int, default=0,
-        help="threads of decode and verification steps' native calls (default 0: as "
-        "--threads)",
-    )  # fmt: skip
+        "--small-step-threads",
+        type=int,
+        default=0,
+        help="threads of decode and verification steps' native calls (default 0: as --threads)",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument(
-        "--keep-warm-s", type=float, default=None,
+        "--keep-warm-s",
+        type=float,
+        default=None,
         help="seconds an idle server keeps its second compute thread spinning after its "
         "last step (about one core meanwhile; default 0: never): on a VM, a request after "
         "an idle gap may otherwise start up to ~10 ms late",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-prefix-caching", action="store_true",
+        "--no-prefix-caching",
+        action="store_true",
         help="recompute every prompt (default: reuse cached pages of shared prefixes)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-speculative", action="store_true",
+        "--no-speculative",
+        action="store_true",
         help="do not use the model's MTP draft (default: speculate when the model has one)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--num-speculative-tokens", type=int, default=None,
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
         help="draft tokens verified per step (default: 4 in bf16, 3 in fp32)",
-    )  # fmt: skip
+    )
     from baton.config import SLIDING_MODES  # light: torch is not imported for --help
 
     p.add_argument(
-        "--sliding-mode", choices=SLIDING_MODES, default=None,
+        "--sliding-mode",
+        choices=SLIDING_MODES,
+        default=None,
         help="sliding-window state: paged (pages behind the window are freed; the default) or "
         "ring (one ring of window rows per request)",
-    )  # fmt: skip
+    )
 
 
 class _RegistryNames:
@@ -137,35 +149,48 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(serve)
     _add_log_args(serve)
     serve.add_argument(
-        "--role", choices=("colocated", "prefill", "decode"), default="colocated",
+        "--role",
+        choices=("colocated", "prefill", "decode"),
+        default="colocated",
         help="colocated: one engine; prefill / decode: one half of a PD deployment",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--prefill", action="append",
+        "--prefill",
+        action="append",
         help="decode: a prefill control endpoint (tcp://HOST:PORT) for requests that name none "
         "(repeatable; without it only a router's requests, which name theirs, are served)",
-    )  # fmt: skip
-    backend = serve.add_argument("--backend", default="shm",
-                                 help="PD: how state moves (shm: one host)")  # fmt: skip
+    )
+    backend = serve.add_argument(
+        "--backend", default="shm", help="PD: how state moves (shm: one host)"
+    )
     _worker_backend_choices(backend)
     serve.add_argument("--pd-host", default="127.0.0.1", help="prefill: control endpoint host")
     serve.add_argument("--pd-port", type=int, default=0, help="prefill: control port (0: free)")
     serve.add_argument(
-        "--transfer-host", default=None,
+        "--transfer-host",
+        default=None,
         help="PD: the address peers reach this worker's transfer engine at (mooncake "
         "advertises it; default: --pd-host on a prefill, --host on a decode; mooncake bound "
         "to a wildcard refuses to start without it)",
-    )  # fmt: skip
+    )
     serve.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the PD token")
     serve.add_argument("--shm-prefix", default=None, help="decode: shared-memory segment prefix")
     _add_local_prefill_args(serve)
-    serve.add_argument("--max-body-mb", type=float, default=16.0,
-                       help="largest request body accepted (413 past it), in MiB")  # fmt: skip
+    serve.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body accepted (413 past it), in MiB",
+    )
     from baton.config import Deadlines  # light: torch is not imported for --help
 
     for f in dataclasses.fields(Deadlines):
-        serve.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default,
-                           help=f"PD deadline in seconds (default {f.default:g})")  # fmt: skip
+        serve.add_argument(
+            f"--{f.name.replace('_', '-')}",
+            type=float,
+            default=f.default,
+            help=f"PD deadline in seconds (default {f.default:g})",
+        )
 
 
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
@@ -179,35 +204,45 @@ def add_router_parser(sub: argparse._SubParsersAction) -> None:
     router.add_argument("--policy", default="round_robin", choices=_policy_names())
     _add_log_args(router)
     router.add_argument(
-        "--token-env", default="BATON_PD_TOKEN",
+        "--token-env",
+        default="BATON_PD_TOKEN",
         help="env var with the deployment's PD token: it signs the routing headers, which a "
         "decode takes from nobody else",
-    )  # fmt: skip
+    )
     router.add_argument("--launch-id", default=None, help=argparse.SUPPRESS)  # baton launch's
-    router.add_argument("--max-body-mb", type=float, default=16.0,
-                        help="largest request body relayed (413 past it), in MiB")  # fmt: skip
+    router.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=16.0,
+        help="largest request body relayed (413 past it), in MiB",
+    )
     router.add_argument("--health-interval", type=float, default=2.0, help="seconds")
     router.add_argument(
-        "--admin-token-env", default=ADMIN_TOKEN_ENV,
+        "--admin-token-env",
+        default=ADMIN_TOKEN_ENV,
         help="env var with the /admin bearer token (unset: the admin API is disabled, and a "
         "router bound to a non-loopback address refuses to start)",
-    )  # fmt: skip
+    )
 
 
 def _add_local_prefill_args(p: argparse.ArgumentParser) -> None:
     from baton.config import DEFAULT_LOCAL_PREFILL_TOKENS
 
     p.add_argument(
-        "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        "--local-prefill-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
         help="decode: compute prompts of at most this many tokens here instead of on a "
         f"prefill (default {DEFAULT_LOCAL_PREFILL_TOKENS}, the crossover measured by "
         "benchmarks/local_prefill.py; 0: never by length)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-local-fallback", dest="local_fallback", action="store_false",
+        "--no-local-fallback",
+        dest="local_fallback",
+        action="store_false",
         help="decode: fail a request no prefill can take (none healthy, or it refused) "
         "instead of computing its prompt here",
-    )  # fmt: skip
+    )
 
 
 def add_launch_parser(sub: argparse._SubParsersAction) -> None:
@@ -215,28 +250,39 @@ def add_launch_parser(sub: argparse._SubParsersAction) -> None:
     _add_engine_args(launch)
     _add_log_args(launch)
     launch.add_argument(
-        "--ready-timeout", type=float, default=600.0,
+        "--ready-timeout",
+        type=float,
+        default=600.0,
         help="seconds a worker may take to become healthy once the native kernels are "
         "built (loading the model, pairing); default 600",
-    )  # fmt: skip
+    )
     # NOTE: launch pins prefill and decode to halves of the cores, one thread per core.
     launch.set_defaults(threads=None)
     launch.add_argument("--num-prefill", type=int, default=1)
     launch.add_argument("--num-decode", type=int, default=1)
     launch.add_argument("--policy", default="round_robin", choices=_policy_names())
     _add_local_prefill_args(launch)
-    launch.add_argument("--no-restart", dest="restart", action="store_false",
-                        help="stop everything when a child dies (default: restart it)")  # fmt: skip
+    launch.add_argument(
+        "--no-restart",
+        dest="restart",
+        action="store_false",
+        help="stop everything when a child dies (default: restart it)",
+    )
     for role in ("prefill", "decode"):
-        launch.add_argument(f"--{role}-cpus", type=_cpu_list, default=None,
-                            help=f"pin {role} workers to these cores, e.g. 0 or 0,1")  # fmt: skip
+        launch.add_argument(
+            f"--{role}-cpus",
+            type=_cpu_list,
+            default=None,
+            help=f"pin {role} workers to these cores, e.g. 0 or 0,1",
+        )
 
 
 def add_warmup_parser(sub: argparse._SubParsersAction) -> None:
     sub.add_parser(
-        "warmup", help="build the native kernels for this CPU now (make does it at install; "
+        "warmup",
+        help="build the native kernels for this CPU now (make does it at install; "
         "otherwise the first start does, ~20 s on 2 cores)",
-    )  # fmt: skip
+    )
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> None:
@@ -251,18 +297,25 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     bench.add_argument("--output-tokens", default="64", help="A or A:B (uniform)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument(
-        "--shared-prefix-tokens", type=int, default=0,
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
         help="every prompt starts with the same N tokens (a prefix-caching workload)",
-    )  # fmt: skip
+    )
     bench.add_argument(
-        "--count-chunk-tokens", action="store_true",
+        "--count-chunk-tokens",
+        action="store_true",
         help="request logprobs: 0 to count the tokens of each chunk (speculative decoding)",
-    )  # fmt: skip
-    bench.add_argument("--metrics-url", action="append",
-                       help="another server whose /metrics to diff (repeatable)")  # fmt: skip
-    bench.add_argument("--admin-token-file", default=None,
-                       help="the router's admin token (baton launch prints its path), to find "
-                       "its workers' /metrics; default $BATON_ADMIN_TOKEN")  # fmt: skip
+    )
+    bench.add_argument(
+        "--metrics-url", action="append", help="another server whose /metrics to diff (repeatable)"
+    )
+    bench.add_argument(
+        "--admin-token-file",
+        default=None,
+        help="the router's admin token (baton launch prints its path), to find "
+        "its workers' /metrics; default $BATON_ADMIN_TOKEN",
+    )
     bench.add_argument("--out", default=None, help="write results JSON here")
     bench.add_argument("--plot", default=None, help="write a PNG here (matplotlib)")
     bench.add_argument("--no-progress", action="store_true")

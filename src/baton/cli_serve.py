@@ -85,12 +85,18 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
     name = args.served_model_name or Path(args.model).name
     try:
         route_token = _route_token(args) if args.role == "decode" else None
-        app = build_app(engine, name, core.platform_info, int(args.max_body_mb * 2**20),
-                        route_token)  # fmt: skip
-        server = http_server(app, args.host, args.port, listener,
-                             log_level=args.uvicorn_log_level,
-                             access_log=args.access_log,
-                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
+        app = build_app(
+            engine, name, core.platform_info, int(args.max_body_mb * 2**20), route_token
+        )
+        server = http_server(
+            app,
+            args.host,
+            args.port,
+            listener,
+            log_level=args.uvicorn_log_level,
+            access_log=args.access_log,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
         # A failed engine stops the server: the process exits non-zero (below) for a
         # supervisor to restart, instead of staying up answering 503.
         engine.on_failure = lambda: setattr(server, "should_exit", True)
@@ -144,10 +150,16 @@ def _decode_engine(args: argparse.Namespace, config):
         return None
     try:
         return DecodeEngine(
-            args.model, config, args.prefill or [], token, args.backend, Deadlines.from_args(args),
-            shm_prefix=args.shm_prefix, transfer_host=_transfer_host(args),
+            args.model,
+            config,
+            args.prefill or [],
+            token,
+            args.backend,
+            Deadlines.from_args(args),
+            shm_prefix=args.shm_prefix,
+            transfer_host=_transfer_host(args),
             local_prefill=local_prefill,
-        )  # fmt: skip
+        )
     except (TimeoutError, PairingError) as e:
         print(f"error: {e}", file=sys.stderr)
         return None
@@ -168,18 +180,31 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
         return 2
     deadlines = Deadlines.from_args(args)
     server = PrefillServer(
-        args.model, config, args.pd_host, args.pd_port, token, args.backend, deadlines,
+        args.model,
+        config,
+        args.pd_host,
+        args.pd_port,
+        token,
+        args.backend,
+        deadlines,
         transfer_host=_transfer_host(args),
-    )  # fmt: skip
+    )
     loop = PrefillLoop(server)
-    http = http_server(build_prefill_app(loop), args.host, args.port, listener,
-                       log_level=args.uvicorn_log_level, access_log=args.access_log,
-                       timeout_graceful_shutdown=SHUTDOWN_GRACE_S)  # fmt: skip
+    http = http_server(
+        build_prefill_app(loop),
+        args.host,
+        args.port,
+        listener,
+        log_level=args.uvicorn_log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     # A failed loop stops the server and the process exits 1 (see serve), never a prefill
     # that stays up answering 503.
     loop.on_failure = lambda: setattr(http, "should_exit", True)
-    print(json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}),
-          flush=True)  # fmt: skip
+    print(
+        json.dumps({"event": "ready", "role": "prefill", "endpoint": server.endpoint}), flush=True
+    )
     thread = _serve_http_beside(http, loop.stop_event.set)
     try:
         loop.run_here()  # the main thread, as serve's engine
@@ -187,8 +212,9 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
     finally:
         loop.stop()
     if loop.error is not None:
-        print(f"error: the prefill loop failed ({loop.error!r}); the server stopped",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: the prefill loop failed ({loop.error!r}); the server stopped", file=sys.stderr
+        )
         return 1
     return 0
 

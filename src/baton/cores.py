@@ -113,9 +113,11 @@ def read_topology(root: str | os.PathLike = "/", cpus: Iterable[int] | None = No
     default this process's)."""
     root = Path(root)
     if cpus is None:
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(
-            os.cpu_count() or 1
-        )  # fmt: skip
+        cpus = (
+            os.sched_getaffinity(0)
+            if hasattr(os, "sched_getaffinity")
+            else range(os.cpu_count() or 1)
+        )
     cpus = tuple(sorted(cpus))
     cpu_dir = root / "sys" / "devices" / "system" / "cpu"
     core_of = {}

@@ -74,8 +74,10 @@ def launch(
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"need >= 1 prefill and decode, got {num_prefill} and {num_decode}")
     if (taken := _port_taken(host, port)) is not None:
-        print(f"error: port {port} on {host} is in use ({taken}); choose another with --port",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"error: port {port} on {host} is in use ({taken}); choose another with --port",
+            file=sys.stderr,
+        )
         return 2
     from baton.server.http import configure_logging
 
@@ -87,8 +89,10 @@ def launch(
         prefill_share, decode_share = split_cores(num_prefill, num_decode)
     else:
         prefill_share, decode_share = _share(prefill_cpus), _share(decode_cpus)
-    shape = {"prefill": (num_prefill, prefill_share, tuple(log_args)),
-             "decode": (num_decode, decode_share, (*log_args, *decode_args))}  # fmt: skip
+    shape = {
+        "prefill": (num_prefill, prefill_share, tuple(log_args)),
+        "decode": (num_decode, decode_share, (*log_args, *decode_args)),
+    }
     shm_prefix = f"baton-launch-{os.getpid()}-{secrets.token_hex(3)}"
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(32)}
     env.pop(ADMIN_TOKEN_ENV, None)  # the router's alone
@@ -97,14 +101,24 @@ def launch(
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in _SIGNALS}
     supervisor = Supervisor(restart)
     try:
-        workers = _start_workers(supervisor, model, options, served_model_name, env, shm_prefix,
-                                 shape)  # fmt: skip
-        for child, url in zip(supervisor.children, workers["prefill"] + workers["decode"],
-                              strict=True):  # fmt: skip
+        workers = _start_workers(
+            supervisor, model, options, served_model_name, env, shm_prefix, shape
+        )
+        for child, url in zip(
+            supervisor.children, workers["prefill"] + workers["decode"], strict=True
+        ):
             _wait_healthy(child, url, supervisor, stop, ready_timeout_s)
         launch_id = secrets.token_hex(8)  # its router says it in /health: ours, not another's
-        url, token_path = _start_router(supervisor, workers, env, admin_dir, host, port, policy,
-                                        [*log_args, "--launch-id", launch_id])  # fmt: skip
+        url, token_path = _start_router(
+            supervisor,
+            workers,
+            env,
+            admin_dir,
+            host,
+            port,
+            policy,
+            [*log_args, "--launch-id", launch_id],
+        )
         _wait_healthy(supervisor.children[-1], url, supervisor, stop, ready_timeout_s, launch_id)
         if not stop.is_set():
             _print_banner(url, served_model_name or Path(model).name, workers, token_path)
@@ -152,13 +166,18 @@ def _build_kernels() -> None:
 
 
 def _start_router(
-    supervisor: Supervisor, workers: dict[str, list[str]], env: dict, admin_dir: str,
-    host: str, port: int, policy: str, log_args: Sequence[str] = (),
-) -> tuple[str, str | None]:  # fmt: skip
+    supervisor: Supervisor,
+    workers: dict[str, list[str]],
+    env: dict,
+    admin_dir: str,
+    host: str,
+    port: int,
+    policy: str,
+    log_args: Sequence[str] = (),
+) -> tuple[str, str | None]:
     """Start the router child in front of ``workers``; its URL and the admin token's file
     (None: the token is ``$BATON_ADMIN_TOKEN``)."""
-    router_args = ["router", "--host", host, "--port", str(port), "--policy", policy,
-                   *log_args]  # fmt: skip
+    router_args = ["router", "--host", host, "--port", str(port), "--policy", policy, *log_args]
     for role, urls in workers.items():
         router_args += [item for url in urls for item in (f"--{role}", url)]
     admin_token, token_path = admin_token_file(admin_dir)
@@ -176,10 +195,14 @@ def _watch(supervisor: Supervisor, stop: threading.Event) -> int:
 
 
 def _start_workers(
-    supervisor: Supervisor, model: str, options: dict, served_model_name: str | None,
-    env: dict, shm_prefix: str,
+    supervisor: Supervisor,
+    model: str,
+    options: dict,
+    served_model_name: str | None,
+    env: dict,
+    shm_prefix: str,
     shape: dict[str, tuple[int, Share | None, Sequence[str]]],
-) -> dict[str, list[str]]:  # fmt: skip
+) -> dict[str, list[str]]:
     """Start ``shape[role] = (count, cores, more serve flags)`` workers of each role; their
     URLs by role."""
     workers: dict[str, list[str]] = {"prefill": [], "decode": []}
@@ -226,9 +249,13 @@ def _free_port() -> int:
 
 
 def _wait_healthy(
-    child: Child, url: str, supervisor: Supervisor, stop: threading.Event, timeout_s: float,
+    child: Child,
+    url: str,
+    supervisor: Supervisor,
+    stop: threading.Event,
+    timeout_s: float,
     launch_id: str | None = None,
-) -> None:  # fmt: skip
+) -> None:
     """Wait until ``child`` answers 200 at ``url``/health (with ``launch_id``: saying it, or
     another server answers there and the launch fails at once); a child that exits or stays
     unready past ``timeout_s`` (``--ready-timeout``) fails the launch, named."""
@@ -320,10 +347,14 @@ def _url_host(host: str) -> str:
 
 def _serve_args(model: str, options: dict, served_model_name: str | None) -> list[str]:
     flags = {
-        "dtype": "--dtype", "num_threads": "--threads", "max_model_len": "--max-model-len",
-        "num_speculative_tokens": "--num-speculative-tokens", "sliding_mode": "--sliding-mode",
-        "small_step_threads": "--small-step-threads", "keep_warm_s": "--keep-warm-s",
-    }  # fmt: skip
+        "dtype": "--dtype",
+        "num_threads": "--threads",
+        "max_model_len": "--max-model-len",
+        "num_speculative_tokens": "--num-speculative-tokens",
+        "sliding_mode": "--sliding-mode",
+        "small_step_threads": "--small-step-threads",
+        "keep_warm_s": "--keep-warm-s",
+    }
     switches = {"enable_prefix_caching": "--no-prefix-caching", "speculative": "--no-speculative"}
     args = ["--model", model, "--token-env", TOKEN_ENV]
     args += [flag for key, flag in switches.items() if options.get(key) is False]

@@ -87,8 +87,12 @@ class Supervisor:
                     child.num_quick_restarts = 0
                 wait = BACKOFF_S[min(child.num_quick_restarts, len(BACKOFF_S) - 1)]
                 child.restart_at = now + wait
-                print(f"baton: {child.name} exited with {child.proc.returncode}; restarting "
-                      f"it in {wait:g} s", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"baton: {child.name} exited with {child.proc.returncode}; restarting "
+                    f"it in {wait:g} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
             elif now >= child.restart_at:
                 if child.before_restart is not None:
                     child.before_restart()
@@ -121,9 +125,12 @@ class Supervisor:
         # machine-readable ready line) is not the console's.
         child.proc = subprocess.Popen(
             [sys.executable, "-m", "baton.cli", *child.args],
-            env=child.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            preexec_fn=in_child, start_new_session=True,
-        )  # fmt: skip
+            env=child.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=in_child,
+            start_new_session=True,
+        )
         child.started_at, child.restart_at = time.monotonic(), None
 
 

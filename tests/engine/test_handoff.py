@@ -52,8 +52,11 @@ def test_each_component_declares_its_handoff_range(pd_dir):
     engine = LLMEngine(pd_dir, _config())
     ranges = engine.handoff.token_ranges(21)
     assert ranges == {
-        "target.full": (0, 21), "target.swa": (0, 21), "draft.swa": (0, 20), "aux": (0, 0)
-    }  # fmt: skip
+        "target.full": (0, 21),
+        "target.swa": (0, 21),
+        "draft.swa": (0, 20),
+        "aux": (0, 0),
+    }
     assert [c.name for c in engine.registry.pushed_in(PushPhase.STREAMED)] == ["target.full"]
     assert [c.name for c in engine.registry.pushed_in(PushPhase.LAST)] == ["aux"]
     assert all(c.owner is not None for c in engine.registry)
@@ -114,10 +117,18 @@ class RecurrentRows:
         self.num_tokens: dict[str, int] = {}
         self.is_writer = is_writer
         self.component = StateComponent(
-            name="target.recurrent", kind=ComponentKind.ROW, layer_ids=(), unit=UnitKind.ROW,
-            unit_bytes=ROW_FLOATS * 4, num_units=num_rows, dtype="float32",
-            unit_shape=(ROW_FLOATS,), storage=self.storage, index=self.index, owner=self,
-        )  # fmt: skip
+            name="target.recurrent",
+            kind=ComponentKind.ROW,
+            layer_ids=(),
+            unit=UnitKind.ROW,
+            unit_bytes=ROW_FLOATS * 4,
+            num_units=num_rows,
+            dtype="float32",
+            unit_shape=(ROW_FLOATS,),
+            storage=self.storage,
+            index=self.index,
+            owner=self,
+        )
         registry.register(self.component)
 
     @property
@@ -200,8 +211,10 @@ def test_an_extra_component_moves_through_pd_with_no_edit_elsewhere(pd_dir):
     assert decode_engine.runner.num_computed_prompt_tokens == 0
     colocated = LLMEngine(pd_dir, _config())
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    ids = [colocated.add_request({"prompt_token_ids": _prompt(n, r)}, params)
-           for r, n in enumerate((5, 8, 30), start=7)]  # fmt: skip
+    ids = [
+        colocated.add_request({"prompt_token_ids": _prompt(n, r)}, params)
+        for r, n in enumerate((5, 8, 30), start=7)
+    ]
     done = {}
     while colocated.has_unfinished_requests():
         done.update({o.request_id: o for o in colocated.step() if o.finished})

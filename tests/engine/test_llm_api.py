@@ -54,9 +54,15 @@ def test_bad_requests_raise_and_engine_keeps_serving(llm, prompt, params, match)
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_tokens", 0), ("max_tokens", -3), ("top_p", 1.5), ("top_p", 0.0),
-     ("temperature", -1.0), ("top_k", -2)],
-)  # fmt: skip
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("top_p", 1.5),
+        ("top_p", 0.0),
+        ("temperature", -1.0),
+        ("top_k", -2),
+    ],
+)
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -260,8 +266,12 @@ def test_a_final_only_text_ends_as_a_streamed_one_mid_character(llm, end):
         track.final_only = final_only
         try:
             for ids in groups:
-                track.append(Committed(ids, [0.0] * len(ids), [None] * len(ids)), 0.0,
-                             frozenset(), engine.max_model_len)  # fmt: skip
+                track.append(
+                    Committed(ids, [0.0] * len(ids), [None] * len(ids)),
+                    0.0,
+                    frozenset(),
+                    engine.max_model_len,
+                )
             assert track.finish_reason is not None
             texts.append(track.output(track.finish_reason).outputs[0].text)
         finally:

@@ -196,8 +196,12 @@ def test_native_plan_holds_the_lists_the_torch_path_computes(kind, covers_own):
         call.plan(
             [pool.unit_table(s.request_id) for s in segs],
             [(s.offset, s.start, s.num_tokens, s.floor) for s in segs],
-            pool.rows, window, pool.store_keep, isinstance(pool, RingPool), covers_own,
-        )  # fmt: skip
+            pool.rows,
+            window,
+            pool.store_keep,
+            isinstance(pool, RingPool),
+            covers_own,
+        )
         want = plan_lists(pool, segs, window, covers_own)
         assert _native_lists(call) == {
             "units": want.unit_lists,

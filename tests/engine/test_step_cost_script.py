@@ -24,8 +24,10 @@ def test_the_verify_step_split_is_recorded(tmp_path: Path) -> None:
     args = ["--batches", "1", "--steps", "5", "--layers", "fused", "--skip-bandwidth"]
     run = subprocess.run(
         [sys.executable, str(SCRIPT), *args, "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert "the verify step: stack+head" in run.stdout  # greedy: the stack's call has it
     step = json.loads(out.read_text())["results"]["fused"]["1_mtp"]["real"]

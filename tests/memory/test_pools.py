@@ -201,12 +201,21 @@ def test_a_dead_owners_segments_are_removed_and_a_live_ones_kept(tmp_path):
 
     from baton.memory.allocator import remove_orphan_segments
 
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     import os
 
-    names = [f"baton-{gone}-ab12-target.full", f"baton-launch-{gone}-cd-0-aux",
-             f"baton-{os.getpid()}-ef-target.full", "baton-stdlib-notes", "other-1-x"]  # fmt: skip
+    names = [
+        f"baton-{gone}-ab12-target.full",
+        f"baton-launch-{gone}-cd-0-aux",
+        f"baton-{os.getpid()}-ef-target.full",
+        "baton-stdlib-notes",
+        "other-1-x",
+    ]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
     removed = remove_orphan_segments(str(tmp_path))

@@ -238,9 +238,11 @@ def _cache_state(engine: LLMEngine) -> dict:
         if c.push is PushPhase.LAST or not hasattr(pool, "cached"):
             continue
         state[c.name] = (
-            dict(pool.cached), dict(pool.num_registered),
-            {rid: dict(pages) for rid, pages in pool.retired.items()}, pool.blocks.num_used,
-        )  # fmt: skip
+            dict(pool.cached),
+            dict(pool.num_registered),
+            {rid: dict(pages) for rid, pages in pool.retired.items()},
+            pool.blocks.num_used,
+        )
     return state
 
 

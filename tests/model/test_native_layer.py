@@ -78,11 +78,23 @@ def test_gated_rows_are_gate_then_up_times_it(dtype, rows):
         got_g, got_u = torch.empty_like(want_g), torch.empty_like(want_u)
         once = 16 if round_once else 0  # linear.c's EPI_ROUND_ONCE
         status = library().baton_gated_rows(
-            x.data_ptr(), k, rows, k, packed_gate.data_ptr(), gate_bias.data_ptr(),
-            int(Epilogue.SILU) | once, got_g.data_ptr(), packed_up.data_ptr(), up_bias.data_ptr(),
-            int(Epilogue.MUL) | once, got_u.data_ptr(), n, int(dtype == torch.bfloat16),
-            int(dtype == torch.bfloat16), 2,
-        )  # fmt: skip
+            x.data_ptr(),
+            k,
+            rows,
+            k,
+            packed_gate.data_ptr(),
+            gate_bias.data_ptr(),
+            int(Epilogue.SILU) | once,
+            got_g.data_ptr(),
+            packed_up.data_ptr(),
+            up_bias.data_ptr(),
+            int(Epilogue.MUL) | once,
+            got_u.data_ptr(),
+            n,
+            int(dtype == torch.bfloat16),
+            int(dtype == torch.bfloat16),
+            2,
+        )
         assert status == 0
         assert torch.equal(got_g, want_g) and torch.equal(got_u, want_u)
 
@@ -166,10 +178,23 @@ def test_two_panels_at_once_give_the_one_panel_bits(k, n):
     def gated(m):  # layer.c's gate-then-up region over the same panels
         g_out, u_out = (torch.empty(m, n, dtype=torch.bfloat16) for _ in range(2))
         status = lib.baton_gated_rows(
-            x.data_ptr(), k, m, k, weight.data_ptr(), None, int(Epilogue.SILU),
-            g_out.data_ptr(), up.data_ptr(), None, int(Epilogue.MUL), u_out.data_ptr(), n, 1,
-            1, 2,
-        )  # fmt: skip
+            x.data_ptr(),
+            k,
+            m,
+            k,
+            weight.data_ptr(),
+            None,
+            int(Epilogue.SILU),
+            g_out.data_ptr(),
+            up.data_ptr(),
+            None,
+            int(Epilogue.MUL),
+            u_out.data_ptr(),
+            n,
+            1,
+            1,
+            2,
+        )
         assert status == 0
         return torch.cat([g_out, u_out])
 
@@ -283,9 +308,15 @@ def _first_difference(a: list[int], b: list[int]) -> int:
         ("float32", "paged", False, MANY_PROMPTS),
         ("bfloat16", "paged", True, MANY_PROMPTS),
     ],
-    ids=["float32-paged", "float32-ring", "bfloat16-paged", "bfloat16-paged-onednn",
-         "float32-paged-batch10", "bfloat16-paged-onednn-batch10"],
-)  # fmt: skip
+    ids=[
+        "float32-paged",
+        "float32-ring",
+        "bfloat16-paged",
+        "bfloat16-paged-onednn",
+        "float32-paged-batch10",
+        "bfloat16-paged-onednn-batch10",
+    ],
+)
 def test_generation_with_the_fused_layer_equals_the_torch_layers(
     dtype, mode, onednn, prompts, monkeypatch
 ):
@@ -390,8 +421,12 @@ def test_the_stack_equals_the_layers_one_by_one(dtype, mode, monkeypatch):
             cos, sin = rotary.tables(1, act)
             rotary._tables[act] = (cos[:12], sin[:12])  # positions 12 on: past the tables
         outs = llm.generate(PROMPTS, params)
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
-                     for o in outs])  # fmt: skip
+        runs.append(
+            [
+                (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+                for o in outs
+            ]
+        )
         assert any(isinstance(c, torch.Tensor) for c in calls) == use_stack
         assert any(c is None for c in calls)  # the stack's, or (without it) the chain's
     assert runs[0] == runs[1]
@@ -490,8 +525,10 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
                 )
             llm = LLM(BUNDLED, dtype=dtype, sliding_mode=mode, page_size=8)
             outs = llm.generate(PROMPTS, params)
-        return [(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
-                for o in outs]  # fmt: skip
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+            for o in outs
+        ]
 
     before = run("before")
     assert "asked" not in events

@@ -78,11 +78,15 @@ def main() -> None:
         before = {url: metrics(url) for url in decodes}
         result = completion(client, job["model"], prompt, job["max_tokens"])
         after = {url: metrics(url) for url in decodes}
-        served = [u for u in decodes if after[u][f"{ACCEPTANCE}_count{{}}"] > before[u].get(
-            f"{ACCEPTANCE}_count{{}}", 0.0)]  # fmt: skip
+        served = [
+            u
+            for u in decodes
+            if after[u][f"{ACCEPTANCE}_count{{}}"] > before[u].get(f"{ACCEPTANCE}_count{{}}", 0.0)
+        ]
         assert len(served) == 1, f"the acceptance of one request moved on {served}"
         moved = after[served[0]][f"{ACCEPTANCE}_sum{{}}"] - before[served[0]].get(
-            f"{ACCEPTANCE}_sum{{}}", 0.0)  # fmt: skip
+            f"{ACCEPTANCE}_sum{{}}", 0.0
+        )
         results.append({**result, "decode": served[0], "acceptance_length": moved})
     final = {url: metrics(url) for url in [*decodes, *prefills]}
     print(json.dumps({"requests": results, "metrics": final}))

@@ -87,8 +87,20 @@ class Network:
             _ip("netns", "add", ns)
             # Made in the bridge's namespace with its peer in the host's: no name ever
             # exists in the machine's own namespace.
-            _ip("-n", self.bridge, "link", "add", port, "type", "veth", "peer", "name", "eth0",
-                "netns", ns)  # fmt: skip
+            _ip(
+                "-n",
+                self.bridge,
+                "link",
+                "add",
+                port,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                ns,
+            )
             _ip("-n", self.bridge, "link", "set", port, "master", "br0", "up")
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
             for link in ("lo", "eth0"):
@@ -102,9 +114,13 @@ class Network:
         stdout and stderr to ``log``."""
         with open(log, "a") as out:
             proc = subprocess.Popen(
-                self._argv(host, script), stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, env=dict(env), start_new_session=True,
-            )  # fmt: skip
+                self._argv(host, script),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=dict(env),
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -113,9 +129,13 @@ class Network:
     ) -> subprocess.CompletedProcess:
         """Run the bash ``script`` on ``host`` to its end; stdout and stderr as text."""
         return subprocess.run(
-            self._argv(host, script), capture_output=True, text=True, env=dict(env),
-            stdin=subprocess.DEVNULL, timeout=timeout_s,
-        )  # fmt: skip
+            self._argv(host, script),
+            capture_output=True,
+            text=True,
+            env=dict(env),
+            stdin=subprocess.DEVNULL,
+            timeout=timeout_s,
+        )
 
     def pids(self, host: str) -> list[int]:
         """The processes running on ``host``."""

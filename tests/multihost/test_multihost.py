@@ -40,9 +40,12 @@ REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 HOSTS = ("router", "prefill0", "prefill1", "decode0", "decode1", "client")
 README_HOSTS = {
-    "10.0.0.1": "prefill0", "10.0.0.2": "decode0", "10.0.0.3": "router",
-    "10.0.0.4": "prefill1", "10.0.0.5": "decode1",
-}  # fmt: skip
+    "10.0.0.1": "prefill0",
+    "10.0.0.2": "decode0",
+    "10.0.0.3": "router",
+    "10.0.0.4": "prefill1",
+    "10.0.0.5": "decode1",
+}
 """The README's example addresses -> the hosts that play them."""
 TEST_FLAGS = "--dtype float32 --threads 1 --sliding-mode {mode}"
 """Appended to each ``baton serve``: the offline oracle's dtype, one thread per worker on a
@@ -118,12 +121,14 @@ class Deployment:
         kernels = Path(os.environ.get("BATON_KERNEL_CACHE", "~/.cache/baton/kernels"))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("BATON_", "UCX_"))}
         return {
-            **env, "HOME": str(home), "OMP_NUM_THREADS": "1",
+            **env,
+            "HOME": str(home),
+            "OMP_NUM_THREADS": "1",
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
             # NOTE: kernels are cached under HOME by default: keep the real cache.
             "BATON_KERNEL_CACHE": str(kernels.expanduser()),
-        }  # fmt: skip
+        }
 
     def _spawn(self, host: str, command: str) -> None:
         # exec: the worker is the process (its exit code, its SIGTERM), not a shell over it
@@ -157,11 +162,13 @@ class Deployment:
     def requests(self, prompt_texts: list[str]) -> dict:
         """The client script's answers (``client.py``), once every worker is healthy."""
         job = {
-            "router": self.url("router"), "model": BUNDLED.name, "prompts": prompt_texts,
+            "router": self.url("router"),
+            "model": BUNDLED.name,
+            "prompts": prompt_texts,
             "max_tokens": MAX_TOKENS,
             "prefills": [self.url("prefill0"), self.url("prefill1")],
             "decodes": [self.url("decode0"), self.url("decode1")],
-        }  # fmt: skip
+        }
         job_path = self.tmp / "job.json"
         job_path.write_text(json.dumps(job))
         out = self.on_client(f"cd {REPO}; exec python -m tests.multihost.client {job_path}")
@@ -249,8 +256,10 @@ def test_readme_deployment_across_hosts_answers_like_colocated(hosts, tmp_path, 
     metrics = got["metrics"]
     decodes = [metrics[deployment.url(h)] for h in ("decode0", "decode1")]
     prefills = [metrics[deployment.url(h)] for h in ("prefill0", "prefill1")]
-    assert {r["decode"] for r in got["requests"]} == {deployment.url("decode0"),
-                                                      deployment.url("decode1")}  # fmt: skip
+    assert {r["decode"] for r in got["requests"]} == {
+        deployment.url("decode0"),
+        deployment.url("decode1"),
+    }
     for decode in decodes:
         assert decode["baton_prompt_tokens_computed_total{}"] == 0  # every prompt moved
         assert decode.get("baton_prefix_cache_hits_total{}", 0) == 0  # so every unit moved
@@ -262,8 +271,9 @@ def test_readme_deployment_across_hosts_answers_like_colocated(hosts, tmp_path, 
     implied = _state_bytes(llm, [len(r.prompt_token_ids) for r in want])
     assert received == pushed == implied, (received, pushed, implied)
 
-    answer = json.loads(deployment.on_client(substitute(deployment.blocks["client"],
-                                                        deployment.addresses)))  # fmt: skip
+    answer = json.loads(
+        deployment.on_client(substitute(deployment.blocks["client"], deployment.addresses))
+    )
     assert answer["choices"][0]["text"] and answer["usage"]["completion_tokens"] >= 1
     deployment.stop()
 

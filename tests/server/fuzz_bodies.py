@@ -15,20 +15,44 @@ import json
 import httpx
 from hypothesis import strategies as st
 
-FIELDS = ["model", "prompt", "messages", "max_tokens", "stream", "stop", "temperature", "n",
-          "logprobs", "top_logprobs", "tools", "response_format", "seed", "role", "content",
-          "top_p", "echo", "stream_options", "max_completion_tokens", "ignore_eos"]  # fmt: skip
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "stream",
+    "stop",
+    "temperature",
+    "n",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "response_format",
+    "seed",
+    "role",
+    "content",
+    "top_p",
+    "echo",
+    "stream_options",
+    "max_completion_tokens",
+    "ignore_eos",
+]
 ODD = ["\ud800", "a\udfffb", "\x00", "\U0001d518", "", " " * 300, "\u202e"]
 
 KEYS = st.one_of(st.sampled_from(FIELDS), st.sampled_from(ODD), st.text(max_size=20))
 LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(),
-    st.text(max_size=40), st.sampled_from(ODD),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(),
+    st.text(max_size=40),
+    st.sampled_from(ODD),
+)
 VALUES = st.recursive(
-    LEAVES, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(KEYS, inner, max_size=5),
+    LEAVES,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(KEYS, inner, max_size=5),
     max_leaves=20,
-)  # fmt: skip
+)
 
 COMPLETION = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 4}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -43,8 +67,9 @@ def bodies(valid: dict) -> st.SearchStrategy[bytes]:
     random = st.dictionaries(KEYS, VALUES, max_size=8)
     long_prompt = st.builds(
         lambda n, c: ('{"model": "tiny", "max_tokens": 2, "prompt": "' + c * n + '"}').encode(),
-        st.integers(0, 200_000), st.sampled_from(["a", "\\ud800", "\u00e9", "\\u0000"]),
-    )  # fmt: skip
+        st.integers(0, 200_000),
+        st.sampled_from(["a", "\\ud800", "\u00e9", "\\u0000"]),
+    )
     return st.one_of(
         random.map(_encoded),
         random.map(lambda d: _encoded({**valid, **d})),
@@ -57,8 +82,9 @@ def bodies(valid: dict) -> st.SearchStrategy[bytes]:
 def check_answer(client: httpx.Client, method: str, url: str, body: bytes) -> httpx.Response:
     """Send ``body``; the answer is no 5xx, an OpenAI-shaped error if a 4xx, and keeps the
     connection."""
-    response = client.request(method, url, content=body,
-                              headers={"content-type": "application/json"})  # fmt: skip
+    response = client.request(
+        method, url, content=body, headers={"content-type": "application/json"}
+    )
     where = f"{method} {url} {body[:300]!r}"
     assert response.status_code < 500, (where, response.status_code, response.text[:500])
     if 400 <= response.status_code < 500 and url.rsplit("/", 1)[-1] in ("completions",):

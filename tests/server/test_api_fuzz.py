@@ -24,8 +24,11 @@ def test_generated_requests_never_get_a_server_error(server):  # noqa: F811
     assert all(op.body for op in bodies), "a POST route without a documented request body"
     for operation in operations:
 
-        @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES_PER_OPERATION,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(case=operation.as_strategy())
         def check(case) -> None:
             response = case.call(base_url=base, timeout=30)

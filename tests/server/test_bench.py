@@ -15,9 +15,15 @@ pytestmark = pytest.mark.integration
 
 def test_bench_against_colocated_server(server, text_model_dir, tmp_path):  # noqa: F811
     config = BenchConfig(
-        url=server[1], model=MODEL, tokenizer_dir=str(text_model_dir), num_requests=6,
-        concurrency=3, prompt_tokens=(8, 24), output_tokens=(4, 10), seed=1,
-    )  # fmt: skip
+        url=server[1],
+        model=MODEL,
+        tokenizer_dir=str(text_model_dir),
+        num_requests=6,
+        concurrency=3,
+        prompt_tokens=(8, 24),
+        output_tokens=(4, 10),
+        seed=1,
+    )
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     result = run_bench(config, out_json, out_png, show_progress=False)
 
@@ -72,10 +78,16 @@ def test_bench_shared_prefix_workload_reports_cached_tokens(server, text_model_d
     from baton.bench import sample_prompts
 
     config = BenchConfig(
-        url=server[1], model=MODEL, tokenizer_dir=str(text_model_dir), num_requests=4,
-        concurrency=1, prompt_tokens=(32, 40), output_tokens=(2, 2), seed=3,
+        url=server[1],
+        model=MODEL,
+        tokenizer_dir=str(text_model_dir),
+        num_requests=4,
+        concurrency=1,
+        prompt_tokens=(32, 40),
+        output_tokens=(2, 2),
+        seed=3,
         shared_prefix_tokens=24,
-    )  # fmt: skip
+    )
     prompts = [p for p, _ in sample_prompts(config)]
     assert all(p[:24] == prompts[0][:24] for p in prompts) and prompts[0][24:] != prompts[1][24:]
     result = run_bench(config, tmp_path / "bench.json", None, show_progress=False)
@@ -100,8 +112,12 @@ def test_request_resent_once_when_a_kept_alive_connection_was_closed(num_disconn
 
     calls = []
     sse = [{"choices": [{"text": t, "finish_reason": None}]} for t in ("a", "b")]
-    sse.append({"choices": [{"text": "", "finish_reason": "length"}],
-                "usage": {"completion_tokens": 2, "prompt_tokens": 2}})  # fmt: skip
+    sse.append(
+        {
+            "choices": [{"text": "", "finish_reason": "length"}],
+            "usage": {"completion_tokens": 2, "prompt_tokens": 2},
+        }
+    )
     stream = "".join(f"data: {json.dumps(c)}\n\n" for c in sse) + "data: [DONE]\n\n"
 
     def handler(request: httpx.Request) -> httpx.Response:

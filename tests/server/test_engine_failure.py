@@ -46,12 +46,27 @@ def _serve(model_dir, tmp_path, env: dict) -> tuple[subprocess.Popen, str]:
     path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
     with open(tmp_path / "stderr", "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "serve", "--role", "colocated",
-             "--model", str(model_dir), "--port", str(port), "--threads", "1",
-             "--dtype", "float32"],
-            stdout=subprocess.DEVNULL, stderr=err, cwd=REPO,
+            [
+                sys.executable,
+                "-m",
+                "baton.cli",
+                "serve",
+                "--role",
+                "colocated",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(port),
+                "--threads",
+                "1",
+                "--dtype",
+                "float32",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            cwd=REPO,
             env={**os.environ, "PYTHONPATH": path, **env},
-        )  # fmt: skip
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 90
     while True:

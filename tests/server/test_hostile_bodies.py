@@ -37,14 +37,14 @@ def _hostile_bodies(max_model_len: int) -> dict[str, tuple[bytes, str]]:
         "messages": (
             dump({**chat, "messages": [{"role": "user", "content": "x"}] * 200_000}),
             "messages",
-        ),  # fmt: skip
+        ),
         "stop strings": (dump({**base, "prompt": PROMPT, "stop": ["ab"] * 100_000}), "stop"),
         "a long stop": (dump({**base, "prompt": PROMPT, "stop": "z" * 5000}), "stop"),
         "tools": (dump({**chat, "tools": [{"type": "function"}] * 10_000}), "tools"),
         "surrogate key": (
             b'{"model": "%s", "prompt": "x", "\\ud800": 1}' % MODEL.encode(),
             "not valid Unicode",
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -54,8 +54,14 @@ def test_hostile_bodies_are_400s_naming_the_limit_while_a_stream_flows(server): 
     streaming = threading.Event()
 
     def neighbour() -> None:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": engine.max_model_len - 16,
-                "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": engine.max_model_len - 16,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
             assert resp.status_code == 200, resp.read()
             last = None
@@ -75,9 +81,17 @@ def test_hostile_bodies_are_400s_naming_the_limit_while_a_stream_flows(server): 
     with httpx.Client(timeout=30) as http:  # one kept-alive connection for every body
         for name, (body, names) in bodies.items():
             start = time.monotonic()
-            resp = http.post(base + "/v1/" + ("chat/completions" if b"messages" in body[:200]
-                             or b'"tools"' in body[-300:] else "completions"), content=body,
-                             headers={"content-type": "application/json"})  # fmt: skip
+            resp = http.post(
+                base
+                + "/v1/"
+                + (
+                    "chat/completions"
+                    if b"messages" in body[:200] or b'"tools"' in body[-300:]
+                    else "completions"
+                ),
+                content=body,
+                headers={"content-type": "application/json"},
+            )
             refused[name] = (resp.status_code, time.monotonic() - start, resp.json())
             assert resp.status_code == 400, (name, resp.text[:300])
             error = resp.json()["error"]

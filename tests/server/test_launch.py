@@ -80,9 +80,12 @@ def test_launch_on_a_cpu_without_native_bf16(tmp_path):
 
     level = _forced_no_bf16_level()
     stderr = _serve_and_stop(
-        BUNDLED, tmp_path, [], {"BATON_CPU_ISA": level},
+        BUNDLED,
+        tmp_path,
+        [],
+        {"BATON_CPU_ISA": level},
         {"dtype": "float32", "num_threads": 1},
-    )  # fmt: skip
+    )
     assert f"kernels {level}" in stderr and "native bf16 no" in stderr, stderr
     assert "dtype float32 (auto" in stderr, stderr
 
@@ -129,10 +132,24 @@ def _start_launch(model_dir, tmp_path, flags: list[str], env: dict):
     path = os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")]))
     with open(out_path, "w") as out, open(err_path, "w") as err:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "baton.cli", "launch", "--model", str(model_dir),
-             "--port", str(_free_port()), "--threads", "1", *flags],
-            stdout=out, stderr=err, cwd=REPO, env={**os.environ, "PYTHONPATH": path, **env},
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "baton.cli",
+                "launch",
+                "--model",
+                str(model_dir),
+                "--port",
+                str(_free_port()),
+                "--threads",
+                "1",
+                *flags,
+            ],
+            stdout=out,
+            stderr=err,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": path, **env},
+        )
     return proc, out_path, err_path
 
 
@@ -183,8 +200,11 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
         import httpx
 
         long_prompt = PROMPT + "\n".join(f"    x{i} = a + {i}" for i in range(8))
-        raw = httpx.post(f"{base_url}/completions", timeout=30, json={
-            "model": model, "prompt": long_prompt, "max_tokens": 4, "temperature": 0})  # fmt: skip
+        raw = httpx.post(
+            f"{base_url}/completions",
+            timeout=30,
+            json={"model": model, "prompt": long_prompt, "max_tokens": 4, "temperature": 0},
+        )
         assert raw.headers["x-baton-handoff"].startswith("transferred; bytes="), raw.headers
 
         # Idle, the console stays quiet (no health-check or access lines: issue 39).
@@ -241,8 +261,9 @@ def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_di
             assert proc.poll() is None, err_path.read_text()
             assert time.monotonic() < deadline, err_path.read_text()
             try:
-                again = client.completions.create(model=model, prompt=PROMPT, max_tokens=8,
-                                                  temperature=0)  # fmt: skip
+                again = client.completions.create(
+                    model=model, prompt=PROMPT, max_tokens=8, temperature=0
+                )
                 break
             except openai.APIError:
                 time.sleep(0.5)
@@ -278,9 +299,21 @@ def test_engine_switches_reach_every_worker_as_given():
     from baton.config import EngineConfig
     from baton.launch import _serve_args
 
-    argv = ["serve", "--dtype", "float32", "--no-speculative", "--num-speculative-tokens", "2",
-            "--no-prefix-caching", "--sliding-mode", "ring",
-            "--small-step-threads", "2", "--keep-warm-s", "30"]  # fmt: skip
+    argv = [
+        "serve",
+        "--dtype",
+        "float32",
+        "--no-speculative",
+        "--num-speculative-tokens",
+        "2",
+        "--no-prefix-caching",
+        "--sliding-mode",
+        "ring",
+        "--small-step-threads",
+        "2",
+        "--keep-warm-s",
+        "30",
+    ]
     options = engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.speculative is False and config.num_speculative_tokens == 2
@@ -305,8 +338,9 @@ def test_launch_passes_the_local_prefill_flags_to_its_decodes():
     from baton.cli import _local_prefill_argv, build_parser
     from baton.config import DEFAULT_LOCAL_PREFILL_TOKENS
 
-    launch = build_parser().parse_args(["launch", "--local-prefill-tokens", "0",
-                                        "--no-local-fallback"])  # fmt: skip
+    launch = build_parser().parse_args(
+        ["launch", "--local-prefill-tokens", "0", "--no-local-fallback"]
+    )
     decode = build_parser().parse_args(["serve", "--role", "decode", *_local_prefill_argv(launch)])
     assert (decode.local_prefill_tokens, decode.local_fallback) == (0, False)
     default = build_parser().parse_args(["launch"])
@@ -327,8 +361,11 @@ def test_launch_with_its_port_taken_fails_at_once_naming_the_flag(tmp_path):
         start = time.monotonic()
         proc = subprocess.run(
             [sys.executable, "-m", "baton", "launch", "--port", str(port)],
-            capture_output=True, text=True, cwd=REPO, timeout=60,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
         assert time.monotonic() - start < 5 + 5  # + the interpreter's start on a busy machine
     assert proc.returncode == 2, proc.stderr
     assert f"port {port}" in proc.stderr and "--port" in proc.stderr
@@ -337,11 +374,13 @@ def test_launch_with_its_port_taken_fails_at_once_naming_the_flag(tmp_path):
 
 @pytest.mark.parametrize(
     "argv",
-    [["serve", "--port", "{port}"],
-     ["serve", "--role", "prefill", "--port", "0", "--pd-port", "{port}", "--token-env", "T"],
-     ["router", "--port", "{port}", "--decode", "http://127.0.0.1:9"]],
+    [
+        ["serve", "--port", "{port}"],
+        ["serve", "--role", "prefill", "--port", "0", "--pd-port", "{port}", "--token-env", "T"],
+        ["router", "--port", "{port}", "--decode", "http://127.0.0.1:9"],
+    ],
     ids=["serve", "prefill-pd-port", "router"],
-)  # fmt: skip
+)
 def test_a_server_on_a_taken_port_exits_98_and_launch_does_not_restart_it(argv):
     """Issue 46: a child of ``baton launch`` that could not bind its port restarted forever
     (uvicorn logs the bind error and exits 1). Now each server says which port and flag in
@@ -355,8 +394,14 @@ def test_a_server_on_a_taken_port_exits_98_and_launch_does_not_restart_it(argv):
         port = taken.getsockname()[1]
         args = [a.format(port=port) for a in argv]
         env = {**os.environ, "T": "a-token"}
-        proc = subprocess.run([sys.executable, "-m", "baton", *args], capture_output=True,
-                              text=True, cwd=REPO, timeout=120, env=env)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "baton", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+            env=env,
+        )
         assert proc.returncode == EXIT_PORT_IN_USE, proc.stderr
         flag = "--pd-port" if "--pd-port" in args else "--port"
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
@@ -372,13 +417,20 @@ def test_a_server_on_a_taken_port_exits_98_and_launch_does_not_restart_it(argv):
 
 @pytest.mark.parametrize(
     ("argv", "says"),
-    [(["generate", "--model", "/nonexistent"], "/nonexistent/config.json not found"),
-     (["generate", "--max-tokens", "100000", "def f(x):"], "exceeds the context")],
-)  # fmt: skip
+    [
+        (["generate", "--model", "/nonexistent"], "/nonexistent/config.json not found"),
+        (["generate", "--max-tokens", "100000", "def f(x):"], "exceeds the context"),
+    ],
+)
 def test_a_user_error_is_one_line_and_exit_2(argv, says):
     """Issue 39: a bad model directory or a prompt too long printed a traceback."""
-    proc = subprocess.run([sys.executable, "-m", "baton", *argv], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton", *argv],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], proc.stderr
@@ -387,8 +439,13 @@ def test_a_user_error_is_one_line_and_exit_2(argv, says):
 def test_version_and_positional_prompts():
     from baton.cli import build_parser
 
-    proc = subprocess.run([sys.executable, "-m", "baton", "--version"], capture_output=True,
-                          text=True, cwd=REPO, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "baton", "--version"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("baton ")
     args = build_parser().parse_args(["generate", "a b", "--prompt", "c"])
     assert (args.prompts, args.prompt) == (["a b"], ["c"])
@@ -444,15 +501,18 @@ def test_two_launches_on_a_busy_machine_build_the_kernels_once_and_get_ready(
     held by a busy loop and two launches start against one empty kernel cache: both become
     ready, and the kernels are built once (one launcher builds, the other waits for it);
     then both stay quiet for 30 s."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            for _ in range(len(os.sched_getaffinity(0)))]  # fmt: skip
+    busy = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(len(os.sched_getaffinity(0)))
+    ]
     env = {"BATON_KERNEL_CACHE": str(tmp_path / "kernels")}
     launches = []
     try:
         for i in range(2):
             (tmp_path / f"launch-{i}").mkdir()
-            launches.append(_start_launch(text_model_dir, tmp_path / f"launch-{i}",
-                                          ["--dtype", "float32"], env))  # fmt: skip
+            launches.append(
+                _start_launch(text_model_dir, tmp_path / f"launch-{i}", ["--dtype", "float32"], env)
+            )
         deadline = time.monotonic() + 540
         for proc, out_path, err_path in launches:
             while "serving the OpenAI API at" not in out_path.read_text():

@@ -106,10 +106,14 @@ def test_completion_stream_joins_to_the_same_text(client):
     full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     chunks = list(
         client.completions.create(
-            model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -161,9 +165,13 @@ def test_logprobs(client):
         assert value <= 0 and 1 <= len(top) <= 3
         assert max(top.values()) == pytest.approx(value)  # greedy: the sampled one is the top
     chat = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-        temperature=0, logprobs=True, top_logprobs=2,
-    )  # fmt: skip
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 2 for c in content)
 
@@ -181,10 +189,13 @@ def test_models_health_and_metrics(client, server):
         f.name: f for f in text_string_to_metric_families(httpx.get(base + "/metrics").text)
     }
     for name in (
-        "baton_time_to_first_token_seconds", "baton_inter_token_latency_seconds",
-        "baton_num_requests_running", "baton_num_requests_waiting",
-        "baton_prompt_tokens", "baton_generation_tokens",
-    ):  # fmt: skip
+        "baton_time_to_first_token_seconds",
+        "baton_inter_token_latency_seconds",
+        "baton_num_requests_running",
+        "baton_num_requests_waiting",
+        "baton_prompt_tokens",
+        "baton_generation_tokens",
+    ):
         assert name in families, name
     count = {s.name: s.value for s in families["baton_time_to_first_token_seconds"].samples}
     assert count["baton_time_to_first_token_seconds_count"] >= 1
@@ -246,7 +257,7 @@ BAD = [
         {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{}]},
         400,
         "tools",
-    ),  # fmt: skip
+    ),
 ]
 
 
@@ -266,14 +277,16 @@ def test_bad_requests_get_openai_errors(server, path, body, status, param):
     assert httpx.get(base + "/health").status_code == 200
 
 
-@pytest.mark.parametrize(("local", "status"), [("aborted", 400), ("nope", 400),
-                                               ("no_healthy_prefill", 400)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("local", "status"), [("aborted", 400), ("nope", 400), ("no_healthy_prefill", 400)]
+)
 def test_the_local_prefill_header_names_a_local_reason(server, local, status):
     """``x-baton-local-prefill`` must name a local-prefill reason (a failure's is refused by
     name); a colocated server refuses PD routing of any kind (400 either way)."""
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
-    resp = httpx.post(server[1] + "/v1/completions", json=body,
-                      headers={"x-baton-local-prefill": local})  # fmt: skip
+    resp = httpx.post(
+        server[1] + "/v1/completions", json=body, headers={"x-baton-local-prefill": local}
+    )
     assert resp.status_code == status, resp.text
     message = resp.json()["error"]["message"]
     if local == "no_healthy_prefill":
@@ -290,8 +303,12 @@ def test_a_body_over_the_limit_is_refused_before_parsing(server, chunked):
     base = server[1]
     body = b'{"model": "%s", "prompt": "' % MODEL.encode() + b"x" * MAX_BODY_BYTES + b'"}'
     content = iter([body[i : i + 2**20] for i in range(0, len(body), 2**20)]) if chunked else body
-    resp = httpx.post(base + "/v1/completions", content=content, timeout=30,
-                      headers={"content-type": "application/json"})  # fmt: skip
+    resp = httpx.post(
+        base + "/v1/completions",
+        content=content,
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert resp.status_code == 413, resp.text
     assert "at most" in resp.json()["error"]["message"]
     assert httpx.get(base + "/health").status_code == 200
@@ -325,8 +342,14 @@ def test_client_disconnect_aborts_the_request(server):
         return abort(request_id)
 
     engine.engine.abort_request = recording_abort  # only the engine thread calls it
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
@@ -357,8 +380,13 @@ def test_client_disconnect_aborts_a_non_streaming_request(server):
     # only the engine thread calls them
     engine.engine.abort_request, engine.engine.step = recording_abort, slow_step
     try:
-        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "prompt": PROMPT,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
         deadline = time.monotonic() + 10

@@ -60,13 +60,29 @@ class Deployment:
         with open(self.log_dir / f"{name}.log", "a") as log:
             self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "baton.cli", *args, "--port", str(port)],
-                stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=REPO, env=self.env,
-            )  # fmt: skip
+                stdout=log,
+                stderr=log,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                env=self.env,
+            )
         return f"http://127.0.0.1:{port}"
 
     def serve(self, name: str, role: str, *extra: str, port: int | None = None) -> str:
-        args = ["serve", "--role", role, "--model", str(self.model_dir), "--dtype", "float32",
-                "--threads", "1", "--served-model-name", "tiny", *extra]  # fmt: skip
+        args = [
+            "serve",
+            "--role",
+            role,
+            "--model",
+            str(self.model_dir),
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--served-model-name",
+            "tiny",
+            *extra,
+        ]
         if role == "decode":
             args += ["--shm-prefix", f"baton-test-router-{os.getpid()}-{name}"]
         return self.start(name, *args, port=port)
@@ -103,13 +119,25 @@ def deployment(text_model_dir, tmp_path_factory):
     d = Deployment(text_model_dir, tmp_path_factory.mktemp("router"))
     d.prefills = [d.serve("prefill-a", "prefill"), d.serve("prefill-b", "prefill")]
     d.decode = d.serve("decode", "decode", "--local-prefill-tokens", "0")  # every one PD
-    for name, url in [("prefill-a", d.prefills[0]), ("prefill-b", d.prefills[1]),
-                      ("decode", d.decode)]:  # fmt: skip
+    for name, url in [
+        ("prefill-a", d.prefills[0]),
+        ("prefill-b", d.prefills[1]),
+        ("decode", d.decode),
+    ]:
         d.wait_healthy(url, name)
     d.router = d.start(
-        "router", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],
-        "--decode", d.decode, "--health-interval", "0.5", "--access-log",
-    )  # fmt: skip
+        "router",
+        "router",
+        "--prefill",
+        d.prefills[0],
+        "--prefill",
+        d.prefills[1],
+        "--decode",
+        d.decode,
+        "--health-interval",
+        "0.5",
+        "--access-log",
+    )
     d.wait_healthy(d.router, "router")
     yield d
     for name in reversed(list(d.procs)):
@@ -146,29 +174,39 @@ def test_router_answers_like_the_offline_engine(deployment, client, offline):
         assert resp.usage.completion_tokens == len(want.token_ids)
     assert all(_prefill_done(u) > b for u, b in zip(deployment.prefills, done_before, strict=True))
 
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
-                                       stream=True)  # fmt: skip
+    stream = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream) == want.text
 
     messages = [{"role": "user", "content": "Write a function."}]
     prompt = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     want_chat = offline.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0]
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_chat.outputs[0].text
 
     stop = want.text[4:7]
-    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0,
-                                     stop=[stop])  # fmt: skip
+    resp = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop]
+    )
     assert resp.choices[0].text == want.text[: want.text.index(stop)]
     assert resp.choices[0].finish_reason == "stop"
 
-    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0,
-                                     logprobs=2)  # fmt: skip
+    resp = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2
+    )
     want_lp = offline.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0, logprobs=2))
-    expected = [lp[t] for t, lp in zip(want_lp[0].outputs[0].token_ids,
-                                       want_lp[0].outputs[0].logprobs, strict=True)]  # fmt: skip
+    expected = [
+        lp[t]
+        for t, lp in zip(
+            want_lp[0].outputs[0].token_ids, want_lp[0].outputs[0].logprobs, strict=True
+        )
+    ]
     assert resp.choices[0].logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
     assert all(len(top) == 2 for top in resp.choices[0].logprobs.top_logprobs)
     # the router's access log (--access-log): one line per relayed request
@@ -182,8 +220,11 @@ def test_router_answers_like_the_offline_engine(deployment, client, offline):
 def test_metrics_of_every_worker_parse(deployment, client):
     client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
     decode = _metrics(deployment.decode)
-    components = {k.split("component=")[1].rstrip("}") for k in decode
-                  if k.startswith("baton_transfer_bytes_total")}  # fmt: skip
+    components = {
+        k.split("component=")[1].rstrip("}")
+        for k in decode
+        if k.startswith("baton_transfer_bytes_total")
+    }
     assert {"target.full", "target.swa", "aux"} <= components, components
     assert all(decode[f"baton_transfer_bytes_total{{component={c}}}"] > 0 for c in components)
     assert "baton_time_to_first_token_seconds_count{}" in decode
@@ -203,20 +244,33 @@ def test_metrics_of_every_worker_parse(deployment, client):
         (b"{not json", 400, None),
         (json.dumps({"prompt": PROMPT}).encode(), 400, "model"),
         (json.dumps({"model": "nope", "prompt": PROMPT}).encode(), 404, "model"),
-        (json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 0}).encode(), 400,
-         "max_tokens"),
-        (json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": -1}).encode(), 400,
-         "temperature"),
+        (
+            json.dumps({"model": "tiny", "prompt": PROMPT, "max_tokens": 0}).encode(),
+            400,
+            "max_tokens",
+        ),
+        (
+            json.dumps({"model": "tiny", "prompt": PROMPT, "temperature": -1}).encode(),
+            400,
+            "temperature",
+        ),
         (json.dumps({"model": "tiny", "prompt": PROMPT, "top_p": 2}).encode(), 400, "top_p"),
         (json.dumps({"model": "tiny", "prompt": PROMPT, "n": 3}).encode(), 400, "n"),
-        (json.dumps({"model": "tiny", "prompt": "x " * 400, "max_tokens": 4}).encode(), 400,
-         "prompt"),
+        (
+            json.dumps({"model": "tiny", "prompt": "x " * 400, "max_tokens": 4}).encode(),
+            400,
+            "prompt",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_input_through_the_router(deployment, body, status, param):
     done_before = [_prefill_done(u) for u in deployment.prefills]
-    resp = httpx.post(f"{deployment.router}/v1/completions", content=body,
-                      headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+    resp = httpx.post(
+        f"{deployment.router}/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert error["message"] and error["type"] == "invalid_request_error"
@@ -238,8 +292,11 @@ def test_hostile_bodies_on_every_app_of_a_deployment(deployment, target):
 
     from tests.server.fuzz_bodies import CHAT, COMPLETION, bodies, check_answer
 
-    base = {"router": deployment.router, "decode": deployment.decode,
-            "prefill": deployment.prefills[0]}[target]  # fmt: skip
+    base = {
+        "router": deployment.router,
+        "decode": deployment.decode,
+        "prefill": deployment.prefills[0],
+    }[target]
     paths = ["/v1/completions", "/v1/chat/completions"]
     if target == "prefill":
         paths = ["/health", "/metrics", "/v1/completions", "/admin/instances"]
@@ -248,8 +305,11 @@ def test_hostile_bodies_on_every_app_of_a_deployment(deployment, target):
         assert ok.status_code == 200, ok.text  # and the units gauge exists on decode
 
         @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(path=st.sampled_from(paths), method=st.sampled_from(["POST", "GET", "PUT"]),
-               data=st.data())  # fmt: skip
+        @given(
+            path=st.sampled_from(paths),
+            method=st.sampled_from(["POST", "GET", "PUT"]),
+            data=st.data(),
+        )
         def check(path: str, method: str, data) -> None:
             body = data.draw(bodies(CHAT if "chat" in path else COMPLETION))
             check_answer(http, method, path, body)
@@ -263,9 +323,17 @@ def test_hostile_bodies_on_every_app_of_a_deployment(deployment, target):
 
 def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
     bad = deployment.start(  # pairing with the float32 decode is refused by dtype
-        "prefill-bf16", "serve", "--role", "prefill", "--model", str(deployment.model_dir),
-        "--dtype", "bfloat16", "--threads", "1",
-    )  # fmt: skip
+        "prefill-bf16",
+        "serve",
+        "--role",
+        "prefill",
+        "--model",
+        str(deployment.model_dir),
+        "--dtype",
+        "bfloat16",
+        "--threads",
+        "1",
+    )
     deployment.wait_healthy(bad, "prefill-bf16")
     admin = f"{deployment.router}/admin/instances"
     body = {"role": "prefill", "url": bad}
@@ -279,8 +347,9 @@ def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
         )
         want = offline.generate(PROMPT, SamplingParams(max_tokens=8, temperature=0))[0]
         for _ in range(3):  # round robin over three prefills: one lands on the bf16 one
-            resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8,
-                                             temperature=0)  # fmt: skip
+            resp = client.completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=8, temperature=0
+            )
             assert resp.choices[0].text == want.outputs[0].text
         # A refused pairing is a refusal (the prefill answered), not a failure.
         metrics = _metrics(deployment.router)
@@ -297,10 +366,19 @@ def test_refusing_prefill_is_retried_on_another(deployment, client, offline):
 
 
 def test_client_disconnect_aborts_both_legs(deployment):
-    with httpx.stream("POST", f"{deployment.router}/v1/completions", timeout=30, json={
-        "model": "tiny", "prompt": PROMPT, "max_tokens": 200, "temperature": 0,
-        "ignore_eos": True, "stream": True,
-    }) as resp:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        f"{deployment.router}/v1/completions",
+        timeout=30,
+        json={
+            "model": "tiny",
+            "prompt": PROMPT,
+            "max_tokens": 200,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as resp:
         assert resp.status_code == 200
         next(resp.iter_lines())
     deadline = time.monotonic() + 10
@@ -367,9 +445,15 @@ def test_bench_through_the_router_reads_every_worker(deployment, text_model_dir,
 
     monkeypatch.setenv("BATON_ADMIN_TOKEN", ADMIN_TOKEN)
     config = BenchConfig(
-        url=deployment.router, model="tiny", tokenizer_dir=str(text_model_dir), num_requests=4,
-        concurrency=2, prompt_tokens=(8, 24), output_tokens=(4, 8), seed=2,
-    )  # fmt: skip
+        url=deployment.router,
+        model="tiny",
+        tokenizer_dir=str(text_model_dir),
+        num_requests=4,
+        concurrency=2,
+        prompt_tokens=(8, 24),
+        output_tokens=(4, 8),
+        seed=2,
+    )
     result = run_bench(config, show_progress=False)
     summary = result["summary"]
     assert summary["num_completed"] == 4, summary["first_error"]
@@ -392,17 +476,36 @@ def test_handoff_outcome_in_header_metrics_and_bench(deployment, offline, text_m
     d = deployment
     decode = d.serve("decode-local", "decode", "--local-prefill-tokens", "12")
     d.wait_healthy(decode, "decode-local")
-    live = d.start("router-live", "router", "--prefill", d.prefills[0], "--decode", decode,
-                   "--health-interval", "0.5")  # fmt: skip
-    dead = d.start("router-dead", "router", "--prefill", f"http://127.0.0.1:{_free_port()}",
-                   "--decode", decode, "--health-interval", "0.5")  # fmt: skip
+    live = d.start(
+        "router-live",
+        "router",
+        "--prefill",
+        d.prefills[0],
+        "--decode",
+        decode,
+        "--health-interval",
+        "0.5",
+    )
+    dead = d.start(
+        "router-dead",
+        "router",
+        "--prefill",
+        f"http://127.0.0.1:{_free_port()}",
+        "--decode",
+        decode,
+        "--health-interval",
+        "0.5",
+    )
     try:
         d.wait_healthy(live, "router-live")
         d.wait_healthy(dead, "router-dead")  # degraded, still serving
         assert httpx.get(f"{dead}/health", timeout=5).json()["status"] == "degraded"
         short, long = "x = 1\n", "def parse(line):\n    fields = line.split(',')\n" * 3
-        cases = [(live, short, "local_prefill; reason=policy"), (live, long, "transferred"),
-                 (dead, long, "local_prefill; reason=no_healthy_prefill")]  # fmt: skip
+        cases = [
+            (live, short, "local_prefill; reason=policy"),
+            (live, long, "transferred"),
+            (dead, long, "local_prefill; reason=no_healthy_prefill"),
+        ]
         for router, prompt, outcome in cases:
             before = _metrics(decode)
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
@@ -434,9 +537,15 @@ def test_handoff_outcome_in_header_metrics_and_bench(deployment, offline, text_m
             "baton_handoff_total{outcome=transferred,reason=}": 1.0,
         }
         config = BenchConfig(
-            url=live, model="tiny", tokenizer_dir=str(text_model_dir), num_requests=6,
-            concurrency=2, prompt_tokens=(4, 24), output_tokens=(2, 4), seed=3,
-        )  # fmt: skip
+            url=live,
+            model="tiny",
+            tokenizer_dir=str(text_model_dir),
+            num_requests=6,
+            concurrency=2,
+            prompt_tokens=(4, 24),
+            output_tokens=(2, 4),
+            seed=3,
+        )
         summary = run_bench(config, show_progress=False)["summary"]
         assert summary["num_completed"] == 6, summary["first_error"]
         handoffs = summary["handoffs"]
@@ -455,10 +564,21 @@ def test_prefix_affinity_keeps_a_prefix_on_one_decode(deployment, offline):
     decodes = [d.decode, d.serve("decode-b", "decode", "--local-prefill-tokens", "0")]
     d.wait_healthy(decodes[1], "decode-b")
     router = d.start(
-        "router-affinity", "router", "--prefill", d.prefills[0], "--prefill", d.prefills[1],
-        "--decode", decodes[0], "--decode", decodes[1], "--policy", "prefix_affinity",
-        "--health-interval", "0.5",
-    )  # fmt: skip
+        "router-affinity",
+        "router",
+        "--prefill",
+        d.prefills[0],
+        "--prefill",
+        d.prefills[1],
+        "--decode",
+        decodes[0],
+        "--decode",
+        decodes[1],
+        "--policy",
+        "prefix_affinity",
+        "--health-interval",
+        "0.5",
+    )
     try:
         d.wait_healthy(router, "router-affinity")
         served = lambda: [_metrics(u).get("baton_generation_tokens_total{}", 0) for u in decodes]  # noqa: E731
@@ -510,8 +630,12 @@ def test_a_decode_takes_routing_headers_only_signed_by_the_deployments_token(dep
     tampered[ROOM_HEADER] = "12346"
     wrong = dict(forged)
     sign_route(b"another deployment's token", wrong, _time.time())
-    for headers, says in [(forged, "missing"), (stale, "off this host's clock"),
-                          (tampered, "does not match"), (wrong, "does not match")]:  # fmt: skip
+    for headers, says in [
+        (forged, "missing"),
+        (stale, "off this host's clock"),
+        (tampered, "does not match"),
+        (wrong, "does not match"),
+    ]:
         resp = httpx.post(url, json=body, headers=headers, timeout=30)
         assert resp.status_code == 403, resp.text
         assert says in resp.json()["error"]["message"]

@@ -37,8 +37,9 @@ class _Server:
     def __init__(self, app: FastAPI) -> None:
         self.url = f"http://127.0.0.1:{_free_port()}"
         port = int(self.url.rsplit(":", 1)[1])
-        self.uv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                log_level="warning"))  # fmt: skip
+        self.uv = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
         self.thread = threading.Thread(target=self.uv.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -122,8 +123,9 @@ def test_unreachable_decode_is_retried_on_another(servers):
     router = _router(servers, [prefill.url], [doomed.url, good.url], interval_s=600)
     doomed.stop()
     for _ in range(3):  # round robin: one of the first two goes to the dead decode
-        resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"},
-                          timeout=10)  # fmt: skip
+        resp = httpx.post(
+            f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
         assert resp.status_code == 200, resp.text
         assert resp.json() == {"choices": [{"text": "ok"}]}
     assert len(seen) == 3
@@ -183,8 +185,12 @@ def _refusing_decode_app(reason: str) -> tuple[FastAPI, list[dict]]:
     async def completions(request: Request):
         seen.append(dict(request.headers))
         if PREFILL_HEADER in request.headers:
-            error = {"message": "prefill failed the request: component `draft.swa`: ...",
-                     "type": "server_error", "param": None, "code": "prefill_failed"}  # fmt: skip
+            error = {
+                "message": "prefill failed the request: component `draft.swa`: ...",
+                "type": "server_error",
+                "param": None,
+                "code": "prefill_failed",
+            }
             headers = {HANDOFF_HEADER: f"failed; reason={reason}"}
             return JSONResponse({"error": error}, status_code=503, headers=headers)
         return JSONResponse({"choices": [{"text": "ok"}]})
@@ -215,9 +221,13 @@ def test_a_prefill_that_refused_is_the_reason_decode_computes_alone(servers, rea
 
 @pytest.mark.parametrize(
     ("body", "param"),
-    [(b"[]", "role"), (b'{"role": "router", "url": "http://x"}', "role"),
-     (b'{"role": "decode", "url": "ftp://x"}', "url"), (b"{nope", None)],
-)  # fmt: skip
+    [
+        (b"[]", "role"),
+        (b'{"role": "router", "url": "http://x"}', "role"),
+        (b'{"role": "decode", "url": "ftp://x"}', "url"),
+        (b"{nope", None),
+    ],
+)
 def test_admin_input_is_checked(servers, body, param):
     router = _router(servers, [], [])
     resp = httpx.post(f"{router}/admin/instances", content=body, headers=ADMIN, timeout=10)
@@ -231,8 +241,9 @@ def test_the_admin_api_always_needs_a_token(servers):
     body = {"role": "prefill", "url": "http://127.0.0.1:1"}
     closed = _router(servers, [], [], admin_token=None)
     for method in ("GET", "POST", "DELETE"):
-        resp = httpx.request(method, f"{closed}/admin/instances", json=body, headers=ADMIN,
-                             timeout=10)  # fmt: skip
+        resp = httpx.request(
+            method, f"{closed}/admin/instances", json=body, headers=ADMIN, timeout=10
+        )
         assert resp.status_code == 403, resp.text
         assert "BATON_ADMIN_TOKEN" in resp.json()["error"]["message"]
     router = _router(servers, [], [])
@@ -272,8 +283,16 @@ def test_health_checks_eject_after_three_failures_or_a_refused_port():
         router.http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
         (instance,) = router.table.all()
         seen = []
-        for answer in [200, httpx.ReadTimeout("slow"), 503, 200, *[503] * HEALTH_FAILURES_TO_EJECT,
-                       200, httpx.ConnectError("refused"), 200]:  # fmt: skip
+        for answer in [
+            200,
+            httpx.ReadTimeout("slow"),
+            503,
+            200,
+            *[503] * HEALTH_FAILURES_TO_EJECT,
+            200,
+            httpx.ConnectError("refused"),
+            200,
+        ]:
             answers.append(answer)
             await router.check(instance)
             seen.append(instance.healthy)
@@ -321,8 +340,9 @@ def test_a_dropped_connection_is_sent_again_not_taken_for_a_dead_decode(servers)
     try:
         url = f"http://127.0.0.1:{decode.server_address[1]}"
         router = _router(servers, [servers(_prefill_app()).url], [url], interval_s=600)
-        resp = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"},
-                          timeout=10)  # fmt: skip
+        resp = httpx.post(
+            f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10
+        )
         assert resp.status_code == 200, resp.text
         assert len(posts) == 2
         listed = httpx.get(f"{router}/admin/instances", headers=ADMIN, timeout=10).json()

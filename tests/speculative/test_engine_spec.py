@@ -17,8 +17,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
 def _prompts() -> list[dict]:
     g = torch.Generator().manual_seed(4)
-    return [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()}
-            for n in LENGTHS]  # fmt: skip
+    return [
+        {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in LENGTHS
+    ]
 
 
 def _llm(directory, **options) -> LLM:
@@ -58,8 +59,10 @@ def test_greedy_kernels_give_the_samplers_tokens_and_logprobs(spec_dir, dtype, m
     def run():
         llm = LLM(spec_dir, dtype=dtype, page_size=8, max_num_batched_tokens=40)
         outs = llm.generate(prompts, params)
-        return [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob,
-                 o.metrics.accepted_lengths) for o in outs]  # fmt: skip
+        return [
+            (o.outputs[0].token_ids, o.outputs[0].cumulative_logprob, o.metrics.accepted_lengths)
+            for o in outs
+        ]
 
     with_kernels = run()
     monkeypatch.setattr(kernel_logits, "library", lambda: None)

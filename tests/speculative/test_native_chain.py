@@ -140,8 +140,12 @@ def test_generation_with_the_chain_equals_without(onednn, monkeypatch):
         if not use_chain:
             llm.engine.proposer.chain = None
         outs = llm.generate(PROMPTS, params)
-        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
-                     for o in outs])  # fmt: skip
+        runs.append(
+            [
+                (o.outputs[0].token_ids, o.outputs[0].logprobs, o.metrics.accepted_lengths)
+                for o in outs
+            ]
+        )
     assert calls and runs[0] == runs[1]
     assert any(max(a) > 1 for _, _, a in runs[0])  # guesses were accepted
 

@@ -98,9 +98,15 @@ def test_aborting_at_every_point_of_a_request_life(spec_dir, reference):
             if track is None and not llm.has_unfinished_requests():
                 break
     assert seen >= {
-        "waiting", "prefilling", "one short", "just prefilled", "decoding", "preempted",
-        "re-prefilling", "finished",
-    }, seen  # fmt: skip
+        "waiting",
+        "prefilling",
+        "one short",
+        "just prefilled",
+        "decoding",
+        "preempted",
+        "re-prefilling",
+        "finished",
+    }, seen
 
 
 def test_a_preempted_request_keeps_its_ablation_floor(spec_dir):

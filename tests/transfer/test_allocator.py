@@ -77,15 +77,25 @@ def test_shared_allocator_errors(shm_allocator):
 
 def test_model_cache_puts_every_pool_in_shared_memory(shm_allocator):
     spec = ModelSpec(
-        architecture="Qwen3ForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
-        num_heads=4, num_kv_heads=2, head_dim=8,
-        layer_types=("sliding_attention", "full_attention"), sliding_window=8,
-    )  # fmt: skip
+        architecture="Qwen3ForCausalLM",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=8,
+    )
     registry = StateRegistry()
     cache = ModelCache(
-        spec, CacheConfig(page_size=4, num_pages=16), SchedulerConfig(max_num_seqs=2),
-        torch.bfloat16, registry, allocator=shm_allocator,
-    )  # fmt: skip
+        spec,
+        CacheConfig(page_size=4, num_pages=16),
+        SchedulerConfig(max_num_seqs=2),
+        torch.bfloat16,
+        registry,
+        allocator=shm_allocator,
+    )
     assert (
         sorted(shm_allocator.segments) == ["target.full", "target.swa"] == sorted(registry.names())
     )

@@ -148,8 +148,9 @@ def test_region_descriptor_wire_form():
         RegionDescriptor.from_dict({**d.to_dict(), "pointer": 1})
 
 
-@pytest.mark.parametrize(("kind", "importer"), [("nixl", "import_nixl"),
-                                                ("mooncake", "import_engine_class")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kind", "importer"), [("nixl", "import_nixl"), ("mooncake", "import_engine_class")]
+)
 def test_a_missing_engine_skips_naming_make_extras(kind, importer, monkeypatch):
     """Without ``make extras`` the two-process tests of a real backend skip, not fail."""
     import importlib

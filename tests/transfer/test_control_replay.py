@@ -91,9 +91,14 @@ def test_replayed_hello_and_reserve_without_the_token_move_nothing(
     # write, which would leave cached pages claiming content they no longer hold.
     decode_config = EngineConfig.from_kwargs(**CONFIG, enable_prefix_caching=False)
     with DecodeEngine(
-        pd_dir, decode_config, prefill.endpoint, TOKEN, "shm", deadlines,
+        pd_dir,
+        decode_config,
+        prefill.endpoint,
+        TOKEN,
+        "shm",
+        deadlines,
         shm_prefix=f"{TEST_PREFIX}-{secrets.token_hex(3)}",
-    ) as client:  # fmt: skip
+    ) as client:
         prompt = list(range(1, 20))
         first = _run(client, client.add_request(prompt, PARAMS))
         assert prefill.num_requests["done"] == 1 and len(prefill.peers) == 1

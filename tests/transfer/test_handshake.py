@@ -49,17 +49,27 @@ def make_registry(
     )
     registry.register(
         StateComponent(
-            "target.swa", "paged_sliding", (0,), unit_bytes=unit_bytes, unit_shape=shape,
-            window=swa_window, **page,
+            "target.swa",
+            "paged_sliding",
+            (0,),
+            unit_bytes=unit_bytes,
+            unit_shape=shape,
+            window=swa_window,
+            **page,
         )
-    )  # fmt: skip
+    )
     if with_draft:
         registry.register(
             StateComponent(
-                "draft.swa", "paged_sliding", (0,), unit_bytes=unit_bytes, unit_shape=shape,
-                window=16, **page,
+                "draft.swa",
+                "paged_sliding",
+                (0,),
+                unit_bytes=unit_bytes,
+                unit_shape=shape,
+                window=16,
+                **page,
             )
-        )  # fmt: skip
+        )
     return registry
 
 

@@ -50,9 +50,12 @@ def pd_dir(hf_checkpoint, tmp_path_factory):
 
 def _config(page_size: int, mode: str = "paged", **overrides) -> EngineConfig:
     return EngineConfig.from_kwargs(
-        dtype="float32", page_size=page_size, sliding_mode=mode, max_num_batched_tokens=40,
+        dtype="float32",
+        page_size=page_size,
+        sliding_mode=mode,
+        max_num_batched_tokens=40,
         **overrides,
-    )  # fmt: skip
+    )
 
 
 def _rounds() -> list[list[list[int]]]:

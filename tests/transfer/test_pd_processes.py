@@ -102,10 +102,19 @@ def _worker_env(token: str) -> dict[str, str]:
 def _worker_args(role: str, model_dir: Path, *extra: str) -> list[str]:
     engine = [f"--engine={k}={v}" for k, v in ENGINE.items()]
     return [
-        sys.executable, "-m", "baton.transfer.worker", "--role", role, "--model", str(model_dir),
-        "--token-env", TOKEN_ENV, *engine, *(("--local-prefill-tokens=0",) if role == "decode"
-        else ()), *extra,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "baton.transfer.worker",
+        "--role",
+        role,
+        "--model",
+        str(model_dir),
+        "--token-env",
+        TOKEN_ENV,
+        *engine,
+        *(("--local-prefill-tokens=0",) if role == "decode" else ()),
+        *extra,
+    ]
 
 
 def start_prefill(model_dir: Path, log_path: Path, *extra: str) -> Prefill:
@@ -113,8 +122,12 @@ def start_prefill(model_dir: Path, log_path: Path, *extra: str) -> Prefill:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             _worker_args("prefill", model_dir, "--port", "0", *extra),
-            stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=_worker_env(TOKEN),
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=REPO,
+            env=_worker_env(TOKEN),
+        )
     prefill = Prefill(proc, "", log_path)
     readable, _, _ = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline() if readable else ""
@@ -167,9 +180,15 @@ def _client(
     default every prompt goes to the prefill, and a request it refuses fails."""
     prefix = f"{TEST_PREFIX}-{secrets.token_hex(3)}"
     return DecodeEngine(
-        pd_dir, config or _config(), endpoint, token, backend, deadlines, shm_prefix=prefix,
+        pd_dir,
+        config or _config(),
+        endpoint,
+        token,
+        backend,
+        deadlines,
+        shm_prefix=prefix,
         local_prefill=local_prefill,
-    )  # fmt: skip
+    )
 
 
 def _requests() -> list[tuple[list[int], SamplingParams]]:
@@ -332,9 +351,13 @@ def test_decode_worker_process(pd_dir, prefill_server):
     shm_before = set(os.listdir(SHM_DIR))
     done = subprocess.run(
         _worker_args("decode", pd_dir, "--connect", prefill_server.endpoint),
-        input="\n".join(jobs), capture_output=True, text=True, cwd=REPO,
-        env=_worker_env(TOKEN), timeout=25,
-    )  # fmt: skip
+        input="\n".join(jobs),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=_worker_env(TOKEN),
+        timeout=25,
+    )
     assert done.returncode == 0, done.stderr
     results = [json.loads(line) for line in done.stdout.splitlines()]
     assert all(r["finish_reason"] == "length" and r["error"] is None for r in results), results
@@ -442,12 +465,16 @@ def test_request_refused_by_prefill_is_computed_on_decode(pd_dir, spawn_prefill)
         _assert_same_tokens_and_acceptance(outs, expected)
         short, long = (o.metrics.handoff for o in outs)
         assert (short.kind, long.kind, long.reason) == (
-            HandoffKind.TRANSFERRED, HandoffKind.LOCAL_PREFILL, HandoffReason.PREFILL_REFUSED
-        )  # fmt: skip
+            HandoffKind.TRANSFERRED,
+            HandoffKind.LOCAL_PREFILL,
+            HandoffReason.PREFILL_REFUSED,
+        )
         assert sum(short.component_bytes.values()) > 0
         assert client.engine.runner.num_computed_prompt_tokens == 83  # the refused one only
-        assert client.stats().handoffs == {("transferred", ""): 1,
-                                           ("local_prefill", "prefill_refused"): 1}  # fmt: skip
+        assert client.stats().handoffs == {
+            ("transferred", ""): 1,
+            ("local_prefill", "prefill_refused"): 1,
+        }
         assert _free_units(client.engine) == start_free
 
 

@@ -60,13 +60,22 @@ def pd_dir(hf_checkpoint, tmp_path_factory):
     return directory
 
 
-def config(page_size: int, num_pages: int, max_num_seqs: int, caching: bool = True,
-           max_num_batched_tokens: int = 32):  # fmt: skip
+def config(
+    page_size: int,
+    num_pages: int,
+    max_num_seqs: int,
+    caching: bool = True,
+    max_num_batched_tokens: int = 32,
+):
     return EngineConfig.from_kwargs(
-        dtype="float32", page_size=page_size, num_pages=num_pages, max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=caching,
+        dtype="float32",
+        page_size=page_size,
+        num_pages=num_pages,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=caching,
         num_threads=1,
-    )  # fmt: skip
+    )
 
 
 class ColdReference:
@@ -203,8 +212,9 @@ def streams(draw):
             elif kind == "shares":  # a prefix of an earlier prompt, then its own tail
                 base = draw(st.sampled_from(bases))
                 shared = draw(st.integers(1, min(n, len(base))))
-                tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n - shared,
-                                     max_size=n - shared))  # fmt: skip
+                tail = draw(
+                    st.lists(st.integers(0, VOCAB - 1), min_size=n - shared, max_size=n - shared)
+                )
                 prompt = base[:shared] + tail
             else:
                 prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
@@ -225,8 +235,7 @@ def check_stream(directory, reference, stream) -> None:
         config(page["prefill"], pages["prefill"], seqs["prefill"]),
         config(page["decode"], pages["decode"], seqs["decode"]),
     )
-    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=5,
-                            ignore_eos=True)  # fmt: skip
+    params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True)
     for prompts, aborts in rounds:
         done = pair.run(prompts, params, aborts)
         assert sorted(done) == list(range(len(prompts)))
@@ -303,29 +312,42 @@ def test_pd_processes_over_random_streams(pd_dir, reference, backend, tmp_path):
     engines' processes are what is new."""
     require_backend(backend)
 
-    @settings(max_examples=2, deadline=None, phases=[Phase.explicit, Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=2,
+        deadline=None,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(stream=streams())
     @example(stream=ISSUE_47)
     def check(stream):
         page, pages, seqs, rounds, temperature = stream
         note(f"pages {page} pools {pages} seqs {seqs} rounds {rounds}")
         extra = [
-            f"--engine=page_size={page['prefill']}", f"--engine=num_pages={pages['prefill']}",
-            f"--engine=max_num_seqs={seqs['prefill']}", "--engine=max_num_batched_tokens=32",
-            "--backend", backend,
-        ]  # fmt: skip
+            f"--engine=page_size={page['prefill']}",
+            f"--engine=num_pages={pages['prefill']}",
+            f"--engine=max_num_seqs={seqs['prefill']}",
+            "--engine=max_num_batched_tokens=32",
+            "--backend",
+            backend,
+        ]
         prefill = start_prefill(pd_dir, tmp_path / f"prefill-{secrets.token_hex(3)}.log", *extra)
-        params = SamplingParams(temperature=temperature, max_tokens=MAX_TOKENS, seed=5,
-                                ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            temperature=temperature, max_tokens=MAX_TOKENS, seed=5, ignore_eos=True
+        )
         decode_config = config(page["decode"], pages["decode"], seqs["decode"])
         deadlines = Deadlines(bootstrap_s=30.0, waiting_for_state_s=30.0, abort_grace_s=5.0)
         try:
             with DecodeEngine(
-                pd_dir, decode_config, prefill.endpoint, TOKEN, backend, deadlines,
+                pd_dir,
+                decode_config,
+                prefill.endpoint,
+                TOKEN,
+                backend,
+                deadlines,
                 shm_prefix=f"{TEST_PREFIX}-{secrets.token_hex(3)}",
                 local_prefill=LocalPrefill(0, fallback=False),
-            ) as client:  # fmt: skip
+            ) as client:
                 for prompts, _ in rounds:
                     ids = [client.add_request(p, params) for p in prompts]
                     done, deadline = {}, time.monotonic() + 60

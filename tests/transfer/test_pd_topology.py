@@ -155,9 +155,13 @@ def test_prefill_forgets_a_dead_decode_and_unmaps_its_pools(pd_dir, spawn_prefil
     jobs = [json.dumps({"prompt_token_ids": p, "max_tokens": 4}) for p, _ in _requests()[:3]]
     decode = subprocess.Popen(
         processes._worker_args("decode", pd_dir, "--connect", prefill.endpoint),
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
-        cwd=processes.REPO, env=processes._worker_env(processes.TOKEN),
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=processes.REPO,
+        env=processes._worker_env(processes.TOKEN),
+    )
     prefix = f"baton-{decode.pid}-"
     try:
         decode.stdin.write("\n".join(jobs) + "\n")

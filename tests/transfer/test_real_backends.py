@@ -51,9 +51,13 @@ def _start_peer(request: pytest.FixtureRequest, job: dict) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.transfer.real_backend_peer"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, cwd=REPO, env=env,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
     request.addfinalizer(lambda: _end(child))
     assert child.stdin is not None
     child.stdin.write(json.dumps(job) + "\n")

@@ -87,8 +87,13 @@ def test_sender_process_writes_exactly_the_planned_units(shm_allocator):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run(
         [sys.executable, "-m", "tests.transfer.shm_peer"],
-        input=json.dumps(job), capture_output=True, text=True, cwd=REPO, env=env, timeout=60,
-    )  # fmt: skip
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["state"] == "done", result["reason"]

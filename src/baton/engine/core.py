@@ -43,9 +43,13 @@ class EngineCore(Protocol):
     def platform_info(self) -> dict: ...
 
     def add_request(
-        self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-        request_id: None = None, *, route: PDRoute | None = None,
-    ) -> str:  # fmt: skip
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None = None,
+        request_id: None = None,
+        *,
+        route: PDRoute | None = None,
+    ) -> str:
         """Validate and queue a request; returns its id. ``ValueError`` for a bad one (nothing
         kept; a ``route`` given to a colocated engine too), ``RuntimeError`` when it cannot be
         served at all."""

@@ -120,16 +120,21 @@ class LLMEngine:
             skip = skip if config.debug_prefix_cache_skip_draft else frozenset()
             self.prefix_cache = PrefixCache(self.registry, config.cache.page_size, skip)
         self.scheduler = Scheduler(
-            config.scheduler, StateGroup(self.registry, self.prefix_cache),
+            config.scheduler,
+            StateGroup(self.registry, self.prefix_cache),
             self._num_lookahead_tokens if proposer else None,
-        )  # fmt: skip
+        )
         self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
         self.tracks: dict[str, Track] = {}
         """Every live request (not finished), whatever its status."""
         self.intake = RequestIntake(
-            spec.vocab_size, self.tokenizer, self.max_model_len, self.num_speculative_tokens,
-            self.registry, config.seed,
-        )  # fmt: skip
+            spec.vocab_size,
+            self.tokenizer,
+            self.max_model_len,
+            self.num_speculative_tokens,
+            self.registry,
+            config.seed,
+        )
         """Checks a request against the model and memory before anything of it is kept."""
         self.handoff = Handoff(self)
         """The PD handoff: reserve / admit (decode), add_for_prefill / release (prefill), fail."""
@@ -154,16 +159,28 @@ class LLMEngine:
         # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
         slack = self.num_speculative_tokens + 1 if draft is not None else 0
         self.cache = ModelCache(
-            spec, config.cache, config.scheduler, dtype, self.registry,
-            slack=slack, allocator=allocator,
-        )  # fmt: skip
+            spec,
+            config.cache,
+            config.scheduler,
+            dtype,
+            self.registry,
+            slack=slack,
+            allocator=allocator,
+        )
         self.caches = [self.cache]
         proposer = None
         if draft is not None:
             draft_cache = ModelCache(
-                draft.spec, config.cache, config.scheduler, dtype, self.registry,
-                prefix="draft", slack=2 * slack, allocator=allocator, token_lag=1,
-            )  # fmt: skip
+                draft.spec,
+                config.cache,
+                config.scheduler,
+                dtype,
+                self.registry,
+                prefix="draft",
+                slack=2 * slack,
+                allocator=allocator,
+                token_lag=1,
+            )
             self.caches.append(draft_cache)
             proposer = DraftProposer(self.model, draft, draft_cache, self.num_speculative_tokens)
         # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
@@ -263,10 +280,12 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.num_running, self.num_waiting, self.units_in_use(),
+            self.num_running,
+            self.num_waiting,
+            self.units_in_use(),
             prompt_tokens_computed=self.runner.num_computed_prompt_tokens,
             **prefix_stats(self.prefix_cache),
-        )  # fmt: skip
+        )
 
     def _count_prefix_hit(self, request: Request, num_cached: int | None) -> None:
         """A request's first admission: its prompt was looked up in the prefix cache (its

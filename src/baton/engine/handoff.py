@@ -228,7 +228,7 @@ class Handoff:
                     unit_ids,
                     ranges,
                     num_held,
-                )  # fmt: skip
+                )
             )
         return reserved
 

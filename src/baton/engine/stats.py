@@ -47,9 +47,11 @@ def prefix_stats(cache: PrefixCache | None) -> dict:
     if cache is None:
         return {}
     return {
-        "prefix_queries": cache.stats.num_queries, "prefix_hits": cache.stats.num_hits,
-        "prefix_evictions": cache.num_evictions(), "cached_units": cache.num_cached_units(),
-    }  # fmt: skip
+        "prefix_queries": cache.stats.num_queries,
+        "prefix_hits": cache.stats.num_hits,
+        "prefix_evictions": cache.num_evictions(),
+        "cached_units": cache.num_cached_units(),
+    }
 
 
 def record_acceptance(metrics: RequestMetrics, committed: Committed, k: int) -> None:

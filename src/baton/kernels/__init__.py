@@ -140,11 +140,16 @@ def _build(compiler: str, level: str) -> Path:
             return target
         if target.exists():  # truncated, flipped: loading it killed the worker (SIGBUS)
             if _digest_path(target).exists():
-                log.warning("cached native kernels %s do not match their recorded hash: "
-                            "rebuilding them", target)  # fmt: skip
+                log.warning(
+                    "cached native kernels %s do not match their recorded hash: rebuilding them",
+                    target,
+                )
             else:
-                log.info("cached native kernels %s have no recorded hash (an older "
-                         "baton's build): rebuilding them", target)  # fmt: skip
+                log.info(
+                    "cached native kernels %s have no recorded hash (an older "
+                    "baton's build): rebuilding them",
+                    target,
+                )
             target.unlink()
         _remove_orphans(cache_dir)
         # Build beside the target and rename: a reader never sees half a file.
@@ -238,8 +243,9 @@ def library_for(level: str) -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(compiler, level)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("native kernels (%s) failed to build or load, torch paths are used: %s",
-                    level, detail)  # fmt: skip
+        log.warning(
+            "native kernels (%s) failed to build or load, torch paths are used: %s", level, detail
+        )
         return None
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
     lib.baton_paged_attention.restype = ctypes.c_int
@@ -257,16 +263,58 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_logsumexp_rows.argtypes = [ptr, ptr, i64, i64, i64, i32, ptr, i32]
     lib.baton_linear_rows.restype = ctypes.c_int
     lib.baton_linear_rows.argtypes = [
-        ptr, i64, i32, i32, ptr, i32, ptr, ptr, i64, i32, ptr, i64, i32, i32, i32
-    ]  # fmt: skip
+        ptr,
+        i64,
+        i32,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        ptr,
+        i64,
+        i32,
+        ptr,
+        i64,
+        i32,
+        i32,
+        i32,
+    ]
     lib.baton_gated_rows.restype = ctypes.c_int
     lib.baton_gated_rows.argtypes = [
-        ptr, i64, i32, i32, ptr, ptr, i32, ptr, ptr, ptr, i32, ptr, i32, i32, i32, i32
-    ]  # fmt: skip
+        ptr,
+        i64,
+        i32,
+        i32,
+        ptr,
+        ptr,
+        i32,
+        ptr,
+        ptr,
+        ptr,
+        i32,
+        ptr,
+        i32,
+        i32,
+        i32,
+        i32,
+    ]
     lib.baton_head_greedy.restype = ctypes.c_int
     lib.baton_head_greedy.argtypes = [
-        ptr, i64, i32, i32, ptr, i32, ptr, i32, ptr, i32, i32, ptr, ptr, i32
-    ]  # fmt: skip
+        ptr,
+        i64,
+        i32,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        i32,
+        ptr,
+        i32,
+        i32,
+        ptr,
+        ptr,
+        i32,
+    ]
     lib.baton_decoder_layer.restype = ctypes.c_int
     lib.baton_decoder_layer.argtypes = [ptr, ptr]
     lib.baton_decoder_stack.restype = ctypes.c_int

@@ -26,27 +26,69 @@ _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 class _Chain(ctypes.Structure):
     # Field for field the ``Chain`` struct of chain.c.
     _fields_ = [
-        *((name, _ptr) for name in (
-            "layer", "embed", "enorm", "hnorm", "norm", "eh", "eh_bias", "head", "head_bias",
-        )),
-        *((name, _i32) for name in (
-            "vocab", "hidden", "eh_w_bf16", "head_w_bf16", "eh_op", "head_op",
-        )),
+        *(
+            (name, _ptr)
+            for name in (
+                "layer",
+                "embed",
+                "enorm",
+                "hnorm",
+                "norm",
+                "eh",
+                "eh_bias",
+                "head",
+                "head_bias",
+            )
+        ),
+        *(
+            (name, _i32)
+            for name in (
+                "vocab",
+                "hidden",
+                "eh_w_bf16",
+                "head_w_bf16",
+                "eh_op",
+                "head_op",
+            )
+        ),
         *((name, _f32) for name in ("eps", "offset", "norm_eps", "norm_offset")),
-    ]  # fmt: skip
+    ]
 
 
 class _ChainStep(ctypes.Structure):
     # Field for field the ``ChainStep`` struct of chain.c.
     _fields_ = [
-        *((name, _ptr) for name in (
-            "hidden", "cos", "sin", "k_pool", "v_pool", "attn", "floor", "tokens",
-            "first_hidden", "first_ids", "first_positions", "first_attn", "last_rows",
-        )),
-        *((name, _i32) for name in (
-            "pairs", "batch", "steps", "act_bf16", "lanes", "num_threads", "table_rows",
-        )),
-    ]  # fmt: skip
+        *(
+            (name, _ptr)
+            for name in (
+                "hidden",
+                "cos",
+                "sin",
+                "k_pool",
+                "v_pool",
+                "attn",
+                "floor",
+                "tokens",
+                "first_hidden",
+                "first_ids",
+                "first_positions",
+                "first_attn",
+                "last_rows",
+            )
+        ),
+        *(
+            (name, _i32)
+            for name in (
+                "pairs",
+                "batch",
+                "steps",
+                "act_bf16",
+                "lanes",
+                "num_threads",
+                "table_rows",
+            )
+        ),
+    ]
 
 
 @dataclass
@@ -169,9 +211,11 @@ class NativeChain:
             if not first_hidden.is_contiguous():
                 first_hidden = first_hidden.contiguous()
             keep += [
-                first_hidden, array.array("q", first.token_ids),
-                array.array("q", first.positions), array.array("i", first.last_rows),
-            ]  # fmt: skip
+                first_hidden,
+                array.array("q", first.token_ids),
+                array.array("q", first.positions),
+                array.array("i", first.last_rows),
+            ]
             step.first_hidden = first_hidden.data_ptr()
             step.first_ids, step.first_positions, step.last_rows = (
                 a.buffer_info()[0] for a in keep[2:]

@@ -40,59 +40,122 @@ _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
 class _Layer(ctypes.Structure):
     # Field for field the ``Layer`` struct of layer.c.
     _fields_ = [
-        *((name, _ptr) for name in (
-            "input_norm", "post_norm", "qkv", "qkv_bias", "qk_norm", "o", "o_bias",
-            "gate", "gate_bias", "up", "up_bias", "down", "down_bias",
-        )),
-        *((name, _i32) for name in (
-            "hidden", "intermediate", "heads", "kv_heads", "head_dim", "act",
-        )),
-        ("eps", _f32), ("norm_offset", _f32), ("qk_eps", _f32),
-        ("w_bf16", _i32), ("round_once", _i32),
-    ]  # fmt: skip
+        *(
+            (name, _ptr)
+            for name in (
+                "input_norm",
+                "post_norm",
+                "qkv",
+                "qkv_bias",
+                "qk_norm",
+                "o",
+                "o_bias",
+                "gate",
+                "gate_bias",
+                "up",
+                "up_bias",
+                "down",
+                "down_bias",
+            )
+        ),
+        *(
+            (name, _i32)
+            for name in (
+                "hidden",
+                "intermediate",
+                "heads",
+                "kv_heads",
+                "head_dim",
+                "act",
+            )
+        ),
+        ("eps", _f32),
+        ("norm_offset", _f32),
+        ("qk_eps", _f32),
+        ("w_bf16", _i32),
+        ("round_once", _i32),
+    ]
 
 
 class _Step(ctypes.Structure):
     # Field for field the ``Step`` struct of layer.c.
     _fields_ = [
-        ("x", _ptr), ("cos", _ptr), ("sin", _ptr), ("k_pool", _ptr), ("v_pool", _ptr),
+        ("x", _ptr),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("k_pool", _ptr),
+        ("v_pool", _ptr),
         ("attn", _ptr),
-        *((name, _i32) for name in (
-            "tokens", "batch", "act_bf16", "lanes", "num_threads",
-        )),
-    ]  # fmt: skip
+        *(
+            (name, _i32)
+            for name in (
+                "tokens",
+                "batch",
+                "act_bf16",
+                "lanes",
+                "num_threads",
+            )
+        ),
+    ]
 
 
 class _StackLayer(ctypes.Structure):
     # Field for field the ``StackLayer`` struct of layer.c.
     _fields_ = [
-        ("layer", _ptr), ("attn", _ptr), ("k_pool", _ptr), ("v_pool", _ptr), ("batch", _i32),
-    ]  # fmt: skip
+        ("layer", _ptr),
+        ("attn", _ptr),
+        ("k_pool", _ptr),
+        ("v_pool", _ptr),
+        ("batch", _i32),
+    ]
 
 
 class _StackPlan(ctypes.Structure):
     # Field for field the ``StackPlan`` struct of layer.c.
     _fields_ = [
         *((name, _ptr) for name in ("args", "tables", "table_lens", "buffer")),
-        ("capacity", ctypes.c_int64), ("keep", _i32), ("covers_own", _i32),
-    ]  # fmt: skip
+        ("capacity", ctypes.c_int64),
+        ("keep", _i32),
+        ("covers_own", _i32),
+    ]
 
 
 class _Stack(ctypes.Structure):
     # Field for field the ``Stack`` struct of layer.c.
     _fields_ = [
-        *((name, _ptr) for name in (
-            "ids", "embed", "norm", "out", "cos", "sin", "positions", "layers",
-        )),
-        ("eps", _f32), ("offset", _f32),
-        *((name, _i32) for name in (
-            "num_layers", "tokens", "hidden", "act_bf16", "lanes", "num_threads", "table_rows",
-        )),
+        *(
+            (name, _ptr)
+            for name in (
+                "ids",
+                "embed",
+                "norm",
+                "out",
+                "cos",
+                "sin",
+                "positions",
+                "layers",
+            )
+        ),
+        ("eps", _f32),
+        ("offset", _f32),
+        *(
+            (name, _i32)
+            for name in (
+                "num_layers",
+                "tokens",
+                "hidden",
+                "act_bf16",
+                "lanes",
+                "num_threads",
+                "table_rows",
+            )
+        ),
         *((name, _ptr) for name in ("head", "head_bias", "best", "logprob")),
         *((name, _i32) for name in ("vocab", "head_op", "head_w_bf16")),
-        ("plans", _ptr), ("segs", _ptr),
+        ("plans", _ptr),
+        ("segs", _ptr),
         *((name, _i32) for name in ("num_plans", "batch", "failed_plan")),
-    ]  # fmt: skip
+    ]
 
 
 class StackPlans(Protocol):
@@ -213,9 +276,13 @@ class NativeStack:
     call per layer."""
 
     def __init__(
-        self, layers: list[NativeLayer], embed: torch.Tensor, norm: torch.Tensor, eps: float,
+        self,
+        layers: list[NativeLayer],
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
         offset: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._layers = layers
         self._embed, self._norm = embed.detach().contiguous(), norm.detach().contiguous()
         self._entries = (_StackLayer * len(layers))()
@@ -234,9 +301,13 @@ class NativeStack:
 
     @classmethod
     def build(
-        cls, layers: list[NativeLayer | None], embed: torch.Tensor, norm: torch.Tensor,
-        eps: float, offset: float,
-    ) -> NativeStack | None:  # fmt: skip
+        cls,
+        layers: list[NativeLayer | None],
+        embed: torch.Tensor,
+        norm: torch.Tensor,
+        eps: float,
+        offset: float,
+    ) -> NativeStack | None:
         """None unless every layer is native, of one dtype, and the embedding and norm are in
         it (then ``CausalLM.forward`` runs the step, its layers one by one)."""
         if not layers or any(layer is None for layer in layers):

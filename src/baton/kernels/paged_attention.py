@@ -104,9 +104,16 @@ class PagedAttentionCall:
         num_queries = sum(count for _, _, count, _ in segments)
         addresses, lengths, buffer, size = self.prepare(tables, num_queries, rows, window, is_ring)
         status = library().baton_paged_plan(
-            self._address, len(tables), addresses, lengths, flat.buffer_info()[0], keep,
-            int(covers_own), buffer, size,
-        )  # fmt: skip
+            self._address,
+            len(tables),
+            addresses,
+            lengths,
+            flat.buffer_info()[0],
+            keep,
+            int(covers_own),
+            buffer,
+            size,
+        )
         if status != 0:
             self.generation += 1  # the old plan is gone even though this one failed
             if status == -2:

@@ -195,8 +195,9 @@ def remove_orphan_segments(shm_dir: str = SHM_DIR) -> list[str]:
     if removed:
         logging.getLogger("baton.memory").info(
             "removed %d shared-memory segments of processes that are gone (%s ...)",
-            len(removed), removed[0],
-        )  # fmt: skip
+            len(removed),
+            removed[0],
+        )
     return removed
 
 

@@ -60,9 +60,10 @@ class ModelCache:
                 page_bytes *= torch.empty((), dtype=dtype).element_size()
                 num_pages = max(1, cache_config.kv_cache_memory_mb * 2**20 // page_bytes)
             self._add(
-                PagedPool(f"{prefix}.full", full, num_pages, page_size, *kv, **handoff,
-                          push=full_push)
-            )  # fmt: skip
+                PagedPool(
+                    f"{prefix}.full", full, num_pages, page_size, *kv, **handoff, push=full_push
+                )
+            )
         if sliding:
             window = spec.sliding_window
             assert window is not None
@@ -80,9 +81,16 @@ class ModelCache:
                     store_all = scheduler_config.max_num_batched_tokens
                     per_request += math.ceil(store_all / page_size) + 1
                 pool = PagedPool(
-                    f"{prefix}.swa", sliding, seqs * per_request, page_size, *kv, window, slack,
-                    **handoff, store_all=store_all,
-                )  # fmt: skip
+                    f"{prefix}.swa",
+                    sliding,
+                    seqs * per_request,
+                    page_size,
+                    *kv,
+                    window,
+                    slack,
+                    **handoff,
+                    store_all=store_all,
+                )
             self._add(pool)
 
     def _add(self, pool: StatePool) -> None:

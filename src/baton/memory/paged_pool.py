@@ -54,10 +54,23 @@ class PagedPool(StatePool):
         # gaps: only one storing every position (``store_all``) can serve another's window.
         caching = Caching.PAGES if window is None or store_all else Caching.NONE
         super().__init__(
-            name, kind, UnitKind.PAGE, layer_ids, num_pages, page_size, num_kv_heads, head_dim,
-            dtype, registry, page_size=page_size, window=window, allocator=allocator,
-            token_lag=token_lag, push=push, caching=caching,
-        )  # fmt: skip
+            name,
+            kind,
+            UnitKind.PAGE,
+            layer_ids,
+            num_pages,
+            page_size,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            registry,
+            page_size=page_size,
+            window=window,
+            allocator=allocator,
+            token_lag=token_lag,
+            push=push,
+            caching=caching,
+        )
         self.page_size = page_size
         self.window = window
         self.keep = None if window is None else window - 1 + slack

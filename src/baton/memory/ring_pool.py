@@ -37,10 +37,22 @@ class RingPool(StatePool):
     ) -> None:
         rows = window + slack
         super().__init__(
-            name, ComponentKind.RING, UnitKind.RING, layer_ids, num_rings, rows, num_kv_heads,
-            head_dim, dtype, registry, window=window, ring_rows=rows, allocator=allocator,
-            token_lag=token_lag, push=push,
-        )  # fmt: skip
+            name,
+            ComponentKind.RING,
+            UnitKind.RING,
+            layer_ids,
+            num_rings,
+            rows,
+            num_kv_heads,
+            head_dim,
+            dtype,
+            registry,
+            window=window,
+            ring_rows=rows,
+            allocator=allocator,
+            token_lag=token_lag,
+            push=push,
+        )
         self.window = window
         self.rings: dict[str, int] = {}
 

@@ -250,10 +250,12 @@ class Attention(nn.Module):
         self._o = FrozenLinear(self.o_proj.weight, self.o_proj.bias)
         if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:
             assert self.q_norm.eps == self.k_norm.eps
-            per_head = torch.cat((
-                self.q_norm.weight.detach().expand(self.num_heads, -1),
-                self.k_norm.weight.detach().expand(self.num_kv_heads, -1),
-            ))  # fmt: skip
+            per_head = torch.cat(
+                (
+                    self.q_norm.weight.detach().expand(self.num_heads, -1),
+                    self.k_norm.weight.detach().expand(self.num_kv_heads, -1),
+                )
+            )
             self._qk_norm = (per_head, self.q_norm.eps)
 
     def native_weights(self) -> dict[str, object] | None:
@@ -266,9 +268,12 @@ class Attention(nn.Module):
         if qkv is None or o is None:
             return None
         return {
-            "qkv": qkv[0], "qkv_bias": qkv[1], "qk_norm": self._qk_norm[0],
-            "o": o[0], "o_bias": o[1],
-        }  # fmt: skip
+            "qkv": qkv[0],
+            "qkv_bias": qkv[1],
+            "qk_norm": self._qk_norm[0],
+            "o": o[0],
+            "o_bias": o[1],
+        }
 
     def forward(
         self,

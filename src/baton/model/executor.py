@@ -164,9 +164,13 @@ class NativeExecutor:
         return head.few_rows_now(rows)
 
     def _run_stack(
-        self, stack: NativeStack, input_ids: torch.Tensor | list[int],
-        positions: torch.Tensor | list[int], attn: AttentionBackend, head: tuple | None = None,
-    ) -> torch.Tensor | tuple | None:  # fmt: skip
+        self,
+        stack: NativeStack,
+        input_ids: torch.Tensor | list[int],
+        positions: torch.Tensor | list[int],
+        attn: AttentionBackend,
+        head: tuple | None = None,
+    ) -> torch.Tensor | tuple | None:
         """``forward`` in one native call (the layers' native calls without a Python call
         per layer, the pools' attention plans built in it where the backend leaves them to
         it; with ``head``, its greedy epilogue too), or None where the backend does not

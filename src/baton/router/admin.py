@@ -36,13 +36,19 @@ def add_admin_routes(
 
     def authorize(request: Request) -> None:
         if admin_token is None:
-            raise ApiError("the admin API is disabled: this router was started without an admin "
-                           "token (set $BATON_ADMIN_TOKEN; baton launch makes one)", 403,
-                           type="permission_error")  # fmt: skip
+            raise ApiError(
+                "the admin API is disabled: this router was started without an admin "
+                "token (set $BATON_ADMIN_TOKEN; baton launch makes one)",
+                403,
+                type="permission_error",
+            )
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
-            raise ApiError("admin endpoints need 'Authorization: Bearer <admin token>'", 401,
-                           type="authentication_error")  # fmt: skip
+            raise ApiError(
+                "admin endpoints need 'Authorization: Bearer <admin token>'",
+                401,
+                type="authentication_error",
+            )
 
     async def instance_body(request: Request) -> tuple[str, str]:
         try:
@@ -50,8 +56,9 @@ def add_admin_routes(
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ApiError(f"the body is not valid JSON: {exc}") from exc
         if not isinstance(data, dict) or data.get("role") not in ROLES:
-            raise ApiError('the body must be {"role": "prefill"|"decode", "url": "http://..."}',
-                           param="role")  # fmt: skip
+            raise ApiError(
+                'the body must be {"role": "prefill"|"decode", "url": "http://..."}', param="role"
+            )
         url = data.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ApiError(f"url must be an http(s) URL, got {url!r}", param="url")

@@ -20,17 +20,24 @@ class RouterMetrics:
         self.requests = Counter(
             "baton_router_requests", "requests answered, by outcome", ["outcome"], registry=r
         )
-        self.retries = Counter("baton_router_retries", "requests retried, by reason", ["reason"],
-                               registry=r)  # fmt: skip
+        self.retries = Counter(
+            "baton_router_retries", "requests retried, by reason", ["reason"], registry=r
+        )
         self.prefill_errors = Counter(
             "baton_router_prefill_errors",
             "requests a prefill refused (it is up: not a health matter) or failed, by kind",
-            ["kind"], registry=r,
-        )  # fmt: skip
-        self.healthy = Gauge("baton_router_instance_healthy", "1 if the instance is healthy",
-                             ["role", "url"], registry=r)  # fmt: skip
-        self.outstanding = Gauge("baton_router_instance_outstanding", "requests in flight",
-                                 ["role", "url"], registry=r)  # fmt: skip
+            ["kind"],
+            registry=r,
+        )
+        self.healthy = Gauge(
+            "baton_router_instance_healthy",
+            "1 if the instance is healthy",
+            ["role", "url"],
+            registry=r,
+        )
+        self.outstanding = Gauge(
+            "baton_router_instance_outstanding", "requests in flight", ["role", "url"], registry=r
+        )
 
     def render(self) -> bytes:
         self.healthy.clear()

@@ -30,8 +30,13 @@ access_logger = logging.getLogger(ACCESS_LOGGER)
 """The one line per relayed request (``--access-log``)."""
 
 
-_HOP_HEADERS = {"content-length", "content-encoding", "transfer-encoding", "connection",
-                "keep-alive"}  # fmt: skip
+_HOP_HEADERS = {
+    "content-length",
+    "content-encoding",
+    "transfer-encoding",
+    "connection",
+    "keep-alive",
+}
 """Not relayed: the body is re-framed and arrives decoded."""
 
 
@@ -101,15 +106,24 @@ def relay(
             decode.healthy, decode.last_error = False, f"failed mid-stream: {exc!r}"
             logger.warning("router: decode %s failed mid-stream: %r", decode.url, exc)
             if is_sse:  # end the stream as the server would: an error event, then [DONE]
-                error = ApiError(f"the decode server {decode.url} failed mid-stream", 502,
-                                 type="server_error", code="decode_failed")  # fmt: skip
+                error = ApiError(
+                    f"the decode server {decode.url} failed mid-stream",
+                    502,
+                    type="server_error",
+                    code="decode_failed",
+                )
                 yield f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n".encode()
         finally:  # also on a client disconnect: closing upstream aborts decode's request
             await upstream.aclose()
             release()
-            access_logger.info("router: %s: %d, %d bytes in %.3f s, %s", access,
-                               upstream.status_code, num_bytes, time.monotonic() - start,
-                               ending)  # fmt: skip
+            access_logger.info(
+                "router: %s: %d, %d bytes in %.3f s, %s",
+                access,
+                upstream.status_code,
+                num_bytes,
+                time.monotonic() - start,
+                ending,
+            )
 
     headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
     return StreamingResponse(body(), status_code=upstream.status_code, headers=headers)

@@ -146,8 +146,12 @@ class Router:
             if instance.healthy:  # good news is not a warning
                 logger.info("router: %s %s is healthy", instance.role, instance.url)
             else:
-                logger.warning("router: %s %s is unhealthy (%s)", instance.role, instance.url,
-                               instance.last_error)  # fmt: skip
+                logger.warning(
+                    "router: %s %s is unhealthy (%s)",
+                    instance.role,
+                    instance.url,
+                    instance.last_error,
+                )
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(i) for i in self.table.all()))
@@ -187,9 +191,11 @@ class Router:
             prefill = self.choose("prefill", tried_prefills, key)
             if decode is None:
                 failure = failure or ApiError(
-                    "no healthy decode instance to serve the request", 503,
-                    type="server_error", code="no_instance",
-                )  # fmt: skip
+                    "no healthy decode instance to serve the request",
+                    503,
+                    type="server_error",
+                    code="no_instance",
+                )
                 break
             room = new_room()
             release = Release(*(i for i in (decode, prefill) if i is not None))
@@ -201,8 +207,12 @@ class Router:
                 release()
                 decode.healthy, decode.last_error = False, f"unreachable: {exc}"
                 tried_decodes.add(decode.url)
-                failure = ApiError(f"decode {decode.url} is unreachable: {exc}", 502,
-                                   type="server_error", code="decode_unreachable")  # fmt: skip
+                failure = ApiError(
+                    f"decode {decode.url} is unreachable: {exc}",
+                    502,
+                    type="server_error",
+                    code="decode_unreachable",
+                )
                 if attempt == 0:
                     self.metrics.retries.labels("decode_unreachable").inc()
                 continue
@@ -221,9 +231,11 @@ class Router:
                 verb = "refused" if refused else "failed"
                 failure = ApiError(
                     f"prefill {prefill.url} {verb} the request (room {room}): "
-                    f"{prefill_error.message}", 503, type="server_error",
+                    f"{prefill_error.message}",
+                    503,
+                    type="server_error",
                     code="prefill_failed",
-                )  # fmt: skip
+                )
                 logger.warning("router: %s", failure.message)
                 self.metrics.prefill_errors.labels(kind.value).inc()
                 if not refused:  # a refusal is an answer: the prefill is up
@@ -240,9 +252,15 @@ class Router:
         return JSONResponse(failure.body(), status_code=failure.status_code)
 
     async def _send_once_more_if_dropped(
-        self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
-        body: bytes, local_reason: HandoffReason,
-    ) -> httpx.Response:  # fmt: skip
+        self,
+        request: Request,
+        decode: Instance,
+        prefill: Instance | None,
+        room: int,
+        path: str,
+        body: bytes,
+        local_reason: HandoffReason,
+    ) -> httpx.Response:
         """``_send``, sent a second time to the same decode when the first found its pooled
         connection closed by the decode (it had closed it after an error): that is no sign
         the decode is down, and taking it for one ejected the only decode for a health
@@ -250,15 +268,24 @@ class Router:
         try:
             return await self._send(request, decode, prefill, room, path, body, local_reason)
         except CONNECTION_DROPPED as exc:
-            logger.warning("router: decode %s dropped a pooled connection (%s); sending again "
-                           "on a new one", decode.url, exc or type(exc).__name__)  # fmt: skip
+            logger.warning(
+                "router: decode %s dropped a pooled connection (%s); sending again on a new one",
+                decode.url,
+                exc or type(exc).__name__,
+            )
             self.metrics.retries.labels("connection_dropped").inc()
             return await self._send(request, decode, prefill, room, path, body, local_reason)
 
     async def _send(
-        self, request: Request, decode: Instance, prefill: Instance | None, room: int, path: str,
-        body: bytes, local_reason: HandoffReason,
-    ) -> httpx.Response:  # fmt: skip
+        self,
+        request: Request,
+        decode: Instance,
+        prefill: Instance | None,
+        room: int,
+        path: str,
+        body: bytes,
+        local_reason: HandoffReason,
+    ) -> httpx.Response:
         """The decode's response head, or ``ClientGone`` if the client left while waiting.
         Without ``prefill`` decode is told to compute the prompt itself and why
         (``LOCAL_PREFILL_HEADER``: ``local_reason``)."""
@@ -274,8 +301,9 @@ class Router:
             headers[PREFILL_HEADER] = prefill.pd_endpoint
         if self.route_token is not None:
             sign_route(self.route_token, headers, time.time())
-        upstream = self.http.build_request("POST", f"{decode.url}{path}", content=body,
-                                           headers=headers)  # fmt: skip
+        upstream = self.http.build_request(
+            "POST", f"{decode.url}{path}", content=body, headers=headers
+        )
         task = asyncio.ensure_future(self.http.send(upstream, stream=True))
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -353,8 +381,7 @@ async def _models(request: Request) -> Response:
     router: Router = request.app.state.router
     decode = router.choose("decode")
     if decode is None:
-        raise ApiError("no healthy decode instance", 503, type="server_error",
-                       code="no_instance")  # fmt: skip
+        raise ApiError("no healthy decode instance", 503, type="server_error", code="no_instance")
     assert router.http is not None
     try:
         resp = await router.http.get(f"{decode.url}/v1/models", timeout=HEALTH_TIMEOUT_S)

@@ -101,13 +101,19 @@ def build_app(
     app.add_exception_handler(EngineFailed, _engine_failure)
     app.add_exception_handler(Exception, _internal)
     app.add_api_route(
-        "/v1/completions", _completions, methods=["POST"], name="completions",
+        "/v1/completions",
+        _completions,
+        methods=["POST"],
+        name="completions",
         openapi_extra=openapi_body(CompletionRequest, model_name),
-    )  # fmt: skip
+    )
     app.add_api_route(
-        "/v1/chat/completions", _chat_completions, methods=["POST"], name="chat_completions",
+        "/v1/chat/completions",
+        _chat_completions,
+        methods=["POST"],
+        name="chat_completions",
         openapi_extra=openapi_body(ChatCompletionRequest, model_name),
-    )  # fmt: skip
+    )
     app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
     app.add_api_route("/health", _health, methods=["GET"], name="health")
     app.add_api_route("/metrics", _prometheus, methods=["GET"], name="prometheus")
@@ -144,8 +150,7 @@ async def _completions(request: Request) -> Response:
     outputs, headers = await _run(server, req.engine_prompt(), params, _route(request))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.logprobs or 0
-    head = {"id": rid, "object": "text_completion", "created": created,
-            "model": server.model_name}  # fmt: skip
+    head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
     if req.stream:
         chunk = completion_chunks(server.tokenizer, head, n_top)
         events = sse_events(outputs, chunk, head if req.include_usage else None)
@@ -188,16 +193,20 @@ async def _chat_completions(request: Request) -> Response:
         "logprobs": chat_logprobs(server.tokenizer, completion, n_top),
         "finish_reason": completion.finish_reason,
     }
-    head = {"id": rid, "object": "chat.completion", "created": created,
-            "model": server.model_name}  # fmt: skip
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
     return JSONResponse({**head, "choices": [choice], "usage": usage_of(final)}, headers=headers)
 
 
 async def _models(request: Request) -> dict:
     server = _server(request)
-    card = {"id": server.model_name, "object": "model", "created": 0, "owned_by": "baton",
-            "max_model_len": server.engine.max_model_len,
-            "platform": server.platform_info}  # fmt: skip
+    card = {
+        "id": server.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "baton",
+        "max_model_len": server.engine.max_model_len,
+        "platform": server.platform_info,
+    }
     return {"object": "list", "data": [card]}
 
 
@@ -219,8 +228,10 @@ def _check_model(server: _Server, name: str) -> None:
     if name != server.model_name:
         raise ApiError(
             f"the model {name!r} does not exist; this server serves {server.model_name!r}",
-            404, param="model", code="model_not_found",
-        )  # fmt: skip
+            404,
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Any:
@@ -267,9 +278,11 @@ async def _replayed(
 
 
 async def _observed(
-    metrics: ServerMetrics, arrival: float, first: RequestOutput,
+    metrics: ServerMetrics,
+    arrival: float,
+    first: RequestOutput,
     stream: AsyncIterator[RequestOutput],
-) -> AsyncIterator[RequestOutput]:  # fmt: skip
+) -> AsyncIterator[RequestOutput]:
     """``first``, then ``stream``, recording TTFT, ITL and token counts; closes ``stream``."""
     last = None
     try:

@@ -64,8 +64,9 @@ class ReadDeadlineH11Protocol(H11Protocol):
     def _on_deadline(self) -> None:
         self._read_deadline = None
         if self.conn.their_state not in _ARRIVED and not self.transport.is_closing():
-            self.logger.warning("closing a connection whose request did not arrive in %g s",
-                                self.read_timeout_s)  # fmt: skip
+            self.logger.warning(
+                "closing a connection whose request did not arrive in %g s", self.read_timeout_s
+            )
             self.transport.close()
 
 

@@ -39,37 +39,51 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.ttft = Histogram(
-            "baton_time_to_first_token_seconds", "arrival to first token", buckets=_LATENCY_BUCKETS,
+            "baton_time_to_first_token_seconds",
+            "arrival to first token",
+            buckets=_LATENCY_BUCKETS,
             registry=r,
-        )  # fmt: skip
+        )
         self.itl = Histogram(
-            "baton_inter_token_latency_seconds", "time between output tokens",
-            buckets=_LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "baton_inter_token_latency_seconds",
+            "time between output tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.running = Gauge("baton_num_requests_running", "requests being run", registry=r)
         self.waiting = Gauge("baton_num_requests_waiting", "requests queued", registry=r)
         self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "tokens generated", registry=r)
         self.acceptance = Histogram(
-            "baton_acceptance_length", "per request: mean tokens committed per verify step",
-            buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0), registry=r,
-        )  # fmt: skip
-        self.units = Gauge(
-            "baton_units_in_use", "units held per state component (pool)", ["component"],
+            "baton_acceptance_length",
+            "per request: mean tokens committed per verify step",
+            buckets=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0),
             registry=r,
-        )  # fmt: skip
+        )
+        self.units = Gauge(
+            "baton_units_in_use",
+            "units held per state component (pool)",
+            ["component"],
+            registry=r,
+        )
         self.transfer_bytes = TotalCounter(
-            "baton_transfer_bytes", "state bytes pushed into this decode per component", r,
+            "baton_transfer_bytes",
+            "state bytes pushed into this decode per component",
+            r,
             "component",
-        )  # fmt: skip
+        )
         self.transfer_seconds = TotalCounter(
-            "baton_transfer_seconds", "seconds prefill spent pushing state per component", r,
+            "baton_transfer_seconds",
+            "seconds prefill spent pushing state per component",
+            r,
             "component",
-        )  # fmt: skip
+        )
         self.push_seconds = TotalCounter(
-            "baton_transfer_push_seconds", "seconds prefill spent pushing state into this decode "
-            "(all components together; bytes / this = the push rate)", r,
-        )  # fmt: skip
+            "baton_transfer_push_seconds",
+            "seconds prefill spent pushing state into this decode "
+            "(all components together; bytes / this = the push rate)",
+            r,
+        )
         self.prefix_queries = TotalCounter(
             "baton_prefix_cache_queries", "prompt tokens looked up in the prefix cache", r
         )
@@ -80,17 +94,24 @@ class ServerMetrics:
             "baton_prefix_cache_evictions", "cached pages evicted for new allocations", r
         )
         self.prompt_tokens_computed = TotalCounter(
-            "baton_prompt_tokens_computed", "prompt positions this engine computed (a PD "
-            "decode: only its local_prefill requests')", r,
-        )  # fmt: skip
+            "baton_prompt_tokens_computed",
+            "prompt positions this engine computed (a PD decode: only its local_prefill requests')",
+            r,
+        )
         self.handoffs = TotalCounter(
-            "baton_handoff", "PD decode: requests by handoff outcome (transferred, "
-            "local_prefill, failed) and reason", r, "outcome", "reason",
-        )  # fmt: skip
+            "baton_handoff",
+            "PD decode: requests by handoff outcome (transferred, "
+            "local_prefill, failed) and reason",
+            r,
+            "outcome",
+            "reason",
+        )
         self.cached_units = Gauge(
-            "baton_prefix_cache_units", "pages in the prefix cache per state component",
-            ["component"], registry=r,
-        )  # fmt: skip
+            "baton_prefix_cache_units",
+            "pages in the prefix cache per state component",
+            ["component"],
+            registry=r,
+        )
 
     def update(self, engine: AsyncEngine) -> None:
         """Copy the engine thread's latest snapshot into the gauges and counters."""

@@ -44,8 +44,13 @@ class PrefillLoop:
         self.server = server
         self.stop_event = threading.Event()
         self.error: BaseException | None = None
-        self.snapshot: dict = {"rooms": 0, "units": {}, "bytes": {}, "seconds": {},
-                               "requests": {"done": 0, "failed": 0}}  # fmt: skip
+        self.snapshot: dict = {
+            "rooms": 0,
+            "units": {},
+            "bytes": {},
+            "seconds": {},
+            "requests": {"done": 0, "failed": 0},
+        }
         self._thread = threading.Thread(target=self._run, name="baton-prefill", daemon=True)
         self.on_failure: Callable[[], None] | None = None
         """Called on the loop's thread after it failed and closed (``baton serve`` exits)."""
@@ -96,15 +101,19 @@ def build_prefill_app(loop: PrefillLoop) -> FastAPI:
     app = FastAPI(title="baton prefill", docs_url=None, redoc_url=None)
     app.add_exception_handler(StarletteHTTPException, route_not_found)
     r = CollectorRegistry()
-    in_flight = Gauge("baton_prefill_requests_in_flight", "rooms being computed or pushed",
-                      registry=r)  # fmt: skip
+    in_flight = Gauge(
+        "baton_prefill_requests_in_flight", "rooms being computed or pushed", registry=r
+    )
     finished = TotalCounter("baton_prefill_requests", "rooms ended, by outcome", r, "outcome")
-    units = Gauge("baton_units_in_use", "units held per state component (pool)", ["component"],
-                  registry=r)  # fmt: skip
-    pushed = TotalCounter("baton_transfer_bytes", "state bytes pushed per component", r,
-                          "component")  # fmt: skip
-    seconds = TotalCounter("baton_transfer_seconds", "seconds spent pushing per component", r,
-                           "component")  # fmt: skip
+    units = Gauge(
+        "baton_units_in_use", "units held per state component (pool)", ["component"], registry=r
+    )
+    pushed = TotalCounter(
+        "baton_transfer_bytes", "state bytes pushed per component", r, "component"
+    )
+    seconds = TotalCounter(
+        "baton_transfer_seconds", "seconds spent pushing per component", r, "component"
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -112,9 +121,15 @@ def build_prefill_app(loop: PrefillLoop) -> FastAPI:
             error = ApiError("the prefill loop is not running", 503, type="server_error")
             return JSONResponse(error.body(), status_code=503)
         server = loop.server
-        return JSONResponse({"status": "ok", "role": "prefill", "pd_endpoint": server.endpoint,
-                             "worker_id": server.hello.worker_id,
-                             "platform": server.engine.platform_info})  # fmt: skip
+        return JSONResponse(
+            {
+                "status": "ok",
+                "role": "prefill",
+                "pd_endpoint": server.endpoint,
+                "worker_id": server.hello.worker_id,
+                "platform": server.engine.platform_info,
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -61,8 +61,10 @@ def route_problem(token: bytes, headers: Mapping[str, str], now: float) -> str |
         return None
     at, _, mac = headers.get(ROUTE_MAC_HEADER, "").partition(".")
     if not at.isdigit() or not mac:
-        return (f"routing headers ({', '.join(_ROUTED)}) are taken only from a router that "
-                f"holds the deployment's PD token: {ROUTE_MAC_HEADER} is missing")  # fmt: skip
+        return (
+            f"routing headers ({', '.join(_ROUTED)}) are taken only from a router that "
+            f"holds the deployment's PD token: {ROUTE_MAC_HEADER} is missing"
+        )
     if abs(now - int(at)) > ROUTE_MAX_SKEW_S:
         return f"{ROUTE_MAC_HEADER} is {abs(now - int(at)):.0f} s off this host's clock"
     if not hmac.compare_digest(mac, _route_mac(token, headers, int(at))):

@@ -72,8 +72,9 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: str, limit: int) -> ApiError:
-    return ApiError(f"the request body is {size}; this server takes at most {limit} "
-                    "(--max-body-mb)", 413)  # fmt: skip
+    return ApiError(
+        f"the request body is {size}; this server takes at most {limit} (--max-body-mb)", 413
+    )
 
 
 def _check_values(data: Any) -> None:
@@ -89,8 +90,9 @@ def _check_values(data: Any) -> None:
         if not isinstance(value, dict | list):
             continue
         if depth >= MAX_JSON_DEPTH:
-            raise ApiError(f"the body nests deeper than {MAX_JSON_DEPTH} levels at {path}",
-                           param=path or None)  # fmt: skip
+            raise ApiError(
+                f"the body nests deeper than {MAX_JSON_DEPTH} levels at {path}", param=path or None
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 where = f"{path}.{key}" if path else key
@@ -116,8 +118,9 @@ def _check_sizes(data: dict, limits: BodyLimits) -> None:
 
     def at_most(name: str, value: Any, limit: int, what: str, kind: type = list) -> None:
         if isinstance(value, kind) and len(value) > limit:
-            raise ApiError(f"{name} has {len(value)} {what}; this server takes at most {limit}",
-                           param=name)  # fmt: skip
+            raise ApiError(
+                f"{name} has {len(value)} {what}; this server takes at most {limit}", param=name
+            )
 
     # A text prompt is bounded by its bytes, later (``AsyncEngine``): a list here.
     at_most("prompt", data.get("prompt"), limits.max_prompt_ids, "items")

@@ -91,9 +91,10 @@ def chat_chunks(tokenizer: Any, head: dict, n_top: int) -> Callable[[RequestOutp
 
 
 async def sse_events(
-    outputs: AsyncIterator[RequestOutput], chunk: Callable[[RequestOutput], dict | None],
+    outputs: AsyncIterator[RequestOutput],
+    chunk: Callable[[RequestOutput], dict | None],
     usage_head: dict | None,
-) -> AsyncIterator[str]:  # fmt: skip
+) -> AsyncIterator[str]:
     """The SSE events of ``chunk(out)`` per output; with ``usage_head`` (the client asked
     for ``stream_options.include_usage``) a last chunk carrying the usage."""
     last = None

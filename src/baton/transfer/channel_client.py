@@ -119,8 +119,7 @@ class ControlClient(Endpoint):
         if self._session is not None:
             return self._send(self._session.seal(payload), self._peer)
         if len(self._queued) >= MAX_QUEUED_BEFORE_SESSION:
-            logger.warning("control message to %s not sent: no session yet, queue full",
-                           self._peer)  # fmt: skip
+            logger.warning("control message to %s not sent: no session yet, queue full", self._peer)
             self.last_send_error = zmq.EAGAIN
             return False
         self._queued.append(payload)

@@ -131,9 +131,13 @@ class DecodeEngine:
             f"decode-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
         )
         self.hello = build_hello(
-            self.engine, model_dir, worker_id=worker_id, role="decode", backend=backend_kind,
+            self.engine,
+            model_dir,
+            worker_id=worker_id,
+            role="decode",
+            backend=backend_kind,
             regions=regions,
-        )  # fmt: skip
+        )
         links = PrefillLinks(self.hello, token, self.deadlines)
         self.links = links  # NOTE: set before bootstrapping, so a failure closes them
         for endpoint in self.default_endpoints:
@@ -284,9 +288,11 @@ class DecodeEngine:
         transfer = {n: (b, seconds.get(n, 0.0)) for n, b in inbox.transfer_bytes.items()}
         engine = self.engine.stats()
         return dataclasses.replace(
-            engine, transfer=transfer, push_seconds=inbox.push_seconds,
+            engine,
+            transfer=transfer,
+            push_seconds=inbox.push_seconds,
             handoffs=dict(self.rooms.outcomes.counts),
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Close the channels and the backend, unlink the shared pools. Idempotent."""

@@ -60,8 +60,11 @@ class DecodeInbox:
             if isinstance(msg, HelloAck):
                 self._on_ack(link, msg, outputs)
             elif pending is not None and pending.endpoint != link.endpoint:
-                logger.warning("decode: %s for room %d from another prefill ignored",
-                               type(msg).__name__, msg.room)  # fmt: skip
+                logger.warning(
+                    "decode: %s for room %d from another prefill ignored",
+                    type(msg).__name__,
+                    msg.room,
+                )
             elif isinstance(msg, FenceAck):
                 rooms.on_fence_ack(link, msg)
             elif isinstance(msg, StateDone | StateFailed) and pending is not None:

@@ -285,8 +285,10 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
         if mine != theirs:
             hint = ""
             if field == "num_speculative_tokens":
-                hint = (": start both with the same --num-speculative-tokens (unset, it follows "
-                        "the compute dtype: 4 in bfloat16, 3 in float32)")  # fmt: skip
+                hint = (
+                    ": start both with the same --num-speculative-tokens (unset, it follows "
+                    "the compute dtype: 4 in bfloat16, 3 in float32)"
+                )
             problems.append(sides.differs("speculative config: ", field, mine, theirs) + hint)
     if local.backend != remote.backend:
         problems.append(sides.differs("", "transfer backend", local.backend, remote.backend))

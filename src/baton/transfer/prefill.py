@@ -98,11 +98,13 @@ class PrefillServer:
         """Registers this worker's pools with a backend for the Hello's regions; pushes
         nothing (each paired decode gets its own sender, ``PrefillPeers``)."""
         self.hello = build_hello(
-            self.engine, model_dir,
+            self.engine,
+            model_dir,
             worker_id=worker_id or f"prefill-{socket.gethostname()}-{os.getpid()}",
-            role="prefill", backend=backend_kind,
+            role="prefill",
+            backend=backend_kind,
             regions={name: d.to_dict() for name, d in self.hello_sender.descriptors.items()},
-        )  # fmt: skip
+        )
         try:
             self.server = ControlServer(host, port, token)
         except BaseException:
@@ -123,9 +125,12 @@ class PrefillServer:
         self._deferred: list[tuple[bytes, Message]] = []
         """Messages read by ``_peek_fences`` during a push, handled by the next ``_drain``."""
         self._handlers = {
-            Hello: self._on_hello, ReserveState: self._on_reserve, Abort: self._on_abort,
-            Fence: self._on_fence, Ping: self._on_ping,
-        }  # fmt: skip
+            Hello: self._on_hello,
+            ReserveState: self._on_reserve,
+            Abort: self._on_abort,
+            Fence: self._on_fence,
+            Ping: self._on_ping,
+        }
         """Message type -> its handler (``_drain``)."""
         self._last_peer_check = time.monotonic()
         self._ping_seq = 0
@@ -180,8 +185,9 @@ class PrefillServer:
             identity, msg = got
             handler = self._handlers.get(type(msg))
             if handler is None:
-                logger.warning("prefill: %s from peer %s ignored", type(msg).__name__,
-                               identity.hex())  # fmt: skip
+                logger.warning(
+                    "prefill: %s from peer %s ignored", type(msg).__name__, identity.hex()
+                )
             else:
                 handler(identity, msg)
 
@@ -261,8 +267,12 @@ class PrefillServer:
                 self.component_seconds[name] = seconds
         else:
             self.num_requests["failed"] += 1
-            logger.info("prefill: room %d failed (stopped writing: %s): %s", msg.room,
-                        msg.stopped_writing, msg.reason)  # fmt: skip
+            logger.info(
+                "prefill: room %d failed (stopped writing: %s): %s",
+                msg.room,
+                msg.stopped_writing,
+                msg.reason,
+            )
         if peer is None:
             logger.warning("prefill: no decode peer for room %d", msg.room)
         elif not self.server.send(peer, msg):

@@ -203,16 +203,21 @@ class PrefillLinks:
             if link.peer is None and now > link.hello_deadline:
                 failed.append((link, f"no HelloAck from the prefill at {link.endpoint} in time"))
             elif link.peer is None and link.on_the_way and link.client.never_connected():
-                failed.append((link, f"nothing accepts connections at {link.endpoint} (is the "
-                                     "prefill running?)"))  # fmt: skip
+                failed.append(
+                    (
+                        link,
+                        f"nothing accepts connections at {link.endpoint} (is the prefill running?)",
+                    )
+                )
             elif link.peer is not None and (gone := self._gone(link)) is not None:
                 # Seen at once, owing state or not: a restarted prefill at the same endpoint
                 # is a new peer, paired afresh (the link closes once nothing is quarantined).
                 failed.append((link, f"the prefill at {link.endpoint} {gone}"))
             elif link.endpoint in owing and now - link.last_heard > self.deadlines.peer_silence_s:
                 silence = self.deadlines.peer_silence_s
-                failed.append((link, f"the prefill at {link.endpoint} answered nothing for "
-                                     f"{silence} s"))  # fmt: skip
+                failed.append(
+                    (link, f"the prefill at {link.endpoint} answered nothing for {silence} s")
+                )
             elif (
                 link.peer is not None
                 and link.endpoint in owing

@@ -87,8 +87,10 @@ class PrefillPeers:
         except (ValueError, OSError) as e:  # PairingError is a ValueError
             logger.warning(
                 "prefill: refused pairing with decode %r (peer %s): %s",
-                hello.worker_id, identity.hex(), e,
-            )  # fmt: skip
+                hello.worker_id,
+                identity.hex(),
+                e,
+            )
             return HelloAck.answer(self.hello, accepted=False, error=str(e))
         if old is not None:
             close_backend(old.sender)  # the earlier pairing's mappings

@@ -153,8 +153,11 @@ class PrefillRooms:
                 why = f"fenced by decode (epoch {msg.epoch}): {msg.reason}"
                 dropped.append(self._drop(room, why))
         if any(p == identity for p in self.lingering.values()):
-            logger.warning("prefill: fence %d of peer %s waits for timed-out batches", msg.epoch,
-                           identity.hex())  # fmt: skip
+            logger.warning(
+                "prefill: fence %d of peer %s waits for timed-out batches",
+                msg.epoch,
+                identity.hex(),
+            )
             return Answers(None, dropped)  # decode sends it again; acknowledged once they end
         return Answers(FenceAck(epoch=msg.epoch), dropped)
 

@@ -257,12 +257,29 @@ class ChannelChallenge(_Struct, tag=True):
 
 
 Message = (
-    Hello | HelloAck | ReserveState | StateDone | StateFailed | Abort | Fence | FenceAck | Ping
+    Hello
+    | HelloAck
+    | ReserveState
+    | StateDone
+    | StateFailed
+    | Abort
+    | Fence
+    | FenceAck
+    | Ping
     | Pong
-)  # fmt: skip
+)
 MESSAGE_TYPES: tuple[type[_Struct], ...] = (
-    Hello, HelloAck, ReserveState, StateDone, StateFailed, Abort, Fence, FenceAck, Ping, Pong,
-)  # fmt: skip
+    Hello,
+    HelloAck,
+    ReserveState,
+    StateDone,
+    StateFailed,
+    Abort,
+    Fence,
+    FenceAck,
+    Ping,
+    Pong,
+)
 HandshakeMessage = ChannelOpen | ChannelChallenge
 HANDSHAKE_TYPES: tuple[type[_Struct], ...] = (ChannelOpen, ChannelChallenge)
 

@@ -175,14 +175,19 @@ class DecodeRooms:
     def on_fence_ack(self, link: PrefillLink, msg: FenceAck) -> None:
         """Prefill confirms nothing below ``msg.epoch`` writes: free those rooms' units."""
         covered = [
-            r for r, p in self.releasing.items() if p.endpoint == link.endpoint
-            and p.epoch < msg.epoch
-        ]  # fmt: skip
+            r
+            for r, p in self.releasing.items()
+            if p.endpoint == link.endpoint and p.epoch < msg.epoch
+        ]
         for room in covered:
             self.release(room)
         if covered:
-            logger.info("decode: the prefill at %s confirmed fence %d: %d rooms freed",
-                        link.endpoint, msg.epoch, len(covered))  # fmt: skip
+            logger.info(
+                "decode: the prefill at %s confirmed fence %d: %d rooms freed",
+                link.endpoint,
+                msg.epoch,
+                len(covered),
+            )
         self.close_if_settled(link)
 
     def drop_link(
@@ -216,9 +221,13 @@ class DecodeRooms:
         if link.fenced is None:
             link.fenced = reason
             link.epoch += 1
-            logger.warning("decode: prefill at %s fenced (epoch %d): %s; the units of its "
-                           "failed rooms stay quarantined until it confirms",
-                           link.endpoint, link.epoch, reason)  # fmt: skip
+            logger.warning(
+                "decode: prefill at %s fenced (epoch %d): %s; the units of its "
+                "failed rooms stay quarantined until it confirms",
+                link.endpoint,
+                link.epoch,
+                reason,
+            )
             for room in [r for r, p in self.waiting.items() if p.endpoint == link.endpoint]:
                 why = f"prefill fenced: {reason}"
                 outputs.append(self.fail(room, why, False, HandoffReason.PREFILL_UNREACHABLE))
@@ -237,8 +246,11 @@ class DecodeRooms:
         if mine and self._release_if_unheard(link):
             mine = []
         if mine and link.is_gone():
-            logger.warning("decode: the prefill process at %s has exited: %d quarantined rooms "
-                           "freed", link.endpoint, len(mine))  # fmt: skip
+            logger.warning(
+                "decode: the prefill process at %s has exited: %d quarantined rooms freed",
+                link.endpoint,
+                len(mine),
+            )
             for room in mine:
                 self.release(room)
             mine = []
@@ -258,8 +270,12 @@ class DecodeRooms:
             return False
         mine = [r for r, p in self.releasing.items() if p.endpoint == link.endpoint]
         if mine:
-            logger.warning("decode: the prefill at %s never answered the channel handshake: "
-                           "%d quarantined rooms freed", link.endpoint, len(mine))  # fmt: skip
+            logger.warning(
+                "decode: the prefill at %s never answered the channel handshake: "
+                "%d quarantined rooms freed",
+                link.endpoint,
+                len(mine),
+            )
         for room in mine:
             self.release(room)
         return True
@@ -281,8 +297,10 @@ class DecodeRooms:
                 logger.error("decode: room %d quarantined without a link", room)
                 continue
             if link.fenced is None:
-                reason = (f"the prefill at {link.endpoint} did not confirm it stopped writing "
-                          f"for room {room} within {self.deadlines.abort_grace_s} s")  # fmt: skip
+                reason = (
+                    f"the prefill at {link.endpoint} did not confirm it stopped writing "
+                    f"for room {room} within {self.deadlines.abort_grace_s} s"
+                )
                 self.fence(link, reason, outputs)
         for endpoint in list(self.links):
             link = self.links.get(endpoint)

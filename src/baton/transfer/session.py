@@ -197,9 +197,12 @@ class RefusalLog:
         if last is not None and last[1]:
             since = f"; {last[1]} more refused from it in the {now - last[0]:.0f} s before"
         logger.warning(
-            "control frame from %s refused: %s%s (refusals from it are logged at most every "
-            "%g s)", peer, reason, since, self.interval_s,
-        )  # fmt: skip
+            "control frame from %s refused: %s%s (refusals from it are logged at most every %g s)",
+            peer,
+            reason,
+            since,
+            self.interval_s,
+        )
         self._peers[peer_key] = (now, 0)
         while len(self._peers) > MAX_LOGGED_PEERS:
             self._peers.popitem(last=False)

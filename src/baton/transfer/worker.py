@@ -65,23 +65,32 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--token-env", default="BATON_PD_TOKEN", help="env var with the shared token")
     p.add_argument("--backend", default="shm", choices=WORKER_BACKENDS)
     p.add_argument(
-        "--local-prefill-tokens", type=int, default=DEFAULT_LOCAL_PREFILL_TOKENS,
+        "--local-prefill-tokens",
+        type=int,
+        default=DEFAULT_LOCAL_PREFILL_TOKENS,
         help="decode: compute prompts at most this long here (0: always ask the prefill)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--engine", action="append", default=[], metavar="KEY=VALUE",
+        "--engine",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="engine option as in EngineConfig.from_kwargs, e.g. page_size=8 (repeatable)",
-    )  # fmt: skip
+    )
     for f in dataclasses.fields(Deadlines):
         p.add_argument(f"--{f.name.replace('_', '-')}", type=float, default=f.default)
     p.add_argument(
-        "--debug-stall-s", type=float, default=0.0,
+        "--debug-stall-s",
+        type=float,
+        default=0.0,
         help="prefill, tests only: hold pushes this long after each request arrives",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--debug-step-pause-s", type=float, default=0.0,
+        "--debug-step-pause-s",
+        type=float,
+        default=0.0,
         help="prefill, tests only: sleep this long between each step and its pushes",
-    )  # fmt: skip
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -92,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     a line), print one JSON result a line; exit 1 if any request failed."""
     args = _parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(), stream=sys.stderr,
+        level=args.log_level.upper(),
+        stream=sys.stderr,
         format=f"%(asctime)s {args.role}[%(process)d] %(levelname)s %(message)s",
-    )  # fmt: skip
+    )
     token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
@@ -113,9 +123,16 @@ def _run_prefill(
     args: argparse.Namespace, config: EngineConfig, deadlines: Deadlines, token: str
 ) -> int:
     server = PrefillServer(
-        args.model, config, args.host, args.port, token, args.backend, deadlines,
-        debug_stall_s=args.debug_stall_s, debug_step_pause_s=args.debug_step_pause_s,
-    )  # fmt: skip
+        args.model,
+        config,
+        args.host,
+        args.port,
+        token,
+        args.backend,
+        deadlines,
+        debug_stall_s=args.debug_stall_s,
+        debug_step_pause_s=args.debug_step_pause_s,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -132,9 +149,14 @@ def _run_decode(
     jobs = [json.loads(line) for line in sys.stdin if line.strip()]
     try:
         decode = DecodeEngine(
-            args.model, config, args.connect, token, args.backend, deadlines,
+            args.model,
+            config,
+            args.connect,
+            token,
+            args.backend,
+            deadlines,
             local_prefill=LocalPrefill(args.local_prefill_tokens),
-        )  # fmt: skip
+        )
     except (TimeoutError, PairingError, ValueError) as e:
         logger.error("%s", e)
         return 2

@@ -95,8 +95,12 @@ class RegionDescriptor:
 
 
 _WIRE_TYPES: dict[str, type] = {
-    "backend": str, "region": str, "nbytes": int, "address": str, "offset": int
-}  # fmt: skip
+    "backend": str,
+    "region": str,
+    "nbytes": int,
+    "address": str,
+    "offset": int,
+}
 
 
 class TransferState(enum.Enum):

@@ -201,12 +201,15 @@ class NixlBackend(TransferBackend):
         dst_base = {name: address for name, (_, address) in self._peer_regions.items()}
         runs = np.array(  # [num_ops, 3]: source address, destination address, nbytes
             [
-                (src_base[op.src_region] + op.src_offset, dst_base[op.dst_region] + op.dst_offset,
-                 op.nbytes)
+                (
+                    src_base[op.src_region] + op.src_offset,
+                    dst_base[op.dst_region] + op.dst_offset,
+                    op.nbytes,
+                )
                 for op in ops
             ],
             dtype=np.uint64,
-        )  # fmt: skip
+        )
         local = np.zeros((len(ops), 3), dtype=np.uint64)  # [num_ops, 3]: address, nbytes, 0
         remote = np.zeros((len(ops), 3), dtype=np.uint64)
         local[:, 0], remote[:, 0] = runs[:, 0], runs[:, 1]
