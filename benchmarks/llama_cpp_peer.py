@@ -1,4 +1,4 @@
-"""Benchmark: baton against llama.cpp on the bundled model, on this CPU.
+"""Benchmark: baton against llama.cpp on the bundled model (or a real-size one), on this CPU.
 
 Everything comes from a package registry (no model hub, no git): llama.cpp's sources are the
 copy that the PyPI sdist of ``llama-cpp-python`` vendors (``vendor/llama.cpp``), fetched with
@@ -44,9 +44,25 @@ Measured in one run, the CPU printed first (``benchmarks/common.py``):
    TTFT p50, TPOT p50, chunk ITL p50/p99 (with MTP one chunk may carry several tokens), and
    ratios baton / llama-server.
 
+4. llama.cpp's speculative decoding (``--spec-types``; default ``ngram-simple,ngram-mod``):
+   llama-server with each type at concurrency 1, the best of them also at every other
+   concurrency; the ratios then name llama.cpp's best configuration per concurrency (with or
+   without speculation, whichever served more tokens per second). ``draft-mtp`` does not run
+   on these models: the vendored converter carries an MTP head only for Qwen3-Next / Qwen3.5
+   and other MoE families, not for a dense ``qwen3`` (baton's NextN layer has nowhere to go).
+
+``--model`` picks the model: ``bundled`` (the default), or one of ``scale.py``'s real-size
+shapes (``qwen3-0.6b``, ``qwen3-1.7b``, ``llama-1b``): a random bf16 checkpoint of that
+shape written once into the cache with the bundled tokenizer beside it (the converter pads
+the vocabulary to the model's), no MTP draft (baton runs plain; random weights have no draft
+worth training) and smaller default sizes (``REAL``). Random weights make greedy text
+repetitive, which n-gram speculation thrives on: read llama.cpp's speculative figures on such
+a model as an upper bound for it, not as what a trained model would get.
+
 Usage::
 
-    python benchmarks/llama_cpp_peer.py [--threads N] [--quick] [--skip-llama-bench]
+    python benchmarks/llama_cpp_peer.py [--model bundled|qwen3-0.6b|...] [--threads N]
+        [--quick] [--spec-types ngram-simple,ngram-mod] [--skip-llama-bench]
         [--skip-baton] [--skip-serving] [--skip-bf16] [--skip-build-check] [--build-only]
         [--serve-threads N] [--cell-seconds S] [--out benchmarks/results/llama_cpp_peer.json]
 
@@ -76,7 +92,10 @@ from pathlib import Path
 from common import machine_facts, resolve_dtype_arg
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "baton-stdlib-qwen3"
+BUNDLED = REPO / "models" / "baton-stdlib-qwen3"
+MODEL = BUNDLED
+"""The model every part runs: ``--model`` sets it once, in ``main``, before any part runs."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 LLAMA_CPP_PYTHON = "0.3.36"
 """The ``llama-cpp-python`` sdist whose ``vendor/llama.cpp`` is built."""
 CACHE = Path(os.environ.get("BATON_LLAMA_CPP_CACHE", Path.home() / ".cache/baton/llama.cpp"))
@@ -224,6 +243,24 @@ def convert(src: Path, model_dir: Path, outtype: str) -> Path:
     return out
 
 
+def real_size_model(name: str) -> Path:
+    """``scale.py``'s random checkpoint of shape ``name`` with the bundled tokenizer, written
+    once into the cache."""
+    import shutil
+
+    import scale
+
+    out = CACHE / "models" / name
+    if not (out / "model.safetensors").is_file():
+        family, shape = scale.SHAPES[name]
+        print(f"writing a random {name} checkpoint to {out}", flush=True)
+        scale.save_random(out, family, shape)
+    for f in TOKENIZER_FILES:
+        if (BUNDLED / f).is_file():
+            shutil.copy(BUNDLED / f, out / f)
+    return out
+
+
 # -- 1. llama-bench ------------------------------------------------------------------------------
 def llama_bench_rows(bin_dir: Path, gguf: Path, threads: int, repeats: int, extra: list[str]):
     """llama-bench's JSON rows of one GGUF for the tests ``extra`` asks for."""
@@ -252,6 +289,12 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, sizes: dict) -> dict:
 
 
 # -- 2. baton offline, batch 1 -------------------------------------------------------------------
+def modes() -> list[tuple[str, bool]]:
+    """baton's batch-1 modes: plain, and MTP where the model has a draft."""
+    has_draft = (MODEL / "mtp_config.json").is_file()
+    return [("plain", False)] + ([("mtp", True)] if has_draft else [])
+
+
 def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
     """``offline.py``'s batch-1 figure, plain and with the MTP draft, and a prefill."""
     import gc
@@ -266,7 +309,7 @@ def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
     prompt, long_prompt = stream[: sizes["prompt_tokens"]], stream[sizes["prompt_tokens"] :]
     result: dict = {"prompts": source, "dtype": dtype}
     with torch.inference_mode():
-        for name, speculative in (("plain", False), ("mtp", True)):
+        for name, speculative in modes():
             # NOTE: no prefix caching: every timed run repeats its prompt, and llama-bench
             # computes every prompt afresh.
             llm = offline.new_llm(
@@ -302,7 +345,7 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
             name: offline.new_llm(
                 MODEL, args, n_prompt + n_new, speculative=spec, enable_prefix_caching=False
             )
-            for name, spec in (("plain", False), ("mtp", True))
+            for name, spec in modes()
         }
         for i in range(sizes["paired_rounds"]):
             row = {}
@@ -322,8 +365,7 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
     return {
         "rounds": rounds,
         "median_ratio": {
-            name: statistics.median(r[name] / r["llama_tg"] for r in rounds)
-            for name in ("plain", "mtp")
+            name: statistics.median(r[name] / r["llama_tg"] for r in rounds) for name, _ in modes()
         },
     }
 
@@ -439,62 +481,73 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
 
 
 def serving(
-    bin_dir: Path, gguf: Path, threads: int, sizes: dict, cell_seconds: float, log_dir: Path
+    bin_dir: Path,
+    gguf: Path,
+    threads: int,
+    sizes: dict,
+    cell_seconds: float,
+    log_dir: Path,
+    spec_types: list[str],
 ) -> dict:
-    """llama-server, then baton serve (never both at once), each through ``bench_cells``.
-    llama-server is started for each concurrency with as many slots (its best configuration
-    there: 32 slots served 8 clients at 2,116 tok/s where 8 slots had served 2,599-3,563 in
-    earlier runs); baton serve once, with its defaults, for every concurrency."""
+    """llama-server, then llama-server with each speculative type, then baton serve (never two
+    at once), each through ``bench_cells``. llama-server is started for each concurrency with
+    as many slots (its best configuration there: 32 slots served 8 clients at 2,116 tok/s
+    where 8 slots had served 2,599-3,563 in earlier runs); each speculative type at
+    concurrency 1, and the best of them (by output tok/s there) at every other concurrency;
+    baton serve once, with its defaults, for every concurrency."""
     ctx_per_slot = 2 * (sizes["serve_prompt_tokens"] + sizes["serve_output_tokens"])
 
-    def llama_server(slots: int) -> list[str]:
-        return [
-            str(bin_dir / "llama-server"),
-            "-m",
-            str(gguf),
-            "--alias",
-            MODEL.name,
-            "-t",
-            str(threads),
-            "-tb",
-            str(threads),
-            "--parallel",
-            str(slots),
-            "--cont-batching",
-            "-c",
-            str(slots * ctx_per_slot),
-            "--metrics",
-        ]
+    def llama_server(slots: int, spec_type: str | None = None) -> list[str]:
+        cmd = [str(bin_dir / "llama-server"), "-m", str(gguf), "--alias", MODEL.name]
+        cmd += ["-t", str(threads), "-tb", str(threads), "--parallel", str(slots)]
+        cmd += ["--cont-batching", "-c", str(slots * ctx_per_slot), "--metrics"]
+        return cmd + (["--spec-type", spec_type] if spec_type else [])
 
-    baton = [
-        sys.executable,
-        "-m",
-        "baton.cli",
-        "serve",
-        "--model",
-        str(MODEL),
-        "--threads",
-        str(threads),
-    ]
-    runs = [("llama_server", llama_server(c), (c,)) for c in sizes["concurrency"]]
-    runs.append(("baton", baton, tuple(sizes["concurrency"])))
+    baton = [sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL)]
+    baton += ["--threads", str(threads)]
     result: dict = {"gguf": gguf.name, "threads": threads, "commands": {}}
-    for name, cmd, concurrency in runs:
+
+    def run_cells(key: str, cmd: list[str], concurrency: tuple[int, ...]) -> dict:
         port = free_port()
         cmd = [*cmd, "--host", "127.0.0.1", "--port", str(port)]
-        key = name if name == "baton" else f"{name}_c{concurrency[0]}"
         result["commands"][key] = shlex.join(cmd)
         url = f"http://127.0.0.1:{port}"
         print(f"serving: {key}", flush=True)
         proc = start_server(cmd, log_dir / f"llama_cpp_peer.{key}.log", url)
         try:
-            if name == "llama_server" and "tokenizer_check" not in result:
+            if key.startswith("llama_server") and "tokenizer_check" not in result:
                 result["tokenizer_check"] = tokenizer_check(url)
-            cells = bench_cells(url, sizes | {"concurrency": concurrency}, cell_seconds)
-            result.setdefault(name, {}).update(cells)
+            return bench_cells(url, sizes | {"concurrency": concurrency}, cell_seconds)
         finally:
             stop_server(proc)
+
+    plain = result["llama_server"] = {}
+    for c in sizes["concurrency"]:
+        plain.update(run_cells(f"llama_server_c{c}", llama_server(c), (c,)))
+    spec = result["llama_server_spec"] = {}
+    for spec_type in spec_types:
+        spec[spec_type] = run_cells(
+            f"llama_server_{spec_type}_c1", llama_server(1, spec_type), (1,)
+        )
+    if spec:
+        best = max(spec, key=lambda t: spec[t]["1"]["output_tokens_per_s"])
+        result["llama_server_spec_best_at_c1"] = best
+        for c in sizes["concurrency"]:
+            if str(c) not in spec[best]:
+                key = f"llama_server_{best}_c{c}"
+                spec[best].update(run_cells(key, llama_server(c, best), (c,)))
+    result["baton"] = run_cells("baton", baton, tuple(sizes["concurrency"]))
     return result
+
+
+def best_llama_cell(serve: dict, concurrency: str) -> tuple[str, dict]:
+    """llama.cpp's best configuration at ``concurrency`` by output tok/s: plain llama-server
+    or one of its speculative types (its name, its cell)."""
+    found = [("no speculation", serve["llama_server"][concurrency])]
+    for spec_type, cells in serve.get("llama_server_spec", {}).items():
+        if concurrency in cells:
+            found.append((f"--spec-type {spec_type}", cells[concurrency]))
+    return max(found, key=lambda f: f[1]["output_tokens_per_s"])
 
 
 # -- report --------------------------------------------------------------------------------------
@@ -526,6 +579,17 @@ QUICK = FULL | dict(
     paired_rounds=2,
 )
 """Development sizes: the numbers mean nothing."""
+REAL = FULL | dict(
+    tg_tokens=64,
+    bench_repeats=2,
+    new_tokens=64,
+    repeats=1,
+    serve_output_tokens=64,
+    cell_seconds=20.0,
+    paired_rounds=3,
+)
+"""A real-size model (``--model qwen3-0.6b``...): ~100x the bundled model's work per token,
+so fewer tokens and repetitions; the same prompt lengths and concurrencies."""
 
 
 def ratios(r: dict, sizes: dict) -> dict:
@@ -536,7 +600,7 @@ def ratios(r: dict, sizes: dict) -> dict:
     if bench and b1:
         tg = bench[f"tg{sizes['tg_tokens']}@d{sizes['tg_depth']}"]["tokens_per_s"]
         out["llama_bench_dtype"] = gguf_dtype
-        for mode in ("plain", "mtp"):
+        for mode, _ in modes():
             out[f"batch1_{mode}_decode_vs_tg"] = b1[mode]["baton_decode_only_tokens_per_s"] / tg
         pp = bench[f"pp{sizes['pp_tokens']}"]["tokens_per_s"]
         out["prefill_vs_pp"] = b1[f"prefill{sizes['pp_tokens']}_tokens_per_s"] / pp
@@ -544,19 +608,16 @@ def ratios(r: dict, sizes: dict) -> dict:
         for mode, ratio in paired["median_ratio"].items():
             out[f"batch1_{mode}_decode_vs_tg_paired"] = ratio
     serve = r.get("serving")
+    keys = ("output_tokens_per_s", "ttft_p50_ms", "tpot_p50_ms", "itl_chunk_p50_ms")
+    keys += ("itl_chunk_p99_ms",)
     if serve:
         for c, ours in serve["baton"].items():
             theirs = serve["llama_server"][c]
-            out[f"serving_c{c}"] = {
-                k: ours[k] / theirs[k]
-                for k in (
-                    "output_tokens_per_s",
-                    "ttft_p50_ms",
-                    "tpot_p50_ms",
-                    "itl_chunk_p50_ms",
-                    "itl_chunk_p99_ms",
-                )
-                if ours[k] and theirs[k]
+            out[f"serving_c{c}"] = {k: ours[k] / theirs[k] for k in keys if ours[k] and theirs[k]}
+            name, best = best_llama_cell(serve, c)
+            out[f"serving_c{c}_vs_llama_best"] = {
+                "llama_config": name,
+                "output_tokens_per_s": ours["output_tokens_per_s"] / best["output_tokens_per_s"],
             }
     return out
 
@@ -566,7 +627,8 @@ def print_report(r: dict, sizes: dict) -> None:
     load = f"{m['loadavg_start'][0]:.2f} at the start, {m['loadavg_end'][0]:.2f} at the end"
     print(
         f"\nCPU: {m['cpu']}, {m['threads']} threads; 1-minute load average {load} "
-        "(other work on the machine makes every figure noisy)"
+        "(other work on the machine makes every figure noisy); model "
+        f"{Path(r['model']).name}"
     )
     if m.get("avx2_stand_in"):
         print(
@@ -593,7 +655,7 @@ def print_report(r: dict, sizes: dict) -> None:
             f"{sizes['new_tokens']} new): prefill {sizes['pp_tokens']} "
             f"{prefill:.1f} tok/s"
         )
-        for mode in ("plain", "mtp"):
+        for mode, _ in modes():
             m = b1[mode]
             print(
                 f"  {mode}: {m['baton_tokens_per_s']:.1f} tok/s whole generate, "
@@ -604,7 +666,8 @@ def print_report(r: dict, sizes: dict) -> None:
             f"in turns, {len(p['rounds'])} rounds (tok/s): llama-bench tg{sizes['tg_tokens']}"
             f"@d{d} / baton plain / baton mtp decode only: "
             + "; ".join(
-                f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x['mtp']:.0f}" for x in p["rounds"]
+                f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x.get('mtp', float('nan')):.0f}"
+                for x in p["rounds"]
             )
         )
     if s := r.get("serving"):
@@ -622,16 +685,20 @@ def print_report(r: dict, sizes: dict) -> None:
             "num_requests",
         )
         print(
-            f"{'server':<14}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
+            f"{'server':<18}{'conc':>5}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}"
             f"{'ITL p50':>9}{'ITL p99':>9}{'reqs':>6}"
         )
-        for name in ("llama_server", "baton"):
-            for c, cell in s[name].items():
+        rows = [("llama_server", s["llama_server"])]
+        rows += [(f"llama {t}", cells) for t, cells in s.get("llama_server_spec", {}).items()]
+        for name, cells in [*rows, ("baton", s["baton"])]:
+            for c, cell in cells.items():
                 vals = "".join(
                     f"{cell[k]:>{w}.1f}" if cell[k] is not None else f"{'-':>{w}}"
                     for k, w in zip(keys[:-1], (11, 10, 10, 9, 9), strict=True)
                 )
-                print(f"{name:<14}{c:>5}{vals}{cell['num_requests']:>6}")
+                chunk = cell["tokens_per_chunk_mean"]
+                tail = f"  {chunk:.2f} tokens/chunk" if chunk else ""
+                print(f"{name:<18}{c:>5}{vals}{cell['num_requests']:>6}{tail}")
     print("ratios baton / llama.cpp (tok/s: > 1 baton faster; latencies: < 1 baton faster):")
     for k, v in r["ratios"].items():
         shown = {a: round(b, 2) for a, b in v.items()} if isinstance(v, dict) else v
@@ -648,7 +715,18 @@ def parse_args() -> argparse.Namespace:
         default=len(os.sched_getaffinity(0)),
         help="threads for every side (default: usable cores)",
     )
+    p.add_argument(
+        "--model",
+        default="bundled",
+        help="bundled (default), a scale.py shape (qwen3-0.6b, qwen3-1.7b, llama-1b: a random "
+        "checkpoint of it), or a model directory",
+    )
     p.add_argument("--quick", action="store_true", help="tiny sizes, for development")
+    p.add_argument(
+        "--spec-types",
+        default="ngram-simple,ngram-mod",
+        help="llama-server speculative types to try (comma-separated; '' for none)",
+    )
     p.add_argument("--cell-seconds", type=float, help="target length of a serving cell")
     p.add_argument("--skip-llama-bench", action="store_true")
     p.add_argument("--skip-baton", action="store_true", help="skip baton's offline batch 1")
@@ -688,7 +766,11 @@ def main() -> int:
             flush=True,
         )
         os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | AVX2_STAND_IN_ENV)
-    sizes = QUICK if args.quick else FULL
+    global MODEL
+    if args.model != "bundled":
+        shapes = __import__("scale").SHAPES
+        MODEL = real_size_model(args.model) if args.model in shapes else Path(args.model)
+    sizes = QUICK if args.quick else FULL if MODEL == BUNDLED else REAL
     if args.cell_seconds is not None:
         sizes = sizes | {"cell_seconds": args.cell_seconds}
     dtype = resolve_dtype_arg("auto")  # prints the platform line; baton serve's auto too
@@ -705,7 +787,8 @@ def main() -> int:
         "machine": machine_facts(
             dtype, threads=args.threads, loadavg_start=os.getloadavg(), avx2_stand_in=stand_in
         ),
-        "settings": {**sizes, "quick": args.quick},
+        "model": str(MODEL),
+        "settings": {**sizes, "quick": args.quick, "spec_types": args.spec_types},
         "build": build_info,
         "gguf": {t: str(g) for t, g in ggufs.items()},
     }
@@ -728,6 +811,7 @@ def main() -> int:
             sizes,
             sizes["cell_seconds"],
             args.out.parent,
+            [t for t in args.spec_types.split(",") if t],
         )
     r["machine"]["loadavg_end"] = os.getloadavg()
     r["ratios"] = ratios(r, sizes)

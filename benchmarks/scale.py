@@ -50,43 +50,13 @@ from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.request import SamplingParams  # noqa: E402
 
 SHAPES = {
-    "qwen3-0.6b": (
-        "qwen3",
-        dict(
-            vocab=151936,
-            hidden=1024,
-            intermediate=3072,
-            layers=28,
-            heads=16,
-            kv_heads=8,
-            head_dim=128,
-        ),
-    ),
-    "qwen3-1.7b": (
-        "qwen3",
-        dict(
-            vocab=151936,
-            hidden=2048,
-            intermediate=6144,
-            layers=28,
-            heads=16,
-            kv_heads=8,
-            head_dim=128,
-        ),
-    ),
-    "llama-1b": (
-        "llama",
-        dict(
-            vocab=128256,
-            hidden=2048,
-            intermediate=8192,
-            layers=16,
-            heads=32,
-            kv_heads=8,
-            head_dim=64,
-        ),
-    ),
-}
+    "qwen3-0.6b": ("qwen3", dict(vocab=151936, hidden=1024, intermediate=3072, layers=28,
+                                 heads=16, kv_heads=8, head_dim=128)),
+    "qwen3-1.7b": ("qwen3", dict(vocab=151936, hidden=2048, intermediate=6144, layers=28,
+                                 heads=16, kv_heads=8, head_dim=128)),
+    "llama-1b":   ("llama", dict(vocab=128256, hidden=2048, intermediate=8192, layers=16,
+                                 heads=32, kv_heads=8, head_dim=64)),
+}  # fmt: skip
 DECODE_PROMPT = 32
 
 
