@@ -21,26 +21,39 @@ GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy, as in vLLM: dividing logits by less overflows fp32."""
 
 
+class InvalidRequest(ValueError):
+    """A request the engine refuses, naming the API field at fault (``param``; None: the
+    request as a whole) -- carried to the HTTP error's ``param``, not read from the text."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 def _check_int(name: str, value: object, *, optional: bool = False) -> None:
     # NOTE: bool is a subclass of int; ``max_tokens=True`` is a bug, not 1.
     if value is None and optional:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         allowed = "an int or None" if optional else "an int"
-        raise ValueError(f"{name} must be {allowed}, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(
+            f"{name} must be {allowed}, got {value!r} ({type(value).__name__})", name
+        )
 
 
 def _check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(
+            f"{name} must be a number, got {value!r} ({type(value).__name__})", name
+        )
     if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
+        raise InvalidRequest(f"{name} must be finite, got {value!r}", name)
     return float(value)
 
 
 def _check_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+        raise InvalidRequest(f"{name} must be a bool, got {value!r} ({type(value).__name__})", name)
 
 
 @dataclass(frozen=True)
@@ -85,10 +98,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         _check_int("n", self.n)
         if self.n != 1:
-            raise ValueError(f"n={self.n} is not supported; only n=1")
+            raise InvalidRequest(f"n={self.n} is not supported; only n=1", "n")
         _check_int("max_tokens", self.max_tokens, optional=True)
         if self.max_tokens is not None and self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens}")
+            raise InvalidRequest(
+                f"max_tokens must be a positive int or None, got {self.max_tokens}", "max_tokens"
+            )
         for name, low, high in (
             ("temperature", 0.0, math.inf),
             ("top_p", 0.0, 1.0),
@@ -101,26 +116,35 @@ class SamplingParams:
             value = getattr(self, name)
             if not low <= value <= high:
                 allowed = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-                raise ValueError(f"{name} must be {allowed}, got {value}")
+                raise InvalidRequest(f"{name} must be {allowed}, got {value}", name)
         if self.top_p == 0.0:
-            raise ValueError("top_p must be in (0, 1], got 0.0")
+            raise InvalidRequest("top_p must be in (0, 1], got 0.0", "top_p")
         if self.repetition_penalty == 0.0:
-            raise ValueError("repetition_penalty must be > 0 (1 disables it), got 0.0")
+            raise InvalidRequest(
+                "repetition_penalty must be > 0 (1 disables it), got 0.0", "repetition_penalty"
+            )
         _check_int("top_k", self.top_k)
         if self.top_k < -1:
-            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}")
+            raise InvalidRequest(
+                f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}", "top_k"
+            )
         _check_int("seed", self.seed, optional=True)
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
-            raise ValueError(f"seed must fit in 64 bits (in [-2**63, 2**63 - 1]), got {self.seed}")
+            raise InvalidRequest(
+                f"seed must fit in 64 bits (in [-2**63, 2**63 - 1]), got {self.seed}", "seed"
+            )
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+            raise InvalidRequest(
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs!r}", "logprobs"
+            )
         _check_int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+            raise InvalidRequest(f"min_tokens must be >= 0, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}"
+            raise InvalidRequest(
+                f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
+                "min_tokens",
             )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
@@ -139,7 +163,9 @@ def _normalise_stop(stop: object) -> tuple[str, ...]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-        raise ValueError(f"stop must be a string, a list of strings or None, got {stop!r}")
+        raise InvalidRequest(
+            f"stop must be a string, a list of strings or None, got {stop!r}", "stop"
+        )
     return tuple(s for s in stop if s)
 
 
@@ -147,20 +173,15 @@ def _normalise_stop_token_ids(ids: object) -> tuple[int, ...]:
     if ids is None:
         return ()
     if not isinstance(ids, list | tuple):
-        raise ValueError(f"stop_token_ids must be a list of ints or None, got {ids!r}")
+        raise InvalidRequest(
+            f"stop_token_ids must be a list of ints or None, got {ids!r}", "stop_token_ids"
+        )
     for token_id in ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise ValueError(f"stop_token_ids must be non-negative ints, got {token_id!r}")
+            raise InvalidRequest(
+                f"stop_token_ids must be non-negative ints, got {token_id!r}", "stop_token_ids"
+            )
     return tuple(ids)
-
-
-class InvalidRequest(ValueError):
-    """A request the engine refuses, naming the API field at fault (``param``; None: the
-    request as a whole) -- carried to the HTTP error's ``param``, not read from the text."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class FinishReason(StrEnum):

@@ -241,6 +241,20 @@ BAD = [
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": -(2**63) - 1}, 400, "seed"),
+    # The engine's own checks name their field (carried by ``InvalidRequest``, not parsed).
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_k": -5}, 400, "top_k"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3},
+        400,
+        "min_tokens",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "repetition_penalty": 0.0},
+        400,
+        "repetition_penalty",
+    ),
     (
         "/v1/completions",
         b'{"model": "m", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",

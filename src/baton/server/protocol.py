@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from baton.request import SamplingParams
+from baton.request import InvalidRequest, SamplingParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -175,8 +175,8 @@ class _SamplingRequest(BaseModel):
                 min_tokens=self.min_tokens,
                 **kwargs,
             )
-        except (ValueError, TypeError) as exc:
-            raise ApiError(str(exc), param=_param_of(str(exc))) from exc
+        except InvalidRequest as exc:
+            raise ApiError(str(exc), param=exc.param) from exc
 
     @property
     def include_usage(self) -> bool:
@@ -253,12 +253,3 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise ApiError("messages must not be empty", param="messages")
         return [m.as_template_dict() for m in self.messages]
-
-
-_PARAM_NAMES = set(SamplingParams.__dataclass_fields__)
-
-
-def _param_of(message: str) -> str | None:
-    """``SamplingParams`` errors start with the field name (``"top_p must be ..."``)."""
-    first = message.split(" ", 1)[0].split("=", 1)[0]
-    return first if first in _PARAM_NAMES else None
