@@ -160,6 +160,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="decode: a prefill control endpoint (tcp://HOST:PORT) for requests that name none "
         "(repeatable; without it only a router's requests, which name theirs, are served)",
     )
+    serve.add_argument(
+        "--trust-bootstrap-fields",
+        action="store_true",
+        help="decode: take the PD route from SGLang-style bootstrap_host / bootstrap_port / "
+        "bootstrap_room body fields, unsigned (llm-d's sidecar; only where nothing else "
+        "reaches this port)",
+    )
     backend = serve.add_argument(
         "--backend", default="shm", help="PD: how state moves (shm: one host)"
     )

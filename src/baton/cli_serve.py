@@ -85,8 +85,9 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
     name = args.served_model_name or Path(args.model).name
     try:
         route_token = _route_token(args) if args.role == "decode" else None
+        trust = args.role == "decode" and args.trust_bootstrap_fields
         app = build_app(
-            engine, name, core.platform_info, int(args.max_body_mb * 2**20), route_token
+            engine, name, core.platform_info, int(args.max_body_mb * 2**20), route_token, trust
         )
         server = http_server(
             app,

@@ -283,6 +283,7 @@ class LLMEngine:
             self.num_running,
             self.num_waiting,
             self.units_in_use(),
+            self.unit_capacity(),
             prompt_tokens_computed=self.runner.num_computed_prompt_tokens,
             **prefix_stats(self.prefix_cache),
         )
@@ -301,6 +302,10 @@ class LLMEngine:
     def units_in_use(self) -> dict[str, int]:
         """Per state component: units requests hold now (for metrics)."""
         return {c.name: c.num_units - c.owner.num_free_units for c in self.registry}
+
+    def unit_capacity(self) -> dict[str, int]:
+        """Per state component: units its pool holds in all (for metrics)."""
+        return {c.name: c.num_units for c in self.registry}
 
     def has_unfinished_requests(self) -> bool:
         """Whether the scheduler holds requests to compute (a PD decode's requests waiting

@@ -26,6 +26,8 @@ class EngineStats:
     num_running: int
     num_waiting: int
     units_in_use: dict[str, int]
+    unit_capacity: dict[str, int] = field(default_factory=dict)
+    """Per component: units its pool holds in all (``kv_usage`` divides by their sum)."""
     transfer: dict[str, tuple[int, float]] = field(default_factory=dict)
     """PD decode: per component, bytes received and seconds of the batches carrying them."""
     push_seconds: float = 0.0
@@ -40,6 +42,18 @@ class EngineStats:
     """Prompt positions this engine computed (restored and pushed ones are not)."""
     handoffs: dict[tuple[str, str], int] = field(default_factory=dict)
     """PD decode: (outcome, reason or "") -> requests that ended their handoff so."""
+
+    @property
+    def kv_usage(self) -> float:
+        """Units in use over capacity, every component together: 0..1 (0 before the first
+        step's figures)."""
+        return kv_usage(self.units_in_use, self.unit_capacity)
+
+
+def kv_usage(in_use: dict[str, int], capacity: dict[str, int]) -> float:
+    """``EngineStats.kv_usage`` of per-component counts: units in use / units in all."""
+    total = sum(capacity.values())
+    return sum(in_use.get(name, 0) for name in capacity) / total if total else 0.0
 
 
 def prefix_stats(cache: PrefixCache | None) -> dict:

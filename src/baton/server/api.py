@@ -77,6 +77,8 @@ class _Server:
     metrics: ServerMetrics
     route_token: bytes | None = None
     """A PD decode's token: routing headers count only when a router signed them with it."""
+    trust_bootstrap_fields: bool = False
+    """A PD decode behind llm-d's sidecar: the unsigned ``bootstrap_*`` body fields count."""
 
 
 def build_app(
@@ -85,15 +87,25 @@ def build_app(
     platform_info: dict | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     route_token: bytes | None = None,
+    trust_bootstrap_fields: bool = False,
 ) -> FastAPI:
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
     ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413);
     ``route_token`` (a PD decode): the routing headers count only when signed with it
-    (``protocol.route_problem``; a 403 otherwise)."""
+    (``protocol.route_problem``; a 403 otherwise); ``trust_bootstrap_fields``: the SGLang-style
+    ``bootstrap_*`` body fields (llm-d's sidecar) count unsigned, where only the sidecar
+    reaches this port (a 403 naming the flag otherwise)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
     limits = BodyLimits(max_body_bytes, max_prompt_ids=engine.max_model_len)
     app.state.server = _Server(
-        engine, model_name, platform_info, limits, engine.tokenizer, ServerMetrics(), route_token
+        engine,
+        model_name,
+        platform_info,
+        limits,
+        engine.tokenizer,
+        ServerMetrics(),
+        route_token,
+        trust_bootstrap_fields,
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, route_not_found)
@@ -147,7 +159,7 @@ async def _completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
-    outputs, headers = await _run(server, req.engine_prompt(), params, _route(request))
+    outputs, headers = await _run(server, req.engine_prompt(), params, _route(request, req))
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.logprobs or 0
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -172,7 +184,7 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(server, req.model)
     params = req.sampling_params()
     prompt = _chat_prompt(server.tokenizer, req)
-    outputs, headers = await _run(server, prompt, params, _route(request))
+    outputs, headers = await _run(server, prompt, params, _route(request, req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.top_logprobs or 0
     if req.stream:
@@ -305,7 +317,34 @@ async def _observed(
         await stream.aclose()
 
 
-def _route(request: Request) -> PDRoute | None:
+def _route(request: Request, req: CompletionRequest | ChatCompletionRequest) -> PDRoute | None:
+    """The PD route a request names: a router's signed headers or llm-d's ``bootstrap_*``
+    body fields (None: neither); a 400 when malformed or both are given, a 403 when the
+    headers are not signed with this decode's route token or the fields are not trusted."""
+    server = _server(request)
+    headers = _header_route(request)
+    fields = req.bootstrap_route()
+    if fields is None:
+        return headers
+    if headers is not None:
+        raise ApiError(
+            "the PD route is named twice: by x-baton headers and by bootstrap_* fields",
+            param="bootstrap_room",
+        )
+    if server.route_token is not None and not server.trust_bootstrap_fields:
+        raise ApiError(
+            "bootstrap_host / bootstrap_port / bootstrap_room count only on a decode started "
+            "with --trust-bootstrap-fields (behind llm-d's sidecar); baton's router signs "
+            "x-baton headers instead",
+            403,
+            param="bootstrap_room",
+            type="permission_error",
+        )
+    prefill, room = fields
+    return PDRoute(prefill, room, None)
+
+
+def _header_route(request: Request) -> PDRoute | None:
     """The router's choice from the request's headers (None: it names none); a 403 when they
     are not signed with this decode's route token, a 400 when malformed."""
     token = _server(request).route_token

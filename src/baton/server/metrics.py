@@ -52,6 +52,11 @@ class ServerMetrics:
         )
         self.running = Gauge("baton_num_requests_running", "requests being run", registry=r)
         self.waiting = Gauge("baton_num_requests_waiting", "requests queued", registry=r)
+        self.kv_usage = Gauge(
+            "baton_kv_cache_usage_ratio",
+            "units in use / units in all, every state component together (0..1)",
+            registry=r,
+        )
         self.prompt_tokens = Counter("baton_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("baton_generation_tokens", "tokens generated", registry=r)
         self.acceptance = Histogram(
@@ -118,6 +123,7 @@ class ServerMetrics:
         stats = engine.stats
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
         for name, n in stats.units_in_use.items():
             self.units.labels(name).set(n)
         for name, (num_bytes, seconds) in stats.transfer.items():

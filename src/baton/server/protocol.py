@@ -144,6 +144,10 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Float | None = None
     ignore_eos: Bool = False
     min_tokens: Int = 0
+    # SGLang's PD fields, as llm-d's sidecar sends them to a decode (``bootstrap_route``).
+    bootstrap_host: Str | None = None
+    bootstrap_port: Int | None = None
+    bootstrap_room: Int | None = None
 
     def _check_unsupported(self) -> None:
         if self.n != 1:
@@ -177,6 +181,40 @@ class _SamplingRequest(BaseModel):
             )
         except InvalidRequest as exc:
             raise ApiError(str(exc), param=exc.param) from exc
+
+    def bootstrap_route(self) -> tuple[str, int] | None:
+        """(prefill control endpoint, room) from the SGLang-style body fields (llm-d's
+        sidecar: ``bootstrap_host`` and ``bootstrap_port`` name the prefill's ``--pd-host``
+        and ``--pd-port``), None where none is given; a 400 naming the field at fault."""
+        fields = {
+            "bootstrap_host": self.bootstrap_host,
+            "bootstrap_port": self.bootstrap_port,
+            "bootstrap_room": self.bootstrap_room,
+        }
+        if all(v is None for v in fields.values()):
+            return None
+        missing = [name for name, v in fields.items() if v is None]
+        if missing:
+            raise ApiError(
+                f"{missing[0]} is missing: bootstrap_host, bootstrap_port and bootstrap_room "
+                "come together",
+                param=missing[0],
+            )
+        host, port, room = self.bootstrap_host, self.bootstrap_port, self.bootstrap_room
+        if not host or any(c in host for c in "/ []") or host.count(":") == 1:
+            raise ApiError(
+                f"bootstrap_host must be a host name or address, got {host!r}",
+                param="bootstrap_host",
+            )
+        if not 0 < port < 65536:
+            raise ApiError(
+                f"bootstrap_port must be in [1, 65535], got {port}", param="bootstrap_port"
+            )
+        if not 0 < room < 2**63:
+            raise ApiError(
+                f"bootstrap_room must be in [1, 2**63), got {room}", param="bootstrap_room"
+            )
+        return (f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"), room
 
     @property
     def include_usage(self) -> bool:
