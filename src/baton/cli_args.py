@@ -161,6 +161,15 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "(repeatable; without it only a router's requests, which name theirs, are served)",
     )
     serve.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="publish the prefix cache's pages cached and evicted on this ZMQ endpoint "
+        "(e.g. tcp://*:5557; vLLM's KV-event format, for llm-d's and Dynamo's routers)",
+    )
+    serve.add_argument(
+        "--kv-events-topic", default="", help="the ZMQ topic of --kv-events-endpoint"
+    )
+    serve.add_argument(
         "--trust-bootstrap-fields",
         action="store_true",
         help="decode: take the PD route from SGLang-style bootstrap_host / bootstrap_port / "

@@ -80,8 +80,18 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
         from baton.engine.engine import LLMEngine
 
         core = LLMEngine(args.model, config)
+    try:
+        events = _kv_events(args, core.engine if args.role == "decode" else core)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     fault = RuntimeEnv.from_environ().debug_engine_fault_after_steps
-    engine = AsyncEngine(core, fail_after_steps=fault, keep_warm_s=config.keep_warm_s)
+    engine = AsyncEngine(
+        core,
+        fail_after_steps=fault,
+        keep_warm_s=config.keep_warm_s,
+        after_step=None if events is None else events.flush,
+    )
     name = args.served_model_name or Path(args.model).name
     try:
         route_token = _route_token(args) if args.role == "decode" else None
@@ -106,12 +116,28 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
         http.join(SHUTDOWN_GRACE_S + 5)
     finally:
         engine.shutdown()
+        if events is not None:
+            events.close()
         if args.role == "decode":
             core.close()  # type: ignore[union-attr]  # after the engine loop stopped
     if engine.error is not None:
         print(f"error: {engine.error}; the server stopped", file=sys.stderr)
         return 1
     return 0 if server.started else 3  # 3: uvicorn.run's code for a server that never started
+
+
+def _kv_events(args: argparse.Namespace, engine):
+    """``--kv-events-endpoint``'s publisher over ``engine``'s prefix cache, or None without
+    the flag; ``ValueError`` (an error line) without prefix caching or on a taken port."""
+    if not args.kv_events_endpoint:
+        return None
+    from baton.server.kv_events import KVEventPublisher
+
+    if engine.prefix_cache is None:
+        raise ValueError("--kv-events-endpoint needs prefix caching (drop --no-prefix-caching)")
+    return KVEventPublisher(
+        engine.prefix_cache, engine.registry, args.kv_events_endpoint, args.kv_events_topic
+    )
 
 
 def _serve_http_beside(server, then: Callable[[], None]) -> threading.Thread:
@@ -191,6 +217,14 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
         transfer_host=_transfer_host(args),
     )
     loop = PrefillLoop(server)
+    try:
+        events = _kv_events(args, server.engine)
+    except ValueError as exc:
+        server.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if events is not None:
+        loop.after_turn = events.flush
     http = http_server(
         build_prefill_app(loop),
         args.host,

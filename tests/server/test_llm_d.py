@@ -45,7 +45,10 @@ def _free_port() -> int:
 def llm_d(text_model_dir, tmp_path_factory):
     d = Deployment(text_model_dir, tmp_path_factory.mktemp("llm-d"))
     d.pd_port = _free_port()
-    d.prefill = d.serve("prefill", "prefill", "--pd-port", str(d.pd_port))
+    d.events_port = _free_port()
+    kv_events = ["--kv-events-endpoint", f"tcp://127.0.0.1:{d.events_port}"]
+    kv_events += ["--kv-events-topic", "kv@prefill"]
+    d.prefill = d.serve("prefill", "prefill", "--pd-port", str(d.pd_port), *kv_events)
     d.decode = d.serve(
         "decode", "decode", "--trust-bootstrap-fields", "--local-prefill-tokens", "0"
     )
@@ -166,3 +169,33 @@ def test_both_workers_export_the_queue_and_kv_usage_llm_d_reads(llm_d):
         found = metrics(url)
         assert "baton_num_requests_waiting{}" in found, sorted(found)
         assert 0.0 <= found["baton_kv_cache_usage_ratio{}"] <= 1.0
+
+
+def test_the_prefill_publishes_its_cached_pages_as_kv_events(llm_d, offline):
+    """``--kv-events-endpoint``: the pages a request's prompt filled on the prefill arrive as
+    ``BlockStored`` events (vLLM's wire format), the first page's tokens the prompt's."""
+    import msgspec
+    import zmq
+
+    prompt = "class Stack:\n    def push(self, item):\n        self.items.append(item)\n" * 3
+    ids = offline.tokenizer.encode(prompt)
+    with zmq.Context.instance().socket(zmq.SUB) as sub:
+        sub.connect(f"tcp://127.0.0.1:{llm_d.events_port}")
+        sub.setsockopt(zmq.SUBSCRIBE, b"kv@prefill")
+        time.sleep(0.5)  # the subscription reaches the publisher (ZMQ's slow joiner)
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        resp, _, _ = _sidecar(llm_d, "/v1/completions", body)
+        assert resp.status_code == 200, resp.text
+        events = []
+        while sub.poll(3000):
+            topic, seq, payload = sub.recv_multipart()
+            assert topic == b"kv@prefill" and int.from_bytes(seq, "big") >= 1
+            ts, batch = msgspec.msgpack.decode(payload)[:2]
+            events += batch
+            if any(e["type"] == "BlockStored" and e["parent_block_hash"] is None for e in events):
+                break
+    stored = [e for e in events if e["type"] == "BlockStored"]
+    first = next(e for e in stored if e["parent_block_hash"] is None)
+    size = first["block_size"]
+    assert first["token_ids"] == ids[:size], (first, ids[:size])
+    assert first["kv_cache_spec_kind"] == "full_attention"

@@ -86,6 +86,9 @@ class PagedPool(StatePool):
         """request -> logical pages below this were offered to the cache."""
         self.retired: dict[str, dict[int, int]] = {}
         """request -> pages trimmed behind the window, held until offered to the cache."""
+        self.cache_log: list[tuple[int, bytes]] | None = None
+        """With KV events on (``PrefixCache.enable_events``): every change of ``cached`` in
+        order -- (logical page, key) when a page is cached, (-1, key) when it is evicted."""
         self.blocks.is_cached = self.page_key.__contains__
         self.blocks.on_evict = self._evict
 
@@ -242,6 +245,8 @@ class PagedPool(StatePool):
             if page is not None and page not in self.page_key and key not in self.cached:
                 self.cached[key] = page
                 self.page_key[page] = key
+                if self.cache_log is not None:
+                    self.cache_log.append((logical, key))
             logical += 1
         if logical > first:
             self.num_registered[request_id] = logical
@@ -255,7 +260,10 @@ class PagedPool(StatePool):
         self.num_registered[request_id] = max(self.num_registered.get(request_id, 0), first)
 
     def _evict(self, page: int) -> None:
-        del self.cached[self.page_key.pop(page)]
+        key = self.page_key.pop(page)
+        del self.cached[key]
+        if self.cache_log is not None:
+            self.cache_log.append((-1, key))
 
     def units_held(self, request_id: str) -> int:
         return len(self.tables.get(request_id, {}))

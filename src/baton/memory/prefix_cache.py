@@ -23,6 +23,13 @@ Complete pages are offered to the cache after every step (``register``); a page 
 holds stays cached, evictable least recently released first, when an allocation needs it
 (``BlockPool``). Pages are never written after they are complete, so sharing is safe.
 
+With events on (``enable_events``) every page cached or evicted becomes a ``CacheEvent``
+(``drain_events``): its component, its key, the key of the page before it in the same
+component (its parent in the chain) and the tokens it covers (shifted by the component's
+``token_lag``: a draft page of lag 1 covers tokens [p*size + 1, (p+1)*size + 1) -- the
+EAGLE-style block of vLLM's events). Replayed in order, the events give exactly what
+``cached`` holds (``baton.server.kv_events`` publishes them for routers).
+
 A PD decode computes no prompt token: it restores only the window its reservation keeps
 (``restore(kept_at=...)``), and after a handoff offers only pages it knows hold computed
 state (``distrust``): not those its reservation grew behind the window, nor rows prefill
@@ -38,6 +45,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from baton.memory.state import Caching, ComponentKind, PushPhase, StateComponent, StateRegistry
+
+
+@dataclass(frozen=True)
+class CacheEvent:
+    """One change of a component's cached pages (``PrefixCache.drain_events``)."""
+
+    stored: bool
+    """True: the page was cached (``key`` now restorable); False: it was evicted."""
+    component: str
+    key: bytes
+    parent: bytes | None = None
+    """Stored: the component's key of the page before (None for the first page)."""
+    token_ids: tuple[int, ...] = ()
+    """Stored: the tokens the page covers (``token_lag`` after its positions)."""
 
 
 @dataclass
@@ -61,6 +82,43 @@ class PrefixCache:
         """Request -> chain[p] = hash of tokens [0, (p+1) * page_size), as far as known."""
         self._found: tuple[int, list[StateComponent] | None] | None = None
         """``_components``' answer and the registry's size it was found at."""
+        self._events: list[CacheEvent] | None = None
+        """With events on: what ``drain_events`` hands out next."""
+
+    def enable_events(self) -> None:
+        """Record every page cached or evicted from now on (``drain_events``); call once the
+        registry holds every component."""
+        self._events = []
+        for c in self._paged():
+            c.owner.cache_log = []
+
+    def drain_events(self) -> list[CacheEvent]:
+        """The events since the last call, in order per component (none with events off)."""
+        if self._events is None:
+            return []
+        for c in self._paged():
+            self._log_events(c)
+        events, self._events = self._events, []
+        return events
+
+    def _paged(self) -> list[StateComponent]:
+        return [c for c in self.registry if c.caching is Caching.PAGES]
+
+    def _log_events(self, c: StateComponent, key_of=None, token_ids: Sequence[int] = ()) -> None:
+        """``c``'s pool log as events: evictions as they are, pages cached by ``register``
+        with their parent's key and tokens (``key_of``, ``token_ids``: the request's)."""
+        log = c.owner.cache_log
+        if not log:
+            return
+        size, lag = self.page_size, c.token_lag
+        for logical, key in log:
+            if logical < 0:
+                self._events.append(CacheEvent(False, c.name, key))
+                continue
+            parent = key_of(logical - 1) if logical > 0 else None
+            tokens = tuple(token_ids[logical * size + lag : (logical + 1) * size + lag])
+            self._events.append(CacheEvent(True, c.name, key, parent, tokens))
+        log.clear()
 
     def _components(self) -> list[StateComponent] | None:
         """The components a hit restores; None when one of them cannot be restored. Found
@@ -168,7 +226,12 @@ class PrefixCache:
             return
         chain = self._chain(request_id, token_ids, len(token_ids) // self.page_size)
         for c in components:
-            c.owner.register(request_id, self._key_of(c, chain, token_ids))
+            key_of = self._key_of(c, chain, token_ids)
+            if self._events is not None:
+                self._log_events(c)  # evictions since, before this request's pages
+            c.owner.register(request_id, key_of)
+            if self._events is not None:
+                self._log_events(c, key_of, token_ids)
 
     def distrust(self, request_id: str, first_valid: Mapping[str, int]) -> None:
         """Component -> the first position of the request's state known to be computed (a

@@ -77,15 +77,18 @@ class AsyncEngine:
         on_failure: Callable[[], None] | None = None,
         fail_after_steps: int | None = None,
         keep_warm_s: float = 0.0,
+        after_step: Callable[[], object] | None = None,
     ) -> None:
         """``on_failure``: called on the engine thread once the loop raised and every request
         was failed (the CLI stops the server there). ``fail_after_steps``: tests only, the
         loop raises ``InjectedFault`` after this many engine steps. ``keep_warm_s``: how long
-        after its last step the idle loop keeps torch's threads warm (``KeepWarm``)."""
+        after its last step the idle loop keeps torch's threads warm (``KeepWarm``).
+        ``after_step``: called on the engine thread after every step (KV events)."""
         self.engine = engine
         self.warm = KeepWarm(keep_warm_s)
         self.on_failure = on_failure
         self.fail_after_steps = fail_after_steps
+        self.after_step = after_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # NOTE: ``add`` checks ``_closed`` and queues under this lock, and the thread sets it
         # under the lock before failing what is queued: no command can be left unanswered.
@@ -212,6 +215,8 @@ class AsyncEngine:
                         raise InjectedFault(f"injected after {num_steps} engine steps")
                     self._dispatch(self.engine.step())
                     self.warm.busy()
+                    if self.after_step is not None:
+                        self.after_step()
                     num_steps += 1
                 self.stats = self.engine.stats()
         except Exception as exc:

@@ -65,6 +65,8 @@ class PrefillLoop:
         }
         self._thread = threading.Thread(target=self._run, name="baton-prefill", daemon=True)
         self.on_failure: Callable[[], None] | None = None
+        self.after_turn: Callable[[], object] | None = None
+        """Called on the loop's thread after every turn (KV events)."""
         """Called on the loop's thread after it failed and closed (``baton serve`` exits)."""
 
     def start(self) -> PrefillLoop:
@@ -93,6 +95,8 @@ class PrefillLoop:
         try:
             while not self.stop_event.is_set():
                 server.serve_once()
+                if self.after_turn is not None:
+                    self.after_turn()
                 self.snapshot = {
                     "rooms": len(server.rooms),
                     "units": server.engine.units_in_use(),
