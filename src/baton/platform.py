@@ -184,9 +184,10 @@ def current() -> Platform:
 # -- processes: facts the launcher, the kernel build and the shared-memory cleanup share --------
 _PR_SET_PDEATHSIG = 1
 try:
-    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork
-except (OSError, AttributeError):  # not Linux
-    _prctl = None
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)  # before any fork
+except OSError:
+    _libc = None
+_prctl = getattr(_libc, "prctl", None)  # not Linux: None
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -198,10 +199,7 @@ def set_parent_death_signal(sig: int) -> bool:
     return True
 
 
-try:
-    _malloc_trim = ctypes.CDLL(None).malloc_trim  # glibc
-except (OSError, AttributeError):  # musl, macOS
-    _malloc_trim = None
+_malloc_trim = getattr(_libc, "malloc_trim", None)  # glibc only (not musl, macOS)
 
 
 def release_free_memory() -> bool:
