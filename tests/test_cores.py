@@ -142,3 +142,27 @@ def test_the_platform_line_says_the_layout():
 
     line = platform.detect().summary()
     assert line.endswith(read_topology().describe()), line
+
+
+def test_a_parallel_region_gets_threads_by_its_work():
+    """Issue 40: a small matmul is not spread over every core, a large one takes them all
+    (``baton_threads_for``, which linear.c and logits.c size their regions with); with up
+    to 2 threads the rule gives what the old one did (2 from 65,536 multiply-adds on)."""
+    from baton.kernels import library
+
+    lib = library()
+    if lib is None:
+        pytest.skip("native kernels are off")
+    macs_per_thread = 32768  # linear.c's MACS_PER_THREAD
+    for rows, k, n, threads, want in [
+        (1, 256, 256, 16, 2),  # the bundled model's width: 2 threads, not 16
+        (1, 1024, 3072, 16, 16),  # a 0.6B model's up projection: every thread
+        (8, 256, 256, 16, 16),
+        (1, 64, 64, 16, 1),
+        (1, 256, 255, 2, 1),  # 65,280 multiply-adds: 1, as before
+        (1, 256, 256, 2, 2),  # 65,536: 2, as before
+        (1, 1024, 3072, 1, 1),
+    ]:
+        got = lib.baton_threads_for(rows * k * n, macs_per_thread, threads)
+        assert got == want, (rows, k, n, threads, got)
+    assert lib.baton_threads_for(10, 0, 7) == 7

@@ -248,6 +248,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
         )
         return None
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+    lib.baton_threads_for.restype = ctypes.c_int
+    lib.baton_threads_for.argtypes = [i64, i64, i32]
     lib.baton_paged_attention.restype = ctypes.c_int
     lib.baton_paged_attention.argtypes = [ptr, i32, i32]
     lib.baton_paged_plan.restype = ctypes.c_int

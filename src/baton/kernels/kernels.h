@@ -148,6 +148,10 @@ static inline int baton_first_visible(int start, int window, int floor) {
  * worker in [0, threads) tells a task's thread (scratch memory). */
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
+/* Threads a parallel region of `work` units gets: one per `per_thread` units of it, at least
+ * 1, at most `threads` -- a small region is not spread over every core (its threads would
+ * cost more in wake-ups than they save), a large one takes them all. */
+int baton_threads_for(int64_t work, int64_t per_thread, int threads);
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_GELU = 4 };
 /* Or'ed into linear.c's op: the epilogue runs on the fp32 result and rounds once, as

@@ -48,7 +48,9 @@
 #define HAVE_AVX2 1
 #endif
 
-enum { GROUP = 6, PANEL = 16, MIN_PARALLEL_MACS = 65536, TASKS_PER_THREAD = 4 };
+/* MACS_PER_THREAD: a matmul gets a thread per 32768 multiply-adds (``baton_threads_for``):
+ * two threads from 65536 on, as before that rule; a 256-wide one-row matmul 2, not 16. */
+enum { GROUP = 6, PANEL = 16, MACS_PER_THREAD = 32768, TASKS_PER_THREAD = 4 };
 
 /* The column a bf16 panel holds at position p of one i (see the layout above). */
 static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
@@ -417,7 +419,7 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
                 xf[(int64_t)r * k + i] = to_f32(x, (int64_t)r * x_stride + i, job->act_bf16);
     }
     const int64_t macs = (int64_t)m * n * k * (job->then != NULL ? 2 : 1);
-    const int threads = macs < MIN_PARALLEL_MACS ? 1 : num_threads;
+    const int threads = baton_threads_for(macs, MACS_PER_THREAD, num_threads);
     const int panels = (n + PANEL - 1) / PANEL;
     int per_task = panels / (TASKS_PER_THREAD * threads);
     if (per_task < 1) per_task = 1;

@@ -123,7 +123,10 @@ int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                                          vocab, act_bf16, w_bf16, num_threads);
     if (status == 0) {
         const Greedy G = {scores, vocab, act_bf16, best, logprob};
-        baton_parallel(greedy_row, (void *)&G, m, (int64_t)m * vocab > 4096 ? num_threads : 1);
+        /* past 4096 scores, a thread per 2048 of them (all for a large vocabulary) */
+        const int64_t n = (int64_t)m * vocab;
+        baton_parallel(greedy_row, (void *)&G, m,
+                       n > 4096 ? baton_threads_for(n, 2048, num_threads) : 1);
     }
     free(own);
     return status;

@@ -175,4 +175,9 @@ void baton_parallel(baton_task fn, void *ctx, int tasks, int threads) {
 }
 
 /* Tasks run by helpers since the library was loaded: tests check the pool really shares. */
+int baton_threads_for(int64_t work, int64_t per_thread, int threads) {
+    const int64_t wanted = per_thread > 0 ? work / per_thread : threads;
+    return wanted < 1 ? 1 : wanted < threads ? (int)wanted : threads;
+}
+
 int64_t baton_pool_helper_tasks(void) { return atomic_load(&helper_tasks); }
