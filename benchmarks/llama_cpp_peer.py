@@ -453,7 +453,8 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
 
         # NOTE: a seed per run, so that no prompt repeats across runs: both servers keep
         # earlier prompts cached (llama-server in its slots and its RAM prompt cache).
-        warm = run_bench(config(2 * concurrency, 2 * concurrency + 1), show_progress=False)
+        waves = sizes.get("warmup_waves", 2)
+        warm = run_bench(config(waves * concurrency, 2 * concurrency + 1), show_progress=False)
         rate = warm["summary"]["request_throughput"]
         n = max(2 * concurrency, round(cell_seconds * rate))
         n = -(-n // concurrency) * concurrency  # whole waves
@@ -587,6 +588,7 @@ REAL = FULL | dict(
     serve_output_tokens=64,
     cell_seconds=20.0,
     paired_rounds=3,
+    warmup_waves=1,
 )
 """A real-size model (``--model qwen3-0.6b``...): ~100x the bundled model's work per token,
 so fewer tokens and repetitions; the same prompt lengths and concurrencies."""

@@ -11,13 +11,19 @@ import msgspec
 import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from baton.memory.prefix_cache import CacheEvent
 from baton.memory.state import Caching
 from baton.request import SamplingParams
 from baton.server.kv_events import KVEventPublisher, block_hash
-from tests.memory.test_prefix_cache import PAGE, _engine, _tokens, spec_dir  # noqa: F401
+from tests.memory.test_prefix_cache import (  # noqa: F401
+    PAGE,
+    REQUEST_STREAMS,
+    _engine,
+    _tokens,
+    add_stream,
+    spec_dir,
+)
 
 
 class CacheModel:
@@ -52,31 +58,12 @@ def _check(engine, model: CacheModel) -> None:
 @settings(
     max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, 3),  # which shared prefix
-            st.integers(1, 30),  # its length used
-            st.integers(0, 12),  # own suffix
-            st.integers(1, 6),  # max_tokens
-            st.booleans(),  # aborted after a step
-        ),
-        min_size=3,
-        max_size=10,
-    )
-)
+@given(REQUEST_STREAMS)
 def test_replayed_events_equal_the_cache_after_every_step(spec_dir, stream):  # noqa: F811
     engine = _engine(spec_dir, num_pages=14, max_num_seqs=3, max_num_batched_tokens=16)
     engine.prefix_cache.enable_events()
     model = CacheModel()
-    prefixes = [_tokens(30, 900 + i) for i in range(4)]
-    aborted = set()
-    for i, (which, n, own, max_tokens, abort) in enumerate(stream):
-        prompt = prefixes[which][:n] + _tokens(own, 1000 + i)
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        rid = engine.add_request({"prompt_token_ids": prompt}, params)
-        if abort:
-            aborted.add(rid)
+    aborted = add_stream(engine, stream)[2]
     steps = 0
     while engine.has_unfinished_requests():
         engine.step()

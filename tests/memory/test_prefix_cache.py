@@ -162,26 +162,23 @@ def test_a_ring_or_recurrent_component_means_no_hit(spec_dir):
     assert _run(engine, prompt, params).metrics.num_cached_tokens == 0
 
 
-@settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+REQUEST_STREAMS = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # which shared prefix
+        st.integers(1, 30),  # its length used
+        st.integers(0, 12),  # own suffix
+        st.integers(1, 6),  # max_tokens
+        st.booleans(),  # aborted after a step
+    ),
+    min_size=3,
+    max_size=10,
 )
-@given(
-    st.lists(
-        st.tuples(
-            st.integers(0, 3),  # which shared prefix
-            st.integers(1, 30),  # its length used
-            st.integers(0, 12),  # own suffix
-            st.integers(1, 6),  # max_tokens
-            st.booleans(),  # aborted after a step
-        ),
-        min_size=3,
-        max_size=10,
-    )
-)
-def test_random_streams_keep_every_reference_sound(spec_dir, stream):
-    """Shared prefixes, aborts, preemption (a small pool): no unit owned twice, every
-    reference back to zero, and each output equals a cold run's."""
-    engine = _engine(spec_dir, num_pages=14, max_num_seqs=3, max_num_batched_tokens=16)
+"""Random request streams over four shared prefixes (``add_stream``)."""
+
+
+def add_stream(engine: LLMEngine, stream: list) -> tuple[dict, dict, set]:
+    """Queue ``stream``'s requests (``REQUEST_STREAMS``); their prompts and params by id, and
+    the ids to abort after a step."""
     prefixes = [_tokens(30, 900 + i) for i in range(4)]
     params_of, prompts, aborted = {}, {}, set()
     for i, (which, n, own, max_tokens, abort) in enumerate(stream):
@@ -191,6 +188,18 @@ def test_random_streams_keep_every_reference_sound(spec_dir, stream):
         prompts[rid], params_of[rid] = prompt, params
         if abort:
             aborted.add(rid)
+    return prompts, params_of, aborted
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(REQUEST_STREAMS)
+def test_random_streams_keep_every_reference_sound(spec_dir, stream):
+    """Shared prefixes, aborts, preemption (a small pool): no unit owned twice, every
+    reference back to zero, and each output equals a cold run's."""
+    engine = _engine(spec_dir, num_pages=14, max_num_seqs=3, max_num_batched_tokens=16)
+    prompts, params_of, aborted = add_stream(engine, stream)
     done, steps = {}, 0
     while engine.has_unfinished_requests():
         for out in engine.step():
