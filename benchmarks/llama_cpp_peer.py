@@ -703,7 +703,8 @@ def print_report(r: dict, sizes: dict) -> None:
                 print(f"{name:<18}{c:>5}{vals}{cell['num_requests']:>6}{tail}")
     print("ratios baton / llama.cpp (tok/s: > 1 baton faster; latencies: < 1 baton faster):")
     for k, v in r["ratios"].items():
-        shown = {a: round(b, 2) for a, b in v.items()} if isinstance(v, dict) else v
+        rounded = {a: round(b, 2) if isinstance(b, float) else b for a, b in v.items()}
+        shown = rounded if isinstance(v, dict) else v
         print(f"  {k}: {shown if not isinstance(shown, float) else f'{shown:.2f}'}")
 
 
@@ -817,9 +818,9 @@ def main() -> int:
         )
     r["machine"]["loadavg_end"] = os.getloadavg()
     r["ratios"] = ratios(r, sizes)
-    print_report(r, sizes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(r, indent=2) + "\n")
+    args.out.write_text(json.dumps(r, indent=2) + "\n")  # before the report: kept if it fails
+    print_report(r, sizes)
     print(f"wrote {args.out}")
     return 0
 
