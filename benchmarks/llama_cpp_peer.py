@@ -703,8 +703,10 @@ def print_report(r: dict, sizes: dict) -> None:
                 print(f"{name:<18}{c:>5}{vals}{cell['num_requests']:>6}{tail}")
     print("ratios baton / llama.cpp (tok/s: > 1 baton faster; latencies: < 1 baton faster):")
     for k, v in r["ratios"].items():
-        rounded = {a: round(b, 2) if isinstance(b, float) else b for a, b in v.items()}
-        shown = rounded if isinstance(v, dict) else v
+        if isinstance(v, dict):
+            shown = {a: round(b, 2) if isinstance(b, float) else b for a, b in v.items()}
+        else:
+            shown = v
         print(f"  {k}: {shown if not isinstance(shown, float) else f'{shown:.2f}'}")
 
 
