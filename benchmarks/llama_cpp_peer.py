@@ -443,6 +443,7 @@ def bench_cells(url: str, sizes: dict, cell_seconds: float) -> dict:
         def config(num_requests: int, seed: int, concurrency: int = concurrency) -> BenchConfig:
             return BenchConfig(
                 url=url,
+                model=MODEL.name,  # baton serve's name; llama-server takes any (--alias)
                 tokenizer_dir=str(MODEL),
                 num_requests=num_requests,
                 concurrency=concurrency,
