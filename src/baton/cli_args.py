@@ -66,6 +66,13 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         "an idle gap may otherwise start up to ~10 ms late",
     )
     p.add_argument(
+        "--kv-cache-memory-mb",
+        type=int,
+        default=None,
+        help="memory of the full-attention KV pool in MiB (default: room for every running "
+        "request's 512 tokens, at least 256, at most a quarter of the free memory)",
+    )
+    p.add_argument(
         "--no-prefix-caching",
         action="store_true",
         help="recompute every prompt (default: reuse cached pages of shared prefixes)",

@@ -35,6 +35,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["max_model_len"] = args.max_model_len
     if args.keep_warm_s is not None:
         options["keep_warm_s"] = args.keep_warm_s
+    if args.kv_cache_memory_mb is not None:
+        options["kv_cache_memory_mb"] = args.kv_cache_memory_mb
     if args.no_prefix_caching:
         options["enable_prefix_caching"] = False
     if args.no_speculative:

@@ -126,14 +126,24 @@ def _int_or_none(environ: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name} must be an integer, got {value!r}") from None
 
 
+MIN_KV_CACHE_MB = 256
+"""The full-attention pool's memory at least, when sized automatically."""
+AUTO_KV_TOKENS_PER_REQUEST = 512
+"""Tokens per running request the automatic full-attention pool holds room for (a 6M
+model's 256 MB held ~1,170 tokens of a 0.6B model in fp32: six 192-token requests)."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     page_size: int = 16
     """Tokens per page of the paged pools."""
     num_pages: int | None = None
     """Pages of the full-attention pool; None derives it from ``kv_cache_memory_mb``."""
-    kv_cache_memory_mb: int = 256
-    """Memory for the full-attention pool when ``num_pages`` is None."""
+    kv_cache_memory_mb: int | None = None
+    """Memory for the full-attention pool when ``num_pages`` is None; None: enough for
+    ``max_num_seqs`` requests of ``AUTO_KV_TOKENS_PER_REQUEST`` tokens, at least
+    ``MIN_KV_CACHE_MB`` and at most a quarter of the memory available at start
+    (``memory.cache.full_pool_pages``)."""
     sliding_mode: str = "paged"
     """How sliding-window layers keep state: ``paged`` (pages behind the window are freed)
     or ``ring`` (one ring of ``window`` rows per request)."""
@@ -147,7 +157,7 @@ class CacheConfig:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages is not None and self.num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
-        if self.kv_cache_memory_mb <= 0:
+        if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
             raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
         if self.sliding_mode not in SLIDING_MODES:
             raise ValueError(

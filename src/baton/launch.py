@@ -354,6 +354,7 @@ def _serve_args(model: str, options: dict, served_model_name: str | None) -> lis
         "sliding_mode": "--sliding-mode",
         "small_step_threads": "--small-step-threads",
         "keep_warm_s": "--keep-warm-s",
+        "kv_cache_memory_mb": "--kv-cache-memory-mb",
     }
     switches = {"enable_prefix_caching": "--no-prefix-caching", "speculative": "--no-speculative"}
     args = ["--model", model, "--token-env", TOKEN_ENV]

@@ -248,3 +248,26 @@ def listen_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
             raise PortInUse(f"port {port} on {host} is in use; choose another with {flag}") from e
         raise
     return sock
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this process may still take: the kernel's ``MemAvailable``, lowered to what a
+    cgroup v2 limit leaves (``memory.max`` minus ``memory.current``); None where unknown."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            current = int(f.read().strip())
+        if limit.isdigit():
+            found.append(max(0, int(limit) - current))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None

@@ -221,3 +221,25 @@ def test_a_dead_owners_segments_are_removed_and_a_live_ones_kept(tmp_path):
     removed = remove_orphan_segments(str(tmp_path))
     assert removed == sorted(names[:2])
     assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+
+
+def test_the_full_pool_is_sized_for_the_running_requests_within_the_free_memory():
+    """A real-size model's KV: the old fixed 256 MB held ~1,170 tokens of a 0.6B model in
+    fp32 (six 192-token requests, where 32 ran). Now, without ``kv_cache_memory_mb``: room
+    for ``max_num_seqs`` requests of 512 tokens, at least 256 MB, at most a quarter of the
+    free memory; given, exactly that."""
+    from baton.config import AUTO_KV_TOKENS_PER_REQUEST, MIN_KV_CACHE_MB
+    from baton.memory.cache import full_pool_pages
+
+    mb, page = 2**20, 16
+    qwen06 = 28 * 2 * page * 8 * 128 * 4  # bytes per page: 28 layers, 8 KV heads, fp32
+    tokens = full_pool_pages(None, qwen06, page, 32, 64 * 2**30) * page
+    assert tokens == 32 * AUTO_KV_TOKENS_PER_REQUEST
+    assert full_pool_pages(256, qwen06, page, 32, 64 * 2**30) * page < 1200  # the old default
+    small = 2 * 2 * page * 4 * 64 * 4  # a 6M model: the minimum, as before
+    assert full_pool_pages(None, small, page, 32, 64 * 2**30) == MIN_KV_CACHE_MB * mb // small
+    capped = full_pool_pages(None, qwen06, page, 32, 4 * 2**30)  # 4 GiB free: 1 GiB of pages
+    assert capped == 2**30 // qwen06
+    floor = full_pool_pages(None, qwen06, page, 32, 100 * mb)  # never below the minimum
+    assert floor == MIN_KV_CACHE_MB * mb // qwen06
+    assert full_pool_pages(None, qwen06, page, 32, None) * page == 32 * 512  # unknown: no cap

@@ -15,7 +15,12 @@ import math
 
 import torch
 
-from baton.config import CacheConfig, SchedulerConfig
+from baton.config import (
+    AUTO_KV_TOKENS_PER_REQUEST,
+    MIN_KV_CACHE_MB,
+    CacheConfig,
+    SchedulerConfig,
+)
 from baton.memory.allocator import StorageAllocator
 from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.paged_pool import PagedPool
@@ -23,6 +28,26 @@ from baton.memory.pools import StatePool
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.ring_pool import RingPool
 from baton.memory.state import PushPhase, StateRegistry, UnitOwner
+from baton.platform import available_memory_bytes
+
+
+def full_pool_pages(
+    memory_mb: int | None,
+    page_bytes: int,
+    page_size: int,
+    max_num_seqs: int,
+    available: int | None,
+) -> int:
+    """Pages of a full-attention pool: ``memory_mb`` of them when given; else room for
+    ``max_num_seqs`` requests of ``AUTO_KV_TOKENS_PER_REQUEST`` tokens, at least
+    ``MIN_KV_CACHE_MB`` and at most a quarter of ``available`` bytes (None: no cap)."""
+    if memory_mb is not None:
+        return max(1, memory_mb * 2**20 // page_bytes)
+    wanted = max_num_seqs * math.ceil(AUTO_KV_TOKENS_PER_REQUEST / page_size) * page_bytes
+    budget = max(MIN_KV_CACHE_MB * 2**20, wanted)
+    if available is not None:
+        budget = min(budget, max(MIN_KV_CACHE_MB * 2**20, available // 4))
+    return max(1, budget // page_bytes)
 
 
 class ModelCache:
@@ -58,7 +83,13 @@ class ModelCache:
             if num_pages is None:
                 page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * spec.head_dim
                 page_bytes *= torch.empty((), dtype=dtype).element_size()
-                num_pages = max(1, cache_config.kv_cache_memory_mb * 2**20 // page_bytes)
+                num_pages = full_pool_pages(
+                    cache_config.kv_cache_memory_mb,
+                    page_bytes,
+                    page_size,
+                    scheduler_config.max_num_seqs,
+                    available_memory_bytes(),
+                )
             self._add(
                 PagedPool(
                     f"{prefix}.full", full, num_pages, page_size, *kv, **handoff, push=full_push
