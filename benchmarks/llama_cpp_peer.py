@@ -774,8 +774,9 @@ def main() -> int:
         os.execve(sys.executable, [sys.executable, *sys.argv], os.environ | AVX2_STAND_IN_ENV)
     global MODEL
     if args.model != "bundled":
-        shapes = __import__("scale").SHAPES
-        MODEL = real_size_model(args.model) if args.model in shapes else Path(args.model)
+        from scale import SHAPES
+
+        MODEL = real_size_model(args.model) if args.model in SHAPES else Path(args.model)
     sizes = QUICK if args.quick else FULL if MODEL == BUNDLED else REAL
     if args.cell_seconds is not None:
         sizes = sizes | {"cell_seconds": args.cell_seconds}

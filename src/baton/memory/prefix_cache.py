@@ -227,10 +227,8 @@ class PrefixCache:
         chain = self._chain(request_id, token_ids, len(token_ids) // self.page_size)
         for c in components:
             key_of = self._key_of(c, chain, token_ids)
-            if self._events is not None:
-                self._log_events(c)  # evictions since, before this request's pages
             c.owner.register(request_id, key_of)
-            if self._events is not None:
+            if self._events is not None:  # the log is in order: evictions since, then these
                 self._log_events(c, key_of, token_ids)
 
     def distrust(self, request_id: str, first_valid: Mapping[str, int]) -> None:
