@@ -21,8 +21,18 @@ $(STAMP): pyproject.toml
 # pyproject.toml); .ci/run calls this after Debian's libibverbs1 (which mooncake loads) is on
 # the machine.
 # NOTE: nixl-cu12 goes in with --no-deps: its declared dependencies pull a multi-GB CUDA torch.
+# NVIDIA Dynamo (baton.integrations.dynamo; pyproject's `dynamo` extra documents the versions):
+# ai-dynamo's declared `aisimulate` is a stub sdist that cannot build off NVIDIA's own index
+# (and only dynamo.planner imports it), so the two dynamo packages go in with --no-deps and
+# their other requirements by name. pydantic stays the project's: ai-dynamo-runtime declares
+# <=2.13.5 and runs with the 2.14 installed here (tests/integrations).
+.PHONY: dynamo
+dynamo: $(STAMP)
+	$(PY) -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
+	$(PY) -m pip install -q uvloop==0.23.0 kubernetes==32.0.1 redis==8.2.0 zstandard==0.25.0
+
 .PHONY: extras
-extras: $(STAMP)
+extras: $(STAMP) dynamo
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 

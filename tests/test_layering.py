@@ -49,6 +49,7 @@ LAYERS: list[set[str]] = [
     {"server"},
     {"router"},
     {"cli", "cli_args", "cli_serve", "launch"},
+    {"integrations"},
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 

@@ -5,7 +5,8 @@ and running the engine (or prefill loop) on the main thread with the HTTP server
 until a signal or a failure. Declares no arguments (``cli_args`` does) and imports the engine,
 server and transfer packages only inside functions, so ``baton --help`` stays light. Who
 calls it: ``baton.cli`` (``serve`` for ``baton serve``, ``engine_options`` for ``baton
-launch`` too).
+launch`` too) and ``baton.integrations`` (the engines a platform's worker wraps:
+``engine_options``, ``decode_engine``, ``prefill_server``, ``kv_events``).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
     from baton.server.http import server as http_server
 
     if args.role == "decode":
-        core = _decode_engine(args, config)
+        core = decode_engine(args, config)
         if core is None:
             return 2
     else:
@@ -83,7 +84,7 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
 
         core = LLMEngine(args.model, config)
     try:
-        events = _kv_events(args, core.engine if args.role == "decode" else core)
+        events = kv_events(args, core.engine if args.role == "decode" else core)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -128,7 +129,7 @@ def _serve_engine(args: argparse.Namespace, config, listener: socket.socket) -> 
     return 0 if server.started else 3  # 3: uvicorn.run's code for a server that never started
 
 
-def _kv_events(args: argparse.Namespace, engine):
+def kv_events(args: argparse.Namespace, engine):
     """``--kv-events-endpoint``'s publisher over ``engine``'s prefix cache, or None without
     the flag; ``ValueError`` (an error line) without prefix caching or on a taken port."""
     if not args.kv_events_endpoint:
@@ -161,7 +162,7 @@ def _serve_http_beside(server, then: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def _decode_engine(args: argparse.Namespace, config):
+def decode_engine(args: argparse.Namespace, config):
     """A ``DecodeEngine`` paired with the prefill at ``--prefill``; None (after saying why)
     when the pairing fails."""
     from baton.config import Deadlines, LocalPrefill, read_secret_env
@@ -186,7 +187,7 @@ def _decode_engine(args: argparse.Namespace, config):
             args.backend,
             Deadlines.from_args(args),
             shm_prefix=args.shm_prefix,
-            transfer_host=_transfer_host(args),
+            transfer_host=transfer_host(args),
             local_prefill=local_prefill,
         )
     except (TimeoutError, PairingError) as e:
@@ -194,33 +195,41 @@ def _decode_engine(args: argparse.Namespace, config):
         return None
 
 
-def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) -> int:
-    """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
-    import json
-
+def prefill_server(args: argparse.Namespace, config):
+    """A ``PrefillServer`` with its control endpoint on ``--pd-host:--pd-port``; None (after
+    saying why) without the PD token."""
     from baton.config import Deadlines, read_secret_env
-    from baton.server.http import server as http_server
-    from baton.server.prefill_app import PrefillLoop, build_prefill_app
     from baton.transfer.prefill import PrefillServer
 
     token = read_secret_env(args.token_env)  # NOTE: never argv: ps shows argv to all users
     if not token:
         print(f"error: environment variable {args.token_env} is unset or empty", file=sys.stderr)
-        return 2
-    deadlines = Deadlines.from_args(args)
-    server = PrefillServer(
+        return None
+    return PrefillServer(
         args.model,
         config,
         args.pd_host,
         args.pd_port,
         token,
         args.backend,
-        deadlines,
-        transfer_host=_transfer_host(args),
+        Deadlines.from_args(args),
+        transfer_host=transfer_host(args),
     )
+
+
+def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) -> int:
+    """A prefill worker: the control endpoint on ``--pd-host:--pd-port``, HTTP on ``--port``."""
+    import json
+
+    from baton.server.http import server as http_server
+    from baton.server.prefill_app import PrefillLoop, build_prefill_app
+
+    server = prefill_server(args, config)
+    if server is None:
+        return 2
     loop = PrefillLoop(server)
     try:
-        events = _kv_events(args, server.engine)
+        events = kv_events(args, server.engine)
     except ValueError as exc:
         server.close()
         print(f"error: {exc}", file=sys.stderr)
@@ -256,7 +265,7 @@ def _serve_prefill(args: argparse.Namespace, config, listener: socket.socket) ->
     return 0
 
 
-def _transfer_host(args: argparse.Namespace) -> str | None:
+def transfer_host(args: argparse.Namespace) -> str | None:
     """The address this worker's transfer engine tells its peers to reach it at:
     ``--transfer-host``, else the address the worker binds (``--pd-host`` on a prefill,
     ``--host`` on a decode) unless that is a wildcard; None: the backend's default
@@ -273,7 +282,7 @@ def _unreachable_transfer_host(args: argparse.Namespace) -> str | None:
     would advertise loopback, which no other host reaches."""
     from baton.transfer.backends import backend_class
 
-    if args.role == "colocated" or _transfer_host(args) is not None:
+    if args.role == "colocated" or transfer_host(args) is not None:
         return None
     if not backend_class(args.backend).takes_host:
         return None

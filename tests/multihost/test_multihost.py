@@ -282,10 +282,10 @@ def test_transfer_host_defaults_to_the_bound_address():
     """``--transfer-host`` as given; else ``--pd-host`` on a prefill, ``--host`` on a decode;
     a wildcard bind advertises nothing (the backend's loopback default)."""
     from baton.cli import build_parser
-    from baton.cli_serve import _transfer_host
+    from baton.cli_serve import transfer_host
 
     def resolved(*argv: str) -> str | None:
-        return _transfer_host(build_parser().parse_args(["serve", *argv]))
+        return transfer_host(build_parser().parse_args(["serve", *argv]))
 
     assert resolved("--role", "prefill", "--pd-host", "10.1.0.1", "--host", "10.1.0.9") == (
         "10.1.0.1"
