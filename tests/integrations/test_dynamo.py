@@ -6,7 +6,9 @@ Dynamo backend (``python -m baton.integrations.dynamo``), every process on a hos
 - PD: a frontend, a baton prefill and a baton decode; 12 held-out prompts at concurrency 8
   through the frontend equal the offline engine's greedy completions (MTP draft on), every
   decode request's handoff was ``transferred`` (its access-log line) with the same room as
-  the prefill's line for it -- the room Dynamo's PrefillRouter drew and sent to both.
+  the prefill's line for it -- the room Dynamo's PrefillRouter drew and sent to both; then
+  ``kill -9`` of the prefill is an error answer within 1 s, and a prefill restarted at the
+  same address serves again within 30 s, its first requests without a stall.
 - KV-aware routing: a frontend with ``--router-mode kv`` and two colocated baton workers
   publishing their prefix cache's pages (baton's KV events, subscribed by Dynamo's worker):
   a prompt sent again lands on the worker that holds it and its usage says cached tokens.
@@ -20,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -113,7 +116,9 @@ class Dynamo:
         text = self.log(name).read_text(errors="replace")
         return [m.groups() for line in text.splitlines() if (m := LINE.search(line))]
 
-    def client(self, frontend: str, prompts: list[str], concurrency: int) -> dict:
+    def client(
+        self, frontend: str, prompts: list[str], concurrency: int, wait: bool = True
+    ) -> dict:
         job = self.tmp / f"job-{time.monotonic_ns()}.json"
         job.write_text(
             json.dumps(
@@ -123,6 +128,7 @@ class Dynamo:
                     "prompts": prompts,
                     "max_tokens": MAX_TOKENS,
                     "concurrency": concurrency,
+                    "wait": wait,
                 }
             )
         )
@@ -177,6 +183,21 @@ def test_pd_under_dynamos_router_equals_offline_with_every_state_handed_off(dyna
         assert outcome.startswith("transferred; bytes="), outcome
         assert "draft." in outcome, outcome  # the MTP draft's state came too
         assert prefilled[result["id"]] == room  # the room Dynamo drew, on both sides
+
+    # kill -9 of the only prefill: an error at once (Dynamo has no decode-only fallback);
+    # a restart at the same address serves again, without waiting on the dead one's link
+    os.killpg(dynamo.procs["prefill"].pid, signal.SIGKILL)
+    dynamo.procs["prefill"].wait(10)
+    (dead,) = dynamo.client(frontend, texts[:1], 1, wait=False)["results"]
+    assert dead["status"] != 200 and dead["seconds"] < 1.0, dead
+    dynamo.worker(
+        "prefill", "prefill2", "pd", "prefill", f"--pd-host {prefill} --pd-port {pd_port}"
+    )
+    back = dynamo.client(frontend, texts[:2], 1)
+    assert back["ready_s"] < 30.0, back
+    for result, want in zip(back["results"], _expected(offline, texts[:2]), strict=True):
+        assert result["status"] == 200 and result["text"] == want, result
+        assert result["seconds"] < 5.0, result  # no 10 s stall on a stale link
 
 
 def test_kv_aware_routing_sends_a_repeated_prefix_to_the_worker_holding_it(dynamo):

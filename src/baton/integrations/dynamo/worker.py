@@ -52,9 +52,11 @@ class BatonLLMEngine(LLMEngine):
         """The ``PrefillLoop`` (prefill)."""
         self.core: Any = None
         self.events: Any = None
-        self._next: dict[str, asyncio.Future] = {}
-        """Per request (Dynamo's context id): the engine output it waits for (``abort``
-        cancels it, which aborts the request)."""
+        self._waits: dict[str, asyncio.Future | None] = {}
+        """Per running request (Dynamo's context id): the engine output it waits for, None
+        while it hands a chunk over (``abort`` cancels the wait, which aborts the request)."""
+        self._aborted: set[str] = set()
+        """Requests ``abort`` ended: they stop at their next chunk."""
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None):
@@ -199,19 +201,23 @@ class BatonLLMEngine(LLMEngine):
         key = context.id()
         first = True
         text = self._token_text()
+        cancelled = {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
         try:
             while True:
-                waiting = asyncio.ensure_future(anext(stream))
-                self._next[key] = waiting
+                if key in self._aborted:
+                    yield cancelled
+                    return
+                waiting = self._waits[key] = asyncio.ensure_future(anext(stream))
                 try:
                     out = await waiting
                 except asyncio.CancelledError:
                     if asyncio.current_task().cancelling():
                         raise  # this task was cancelled, not (only) the request
-                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+                    yield cancelled
                     return
                 except StopAsyncIteration:
                     return
+                self._waits[key] = None
                 if first and dr.failed_before_first_token(out):
                     raise _handoff_error(out)
                 if first and self.args.access_log:
@@ -230,8 +236,9 @@ class BatonLLMEngine(LLMEngine):
                     return
                 yield chunk
         finally:
-            self._next.pop(key, None)
-            await stream.aclose()
+            self._waits.pop(key, None)
+            self._aborted.discard(key)
+            await stream.aclose()  # aborts the request in the engine if it still runs
 
     def _token_text(self):
         tokenizer = self.core.tokenizer
@@ -263,7 +270,11 @@ class BatonLLMEngine(LLMEngine):
         }
 
     async def abort(self, context) -> None:
-        waiting = self._next.get(context.id())
+        key = context.id()
+        if key not in self._waits:
+            return  # finished, or never ran here
+        self._aborted.add(key)
+        waiting = self._waits[key]
         if waiting is not None:
             waiting.cancel()
 
