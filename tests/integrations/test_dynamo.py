@@ -3,7 +3,9 @@ Dynamo backend (``python -m baton.integrations.dynamo``), every process on a hos
 (network namespaces, ``tests/multihost/netns.py``), discovery through a shared directory
 (Dynamo's ``file`` backend), Dynamo's TCP request plane and ZMQ event plane.
 
-- PD: a frontend, a baton prefill and a baton decode; 12 held-out prompts at concurrency 8
+- PD, the README's commands as written (addresses and the discovery directory replaced,
+  test knobs appended), over NIXL: a frontend, a baton prefill and a baton decode; 12
+  held-out prompts at concurrency 8
   through the frontend equal the offline engine's greedy completions (MTP draft on), every
   decode request's handoff was ``transferred`` (its access-log line) with the same room as
   the prefill's line for it -- the room Dynamo's PrefillRouter drew and sent to both; then
@@ -32,7 +34,8 @@ import pytest
 from baton import LLM, SamplingParams
 from tests.conftest import BUNDLED
 from tests.multihost import netns
-from tests.multihost.test_multihost import prompts
+from tests.multihost.test_multihost import README, prompts, substitute
+from tests.transfer.conftest import require_backend
 
 pytestmark = [
     pytest.mark.integration,
@@ -50,7 +53,16 @@ WORKER_FLAGS = "--dtype float32 --threads 1 --access-log"
 """The offline oracle's dtype, one thread per worker on a small machine, one log line per
 request (the handoff and its room)."""
 CLIENT_TIMEOUT_S = 300.0
+README_HOSTS = {"10.0.0.1": "prefill", "10.0.0.2": "decode", "10.0.0.3": "frontend"}
+"""The README's example addresses -> the hosts that play them."""
+README_DISCOVERY = "/shared/dynamo"
 LINE = re.compile(r"request (\S+) room (\S+): (.*)$")
+
+
+def readme_blocks() -> dict[str, str]:
+    """The README's Dynamo blocks: marker name -> the shell block after it."""
+    found = re.findall(r"<!-- dynamo:(\w+) -->\n```sh\n(.*?)```", README.read_text(), re.S)
+    return dict(found)
 
 
 def _prompts() -> list[str]:
@@ -74,10 +86,29 @@ class Dynamo:
             "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
             "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]),
             "BATON_KERNEL_CACHE": str(kernels.expanduser()),
-            "BATON_PD_TOKEN": os.urandom(16).hex(),
+            "HOME": str(self._home(tmp)),
             "DYN_FILE_KV": str(self.discovery),
             "DYN_LOG": "warn",
         }
+
+    @staticmethod
+    def _home(tmp: Path) -> Path:
+        """A home with the PD token file the README reads."""
+        token = tmp / "home" / ".baton" / "pd-token"
+        token.parent.mkdir(parents=True)
+        token.write_text(os.urandom(16).hex() + "\n")
+        token.chmod(0o600)
+        return token.parent.parent
+
+    def readme(self, host: str, name: str, block: str, test_flags: str = "") -> None:
+        """The README's ``block`` on ``host`` after its env block, as written but for the
+        addresses, the discovery directory and ``test_flags`` appended."""
+        addresses = {a: self.net.addresses[h] for a, h in README_HOSTS.items()}
+        blocks = readme_blocks()
+        env = blocks["env"].replace(README_DISCOVERY, str(self.discovery))
+        command = substitute(blocks[block], addresses).rstrip()
+        script = f"{env}\nexec {command} {test_flags}"
+        self.procs[name] = self.net.spawn(host, script, self.env, self.log(name))
 
     def _host_env(self, host: str) -> dict[str, str]:
         """A Dynamo process advertises its own address (else the machine's first one)."""
@@ -165,12 +196,12 @@ def _expected(offline: LLM, texts: list[str]) -> list[str]:
     return [o.outputs[0].text for o in offline.generate(texts, params)]
 
 
-def test_pd_under_dynamos_router_equals_offline_with_every_state_handed_off(dynamo, offline):
-    pd_port = 5557
-    prefill = dynamo.net.addresses["prefill"]
-    frontend = dynamo.frontend("frontend", "frontend", "pd")
-    dynamo.worker("prefill", "prefill", "pd", "prefill", f"--pd-host {prefill} --pd-port {pd_port}")
-    dynamo.worker("decode", "decode", "pd", "decode", "--local-prefill-tokens 0")
+def test_the_readmes_pd_under_dynamo_equals_offline_with_every_state_handed_off(dynamo, offline):
+    require_backend("nixl")
+    dynamo.readme("frontend", "frontend", "frontend")
+    frontend = f"http://{dynamo.net.addresses['frontend']}:8000"
+    dynamo.readme("prefill", "prefill", "prefill", WORKER_FLAGS)
+    dynamo.readme("decode", "decode", "decode", f"{WORKER_FLAGS} --local-prefill-tokens 0")
     texts = _prompts()
     got = dynamo.client(frontend, texts, CONCURRENCY)
     for i, (result, want) in enumerate(zip(got["results"], _expected(offline, texts), strict=True)):
@@ -190,9 +221,7 @@ def test_pd_under_dynamos_router_equals_offline_with_every_state_handed_off(dyna
     dynamo.procs["prefill"].wait(10)
     (dead,) = dynamo.client(frontend, texts[:1], 1, wait=False)["results"]
     assert dead["status"] != 200 and dead["seconds"] < 1.0, dead
-    dynamo.worker(
-        "prefill", "prefill2", "pd", "prefill", f"--pd-host {prefill} --pd-port {pd_port}"
-    )
+    dynamo.readme("prefill", "prefill2", "prefill", WORKER_FLAGS)
     back = dynamo.client(frontend, texts[:2], 1)
     assert back["ready_s"] < 30.0, back
     for result, want in zip(back["results"], _expected(offline, texts[:2]), strict=True):
