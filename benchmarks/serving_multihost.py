@@ -12,9 +12,13 @@ its own address, nothing is shared through loopback): router, prefill, decode an
    each bound to its host's address), once per backend; prefill pinned to core 0 and decode
    to core 1 (as ``baton launch`` pins them), decode with ``--local-prefill-tokens 0`` so that
    every request's state crosses the bridge.
-3. A colocated ``baton serve`` on the decode host, both cores, as the reference.
+3. The same PD deployment under NVIDIA Dynamo (where ``make dynamo`` installed it): Dynamo's
+   frontend on the router host, ``python -m baton.integrations.dynamo`` prefill and decode
+   pinned as in 2, file discovery -- baton's router and Dynamo's in front of the same
+   workers, one after the other.
+4. A colocated ``baton serve`` on the decode host, both cores, as the reference.
 
-2 and 3 get the same ``baton bench`` workload from the client host, after a discarded
+2, 3 and 4 get the same ``baton bench`` workload from the client host, after a discarded
 warm-up. Printed: TTFT and per-token ITL p50/p99, throughput, handoff outcomes, the decodes'
 transfer rate while pushing (bench's ``transfer_gb_per_s``: ``baton_transfer_bytes_total``
 over ``baton_transfer_push_seconds_total``) and that rate as a fraction of the raw backend
@@ -29,6 +33,7 @@ SIGTERM too. Needs root and iproute2.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import secrets
@@ -57,6 +62,8 @@ from tests.multihost import netns  # noqa: E402
 HOSTS = ("router", "prefill", "decode", "client")
 PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "colocated": 8300}
 PD_PORT = 5557
+DYNAMO_PORT = 8001
+"""Dynamo's frontend, on the router host."""
 CORES = {"prefill": "0", "decode": "1", "colocated": "0,1"}
 """``taskset -c`` per server; the router and the client are not pinned (as in launch)."""
 SERVE_FLAGS = "--max-model-len 1024"
@@ -283,6 +290,52 @@ def pd(run: Run, kind: str, args: argparse.Namespace) -> dict:
             run.net.stop(proc)
 
 
+def pd_dynamo(run: Run, kind: str, args: argparse.Namespace) -> dict:
+    """The same deployment under NVIDIA Dynamo: its frontend on the router host, baton's
+    Dynamo workers (``python -m baton.integrations.dynamo``) pinned as above, discovery
+    through a directory (README's "Under NVIDIA Dynamo")."""
+    p, d = run.address("prefill"), run.address("decode")
+    discovery = run.logs / f"dynamo-{kind}-discovery"
+    discovery.mkdir(exist_ok=True)
+    planes = "--discovery-backend file --request-plane tcp --event-plane zmq"
+    flags = f"--backend {kind} --threads 1 {SERVE_FLAGS} {planes}"
+    worker = f"python -m baton.integrations.dynamo {flags}"
+    env = f"env DYN_FILE_KV={discovery}"
+    procs = [
+        run.spawn(
+            "router",
+            f"dynamo-{kind}",
+            f"{env} python -m dynamo.frontend --http-port {DYNAMO_PORT} {planes}",
+        ),
+        run.spawn(
+            "prefill",
+            f"dynamo-{kind}",
+            f"{env} taskset -c {CORES['prefill']} {worker} --role prefill --pd-host {p} "
+            f"--pd-port {PD_PORT} --advertise-host {p}",
+        ),
+        run.spawn(
+            "decode",
+            f"dynamo-{kind}",
+            f"{env} taskset -c {CORES['decode']} {worker} --role decode --host {d} "
+            f"--advertise-host {d} --local-prefill-tokens 0 "
+            f"--shm-prefix {netns.PREFIX}-dyn-{kind}",
+        ),
+    ]
+    url = f"http://{run.address('router')}:{DYNAMO_PORT}"
+    try:
+        ready = (
+            f"for i in $(seq {int(START_TIMEOUT_S * 2)}); do curl -sf {url}/v1/completions "
+            f'-H \'Content-Type: application/json\' -d \'{{"model": "{MODEL}", '
+            f'"prompt": "def", "max_tokens": 1}}\' >/dev/null && exit 0; '
+            "sleep 0.5; done; exit 1"
+        )
+        run.on("client", ready, START_TIMEOUT_S + 10)
+        return bench(run, f"{kind}-dynamo", url, args)
+    finally:
+        for proc in reversed(procs):
+            run.net.stop(proc)
+
+
 def colocated(run: Run, args: argparse.Namespace) -> dict:
     url = run.url("decode", "colocated")
     server = run.spawn(
@@ -355,6 +408,8 @@ def measure(run: Run, args: argparse.Namespace) -> dict:
         results["raw"][kind] = raw_backend(run, kind)
     for kind in args.backends:
         results["serving"][kind] = pd(run, kind, args)
+        if args.dynamo:
+            results["serving"][f"{kind}-dynamo"] = pd_dynamo(run, kind, args)
     results["serving"]["colocated"] = colocated(run, args)
     return results
 
@@ -375,6 +430,13 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=2.0, help="req/s, Poisson")
     parser.add_argument("--prompt-tokens", default="64:512")
     parser.add_argument("--output-tokens", default="32:128")
+    parser.add_argument(
+        "--no-dynamo",
+        dest="dynamo",
+        action="store_false",
+        help="skip the deployment under NVIDIA Dynamo's frontend (default: run it where "
+        "Dynamo is installed: make dynamo)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/serving_multihost.json"))
     for hidden in ("--helper", "--backend", "--address", "--dir"):  # the hosts' helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -385,6 +447,7 @@ def main() -> None:
         return (tcp_sink if args.helper == "tcp-sink" else tcp_blast)(args.address)
     print(platform.current().summary(), flush=True)
     args.backends = args.backends.split(",")
+    args.dynamo = args.dynamo and importlib.util.find_spec("dynamo") is not None
     if (problem := netns.usable()) is not None:
         sys.exit(f"error: network namespaces: {problem}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the teardown runs

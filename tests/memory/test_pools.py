@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -243,3 +244,30 @@ def test_the_full_pool_is_sized_for_the_running_requests_within_the_free_memory(
     floor = full_pool_pages(None, qwen06, page, 32, 100 * mb)  # never below the minimum
     assert floor == MIN_KV_CACHE_MB * mb // qwen06
     assert full_pool_pages(None, qwen06, page, 32, None) * page == 32 * 512  # unknown: no cap
+
+
+def test_a_heap_pool_is_zero_and_costs_memory_only_where_written():
+    """``HeapAllocator``: a 256 MiB pool adds next to nothing resident until written, reads
+    zero everywhere, keeps what is written, and gives its memory back with its last view."""
+    import gc
+
+    from baton.memory.allocator import HeapAllocator
+
+    def resident() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = HeapAllocator().zeros("pool", (256, 2**18), torch.float32)  # 256 MiB
+    assert resident() - before < 16 * 2**20
+    assert pool.shape == (256, 2**18) and pool.is_contiguous()
+    assert pool[::37].abs().sum().item() == 0.0  # reads: zero, still not resident
+    pool[:16] = 1.5  # 16 MiB written
+    assert 16 * 2**20 <= resident() - before < 64 * 2**20
+    view = pool[8]
+    del pool
+    gc.collect()
+    assert view.sum().item() == 1.5 * 2**18  # a view keeps the mapping alive
+    del view
+    gc.collect()
+    assert resident() - before < 16 * 2**20
