@@ -31,8 +31,13 @@ dynamo: $(STAMP)
 	$(PY) -m pip install -q --no-deps ai-dynamo==1.6.1 ai-dynamo-runtime==1.6.1
 	$(PY) -m pip install -q uvloop==0.23.0 kubernetes==32.0.1 redis==8.2.0 zstandard==0.25.0
 
+# Ray Serve (baton.integrations.ray_serve; pyproject's `ray` extra).
+.PHONY: ray
+ray: $(STAMP)
+	$(PY) -m pip install -q "ray[serve]==2.60.0"
+
 .PHONY: extras
-extras: $(STAMP) dynamo
+extras: $(STAMP) dynamo ray
 	$(PY) -m pip install -q --no-deps nixl-cu12==1.5.1
 	$(PY) -m pip install -q mooncake-transfer-engine-non-cuda==0.3.13.post1
 

@@ -33,6 +33,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from tests.conftest import BUNDLED
+from tests.integrations.workload import CONCURRENCY, MAX_TOKENS, held_out_prompts
 from tests.multihost import netns
 from tests.multihost.test_multihost import README, prompts, substitute
 from tests.transfer.conftest import require_backend
@@ -46,9 +47,6 @@ pytestmark = [
 ]
 
 REPO = Path(__file__).resolve().parents[2]
-MAX_TOKENS = 24
-NUM_PROMPTS = 12
-CONCURRENCY = 8
 WORKER_FLAGS = "--dtype float32 --threads 1 --access-log"
 """The offline oracle's dtype, one thread per worker on a small machine, one log line per
 request (the handoff and its room)."""
@@ -63,11 +61,6 @@ def readme_blocks() -> dict[str, str]:
     """The README's Dynamo blocks: marker name -> the shell block after it."""
     found = re.findall(r"<!-- dynamo:(\w+) -->\n```sh\n(.*?)```", README.read_text(), re.S)
     return dict(found)
-
-
-def _prompts() -> list[str]:
-    base = prompts()
-    return [base[i % len(base)][: 200 + 37 * i] for i in range(NUM_PROMPTS)]
 
 
 class Dynamo:
@@ -202,7 +195,7 @@ def test_the_readmes_pd_under_dynamo_equals_offline_with_every_state_handed_off(
     frontend = f"http://{dynamo.net.addresses['frontend']}:8000"
     dynamo.readme("prefill", "prefill", "prefill", WORKER_FLAGS)
     dynamo.readme("decode", "decode", "decode", f"{WORKER_FLAGS} --local-prefill-tokens 0")
-    texts = _prompts()
+    texts = held_out_prompts()
     got = dynamo.client(frontend, texts, CONCURRENCY)
     for i, (result, want) in enumerate(zip(got["results"], _expected(offline, texts), strict=True)):
         assert result["status"] == 200, dynamo.explain(json.dumps(result))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,9 @@ class _Server:
     """A PD decode's token: routing headers count only when a router signed them with it."""
     trust_bootstrap_fields: bool = False
     """A PD decode behind llm-d's sidecar: the unsigned ``bootstrap_*`` body fields count."""
+    pick_prefill: Callable[[], Awaitable[str | None]] | None = None
+    """A platform's choice of prefill (its control endpoint) for a request that names none;
+    None: the decode's own."""
 
 
 def build_app(
@@ -88,13 +91,15 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     route_token: bytes | None = None,
     trust_bootstrap_fields: bool = False,
+    pick_prefill: Callable[[], Awaitable[str | None]] | None = None,
 ) -> FastAPI:
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
     ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413);
     ``route_token`` (a PD decode): the routing headers count only when signed with it
     (``protocol.route_problem``; a 403 otherwise); ``trust_bootstrap_fields``: the SGLang-style
     ``bootstrap_*`` body fields (llm-d's sidecar) count unsigned, where only the sidecar
-    reaches this port (a 403 naming the flag otherwise)."""
+    reaches this port (a 403 naming the flag otherwise); ``pick_prefill``: awaited for the
+    prefill of a request that names none (a platform's router: Ray Serve's)."""
     app = FastAPI(title="baton", docs_url=None, redoc_url=None)
     limits = BodyLimits(max_body_bytes, max_prompt_ids=engine.max_model_len)
     app.state.server = _Server(
@@ -106,6 +111,7 @@ def build_app(
         ServerMetrics(),
         route_token,
         trust_bootstrap_fields,
+        pick_prefill,
     )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, route_not_found)
@@ -159,7 +165,8 @@ async def _completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
-    outputs, headers = await _run(server, req.engine_prompt(), params, _route(request, req))
+    route = await _route_of(request, req)
+    outputs, headers = await _run(server, req.engine_prompt(), params, route)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.logprobs or 0
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -184,7 +191,7 @@ async def _chat_completions(request: Request) -> Response:
     _check_model(server, req.model)
     params = req.sampling_params()
     prompt = _chat_prompt(server.tokenizer, req)
-    outputs, headers = await _run(server, prompt, params, _route(request, req))
+    outputs, headers = await _run(server, prompt, params, await _route_of(request, req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.top_logprobs or 0
     if req.stream:
@@ -315,6 +322,17 @@ async def _observed(
             yield out
     finally:
         await stream.aclose()
+
+
+async def _route_of(
+    request: Request, req: CompletionRequest | ChatCompletionRequest
+) -> PDRoute | None:
+    """The route the request names (``_route``), else the platform's pick, else None."""
+    route = _route(request, req)
+    pick = _server(request).pick_prefill
+    if route is None and pick is not None and (prefill := await pick()) is not None:
+        route = PDRoute(prefill)
+    return route
 
 
 def _route(request: Request, req: CompletionRequest | ChatCompletionRequest) -> PDRoute | None:
