@@ -16,9 +16,12 @@ its own address, nothing is shared through loopback): router, prefill, decode an
    frontend on the router host, ``python -m baton.integrations.dynamo`` prefill and decode
    pinned as in 2, file discovery -- baton's router and Dynamo's in front of the same
    workers, one after the other.
-4. A colocated ``baton serve`` on the decode host, both cores, as the reference.
+4. The same PD deployment as a Ray Serve application (where ``make ray`` installed it): a
+   Ray head on the router host, a prefill node and a decode node pinned as in 2,
+   ``python -m baton.integrations.ray_serve`` -- Serve's proxy in front.
+5. A colocated ``baton serve`` on the decode host, both cores, as the reference.
 
-2, 3 and 4 get the same ``baton bench`` workload from the client host, after a discarded
+2 to 5 get the same ``baton bench`` workload from the client host, after a discarded
 warm-up. Printed: TTFT and per-token ITL p50/p99, throughput, handoff outcomes, the decodes'
 transfer rate while pushing (bench's ``transfer_gb_per_s``: ``baton_transfer_bytes_total``
 over ``baton_transfer_push_seconds_total``) and that rate as a fraction of the raw backend
@@ -64,6 +67,9 @@ PORTS = {"router": 8000, "prefill": 8100, "decode": 8200, "colocated": 8300}
 PD_PORT = 5557
 DYNAMO_PORT = 8001
 """Dynamo's frontend, on the router host."""
+RAY_PORT = 6379
+RAY_HTTP_PORT = 8002
+"""Ray's head and Serve's HTTP proxy, on the router host."""
 CORES = {"prefill": "0", "decode": "1", "colocated": "0,1"}
 """``taskset -c`` per server; the router and the client are not pinned (as in launch)."""
 SERVE_FLAGS = "--max-model-len 1024"
@@ -336,6 +342,69 @@ def pd_dynamo(run: Run, kind: str, args: argparse.Namespace) -> dict:
             run.net.stop(proc)
 
 
+def pd_ray(run: Run, kind: str, args: argparse.Namespace) -> dict:
+    """The same deployment as a Ray Serve application: a Ray head on the router host (Serve's
+    controller and HTTP proxy), a node with a ``prefill`` resource on the prefill host and
+    one with ``decode`` on the decode host, each node pinned as the workers above (its
+    replicas inherit the affinity); ``python -m baton.integrations.ray_serve`` deploys."""
+    head = run.address("router")
+    common = "--num-cpus 1 --object-store-memory 100000000 --disable-usage-stats --block"
+    procs = [
+        run.spawn(
+            "router",
+            f"ray-{kind}",
+            f"ray start --head --port {RAY_PORT} --include-dashboard=false {common} "
+            f"--node-ip-address {head}",
+        )
+    ]
+    try:
+        wait_ray_nodes(run, 1)
+        for i, host in enumerate(("prefill", "decode"), start=2):
+            resources = shlex.quote(json.dumps({host: 1}))
+            procs.append(
+                run.spawn(
+                    host,
+                    f"ray-{kind}",
+                    f"taskset -c {CORES[host]} ray start --address {head}:{RAY_PORT} "
+                    f"--resources {resources} {common} --node-ip-address {run.address(host)}",
+                )
+            )
+            wait_ray_nodes(run, i)
+        run.on(
+            "router",
+            f"python -m baton.integrations.ray_serve --address {head}:{RAY_PORT} "
+            f"--http-port {RAY_HTTP_PORT} --prefill-resource prefill --decode-resource decode "
+            f"-- --backend {kind} --threads 1 {SERVE_FLAGS} --local-prefill-tokens 0",
+            START_TIMEOUT_S,
+        )
+        return bench(run, f"{kind}-ray", f"http://{head}:{RAY_HTTP_PORT}", args)
+    finally:
+        shutdown = (
+            f"import ray; from ray import serve; ray.init(address='{head}:{RAY_PORT}', "
+            "log_to_driver=False); serve.shutdown()"
+        )
+        run.net.run("router", f"python -c {shlex.quote(shutdown)}", run.env, 120)
+        for proc in reversed(procs):
+            run.net.stop(proc)
+
+
+def wait_ray_nodes(run: Run, count: int) -> None:
+    """Until the Ray cluster on the router host has ``count`` nodes alive (one joining at a
+    time: raylets starting together on 2 cores miss Ray's 30 s registration window)."""
+    head = f"{run.address('router')}:{RAY_PORT}"
+    wait = (
+        "import ray, time\n"
+        "for _ in range(600):\n"
+        "    try:\n"
+        f"        ray.init(address='{head}', log_to_driver=False)\n"
+        "        break\n"
+        "    except Exception:\n"
+        "        time.sleep(0.5)\n"
+        f"while len([n for n in ray.nodes() if n['Alive']]) < {count}: time.sleep(0.5)"
+    )
+    run.on("router", f"python -c {shlex.quote(wait)}", START_TIMEOUT_S)
+
+
 def colocated(run: Run, args: argparse.Namespace) -> dict:
     url = run.url("decode", "colocated")
     server = run.spawn(
@@ -410,6 +479,8 @@ def measure(run: Run, args: argparse.Namespace) -> dict:
         results["serving"][kind] = pd(run, kind, args)
         if args.dynamo:
             results["serving"][f"{kind}-dynamo"] = pd_dynamo(run, kind, args)
+        if args.ray:
+            results["serving"][f"{kind}-ray"] = pd_ray(run, kind, args)
     results["serving"]["colocated"] = colocated(run, args)
     return results
 
@@ -437,6 +508,13 @@ def main() -> None:
         help="skip the deployment under NVIDIA Dynamo's frontend (default: run it where "
         "Dynamo is installed: make dynamo)",
     )
+    parser.add_argument(
+        "--no-ray",
+        dest="ray",
+        action="store_false",
+        help="skip the deployment as a Ray Serve application (default: run it where Ray "
+        "Serve is installed: make ray)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks/results/serving_multihost.json"))
     for hidden in ("--helper", "--backend", "--address", "--dir"):  # the hosts' helpers
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -448,6 +526,7 @@ def main() -> None:
     print(platform.current().summary(), flush=True)
     args.backends = args.backends.split(",")
     args.dynamo = args.dynamo and importlib.util.find_spec("dynamo") is not None
+    args.ray = args.ray and importlib.util.find_spec("ray") is not None
     if (problem := netns.usable()) is not None:
         sys.exit(f"error: network namespaces: {problem}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the teardown runs
