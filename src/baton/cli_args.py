@@ -216,6 +216,13 @@ def add_serve_parser(sub: argparse._SubParsersAction) -> None:
         )
 
 
+def serve_parser() -> argparse.ArgumentParser:
+    """``baton serve``'s flags as a parser of its own (a platform's worker takes them)."""
+    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
+    add_serve_parser(holder)
+    return holder.choices["serve"]
+
+
 def add_router_parser(sub: argparse._SubParsersAction) -> None:
     from baton.config import ADMIN_TOKEN_ENV
 

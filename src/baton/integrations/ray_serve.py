@@ -37,16 +37,10 @@ from pathlib import Path
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from baton.cli_args import add_serve_parser
+from baton.cli_args import serve_parser
 
 PICK_TIMEOUT_S = 1.0
 """How long a decode waits for Serve's router to name a prefill replica."""
-
-
-def serve_args_parser() -> argparse.ArgumentParser:
-    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
-    add_serve_parser(holder)
-    return holder.choices["serve"]
 
 
 def _args(role: str, serve_args: list[str]) -> argparse.Namespace:
@@ -54,7 +48,7 @@ def _args(role: str, serve_args: list[str]) -> argparse.Namespace:
     would bind loopback (the defaults serve one host; a replica's peers are on others)."""
     import ray
 
-    args = serve_args_parser().parse_args([*serve_args, "--role", role])
+    args = serve_parser().parse_args([*serve_args, "--role", role])
     node = ray.util.get_node_ip_address()
     if args.pd_host == "127.0.0.1":
         args.pd_host = node
@@ -79,9 +73,6 @@ class BatonPrefill:
 
     def record_replica_metadata(self) -> dict:
         return {"endpoint": self.loop.server.endpoint}
-
-    def endpoint(self) -> str:
-        return self.loop.server.endpoint
 
     def check_health(self) -> None:
         if not self.loop.is_alive:
@@ -178,7 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode-resource", help="a custom resource decode replicas need")
     p.add_argument("--name", default="baton")
     args = p.parse_args(ours)
-    serve_args_parser().parse_args(serve_args)  # bad flags here, not in a replica
+    serve_parser().parse_args(serve_args)  # bad flags here, not in a replica
 
     def options(replicas: int, resource: str | None) -> dict:
         actor = {"num_cpus": 0}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from baton.cli_args import add_serve_parser
+from baton.cli_args import serve_parser
 
 ADVERTISED = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST")
 """The variables Dynamo reads for the address a process advertises on each plane."""
@@ -14,9 +14,7 @@ ADVERTISED = ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLA
 def build_parser() -> argparse.ArgumentParser:
     """``baton serve``'s flags (``--host``/``--port`` unused: Dynamo's request plane serves)
     and Dynamo's worker flags."""
-    holder = argparse.ArgumentParser(add_help=False).add_subparsers()
-    add_serve_parser(holder)
-    parser = holder.choices["serve"]
+    parser = serve_parser()
     parser.prog = "python -m baton.integrations.dynamo"
     parser.description = "baton as an NVIDIA Dynamo backend worker"
     dyn = parser.add_argument_group("Dynamo")

@@ -50,6 +50,8 @@ class BatonLLMEngine(LLMEngine):
         """The ``AsyncEngine`` (colocated, decode)."""
         self.prefill: Any = None
         """The ``PrefillLoop`` (prefill)."""
+        self.bootstrap: tuple[str, int] = ("", 0)
+        """A prefill's control endpoint as Dynamo's bootstrap (host, port)."""
         self.core: Any = None
         self.events: Any = None
         self._waits: dict[str, asyncio.Future | None] = {}
@@ -84,10 +86,7 @@ class BatonLLMEngine(LLMEngine):
         await asyncio.to_thread(self._load)
         args, core = self.args, self.core
         full = [c for c in core.registry if c.kind == "paged_full"]
-        host = port = None
-        if self.prefill is not None:
-            host, port = self.prefill.server.endpoint.removeprefix("tcp://").rsplit(":", 1)
-            host, port = host.strip("[]"), int(port)
+        host, port = self.bootstrap if self.prefill is not None else (None, None)
         return EngineConfig(
             model=args.model,
             served_model_name=args.served_model_name or Path(args.model).name,
@@ -117,6 +116,8 @@ class BatonLLMEngine(LLMEngine):
                 raise RuntimeError("the prefill did not start (the line above says why)")
             self.core = server.engine
             self.prefill = PrefillLoop(server)
+            host, port = server.endpoint.removeprefix("tcp://").rsplit(":", 1)
+            self.bootstrap = (host.strip("[]"), int(port))
             self.events = self._kv_events(wanted=True)
             if self.events is not None:
                 self.prefill.after_turn = self.events.flush
@@ -251,9 +252,7 @@ class BatonLLMEngine(LLMEngine):
         prefill over the control channel). Without ``bootstrap_info``, a room drawn here."""
         info = request.get("bootstrap_info")
         if info is None:
-            host, port = self.prefill.server.endpoint.removeprefix("tcp://").rsplit(":", 1)
-            room = 1 + secrets.randbelow(dr.ROOM_LIMIT - 1)
-            info = dr.bootstrap_info(host.strip("[]"), int(port), room)
+            info = dr.bootstrap_info(*self.bootstrap, 1 + secrets.randbelow(dr.ROOM_LIMIT - 1))
         if self.args.access_log:
             logger.info("request %s room %s: prefill", context.id(), info.get("bootstrap_room"))
         prompt = len(request.get("token_ids") or [])
