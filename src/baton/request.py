@@ -8,10 +8,11 @@ scheduler's mutable record of one request; it holds no tensors and imports nothi
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum, StrEnum
 from typing import overload
 
@@ -56,6 +57,83 @@ def _check_bool(name: str, value: object) -> None:
         raise InvalidRequest(f"{name} must be a bool, got {value!r} ({type(value).__name__})", name)
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The constraints ``StructuredOutputsParams`` takes, vLLM's names; exactly one per request."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's ``structured_outputs``): exactly one of a
+    JSON schema, a regular expression, a list of choices, a Lark grammar (llguidance's
+    dialect, which embeds JSON schemas as ``%json {...}``) or any JSON object. Checked for
+    shape here; compiled (and refused by name where the grammar engine cannot take it) by
+    the engine's ``GrammarCompiler``."""
+
+    json: dict | str | None = None
+    """A JSON schema (a dict, or its JSON text)."""
+    regex: str | None = None
+    choice: list[str] | None = None
+    """The output is exactly one of these strings."""
+    grammar: str | None = None
+    """A Lark grammar (llguidance's dialect) whose ``start`` rule the output matches."""
+    json_object: bool = False
+    """Any JSON object (``response_format: {"type": "json_object"}``)."""
+    disable_any_whitespace: bool = False
+    """JSON without whitespace between tokens (only the compact form)."""
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = ", ".join(given) if given else "none"
+            raise InvalidRequest(
+                f"structured_outputs takes exactly one of {', '.join(STRUCTURED_KINDS)}; "
+                f"got {what}",
+                "structured_outputs",
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidRequest(
+                f"structured_outputs.json must be a JSON schema (an object or its text), "
+                f"got {type(self.json).__name__}",
+                "structured_outputs.json",
+            )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequest(
+                    f"structured_outputs.{name} must be a non-empty string, got {value!r}",
+                    f"structured_outputs.{name}",
+                )
+        if self.choice is not None:
+            choice = self.choice
+            if (
+                not isinstance(choice, list | tuple)
+                or not choice
+                or not all(isinstance(c, str) and c for c in choice)
+            ):
+                raise InvalidRequest(
+                    f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                    f"got {choice!r}",
+                    "structured_outputs.choice",
+                )
+            object.__setattr__(self, "choice", list(choice))
+        for name in ("json_object", "disable_any_whitespace"):
+            _check_bool(f"structured_outputs.{name}", getattr(self, name))
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of ``STRUCTURED_KINDS``."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> str:
+        """Canonical text of the constraint: equal for equal constraints (a compile cache's
+        key, and what a PD handoff's two sides agree on)."""
+        value = getattr(self, self.kind)
+        if isinstance(value, str) and self.kind == "json":
+            value = json.loads(value) if value.strip().startswith("{") else value
+        body = {"kind": self.kind, "value": value, "compact": self.disable_any_whitespace}
+        return json.dumps(body, sort_keys=True, separators=(",", ":"))
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop; vLLM-compatible names and defaults."""
@@ -94,6 +172,9 @@ class SamplingParams:
     """Keep the matched stop string at the end of the text."""
     min_tokens: int = 0
     """EOS and stop token ids are masked until this many tokens have been generated."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a grammar (``StructuredOutputsParams``; a dict of its fields
+    is taken too). Every sampling mode samples under the grammar's token mask."""
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -148,6 +229,23 @@ class SamplingParams:
             )
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check_bool(name, getattr(self, name))
+        structured = self.structured_outputs
+        if isinstance(structured, dict):
+            unknown = sorted(set(structured) - _STRUCTURED_FIELDS)
+            if unknown:
+                raise InvalidRequest(
+                    f"structured_outputs has unknown fields {unknown}; it takes "
+                    f"{sorted(_STRUCTURED_FIELDS)}",
+                    "structured_outputs",
+                )
+            structured = StructuredOutputsParams(**structured)
+            object.__setattr__(self, "structured_outputs", structured)
+        if structured is not None and not isinstance(structured, StructuredOutputsParams):
+            raise InvalidRequest(
+                f"structured_outputs must be StructuredOutputsParams or a dict, got "
+                f"{type(structured).__name__}",
+                "structured_outputs",
+            )
         object.__setattr__(self, "stop", _normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
 
@@ -155,6 +253,9 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Whether the next token is the argmax of the penalised logits."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+
+_STRUCTURED_FIELDS = frozenset(f.name for f in fields(StructuredOutputsParams))
 
 
 def _normalise_stop(stop: object) -> tuple[str, ...]:

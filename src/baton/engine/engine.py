@@ -41,6 +41,7 @@ from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
 from baton.sampling.sampling_state import SamplingState
 from baton.speculative.proposer import DraftProposer
@@ -103,6 +104,11 @@ class LLMEngine:
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
         log.info(self.platform_line)
+        self.eos_token_ids = frozenset(spec.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= self.tokenizer.eos_token_ids
+        self.grammars = GrammarCompiler.for_model(model_dir, spec.vocab_size, self.eos_token_ids)
+        """Structured outputs' grammars for this model's tokenizer (None: no tokenizer)."""
         self.proposer = self._build_state(dtype, allocator)
         proposer = self.proposer
         for factory in extra_state:
@@ -111,9 +117,6 @@ class LLMEngine:
         """PD prefill: requests computed to their first token, units kept (``HELD``)."""
         self.quarantined: set[str] = set()
         """PD decode: failed requests whose units a prefill may still write (``FAILED``)."""
-        self.eos_token_ids = frozenset(spec.eos_token_ids)
-        if self.tokenizer is not None:
-            self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.prefix_cache: PrefixCache | None = None
         if config.cache.enable_prefix_caching:
             skip = frozenset(c.name for c in self.registry if c.token_lag)
@@ -134,6 +137,7 @@ class LLMEngine:
             self.num_speculative_tokens,
             self.registry,
             config.seed,
+            self.grammars,
         )
         """Checks a request against the model and memory before anything of it is kept."""
         self.handoff = Handoff(self)
@@ -183,9 +187,16 @@ class LLMEngine:
             )
             self.caches.append(draft_cache)
             proposer = DraftProposer(self.model, draft, draft_cache, self.num_speculative_tokens)
-        # The record a PD handoff writes last: nonce, first token, logprob, draft seed.
+        # The record a PD handoff writes last: nonce, first token, logprob, draft seed --
+        # and, derived from its first token, a structured request's grammar state.
+        derived = (self.grammars.declaration,) if self.grammars is not None else ()
         self.aux = AuxPool(
-            2 * config.scheduler.max_num_seqs, spec.hidden_size, dtype, self.registry, allocator
+            2 * config.scheduler.max_num_seqs,
+            spec.hidden_size,
+            dtype,
+            self.registry,
+            allocator,
+            derived=derived,
         )
         return proposer
 
@@ -223,6 +234,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, token_ids = self.intake.encode_prompt(prompt)
         max_tokens = self.intake.validate(token_ids, params)
+        grammar = self.intake.grammar(params)
         request_id = request_id if request_id is not None else self.intake.next_request_id()
         if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -238,7 +250,9 @@ class LLMEngine:
         self.tracks[request_id] = Track(
             request=request,
             prompt=text,
-            sampling=SamplingState(params, token_ids, self.model.spec.vocab_size, seed=seed),
+            sampling=SamplingState(
+                params, token_ids, self.model.spec.vocab_size, seed=seed, grammar=grammar
+            ),
             detok=detok,
             metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
             max_tokens=max_tokens,

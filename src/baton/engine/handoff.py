@@ -26,8 +26,10 @@ reserve_queued     decode, each  reserve, oldest first, each queued request's un
                                  request that cannot fit now stays queued -- "no room" is
                                  not an error)
 admit              decode, once  the state landed (nonce checked by the caller): ``RUNNING``,
-                   the aux row   the first token appended, the aux record freed
-                   is checked
+                   the aux row   the first token appended (a structured request's grammar
+                   is checked    rebuilt here: its matcher advanced by it -- a token it
+                                 forbids is ``GrammarViolation``, nothing changed), the aux
+                                 record freed
 prefill_locally    decode        compute a queued request's prompt here instead, or a waiting
                                  one's that nothing writes for (its prefill refused it): its
                                  units are freed and it is queued as on a colocated engine
@@ -67,6 +69,7 @@ from baton.memory.state import (
     num_held_cached,
 )
 from baton.request import FinishReason, RequestStatus, SamplingParams
+from baton.sampling.sampling_state import GrammarViolation
 from baton.speculative.proposer import DraftProposer, PendingPairs
 
 
@@ -249,6 +252,14 @@ class Handoff:
         track = engine.tracks[request_id]
         request = track.request
         assert request.status is RequestStatus.WAITING_FOR_STATE, request.status
+        grammar = track.sampling.grammar
+        if grammar is not None:  # checked before anything changes: the caller fails it then
+            with grammar.tentative():
+                if not grammar.accept(first_token):
+                    raise GrammarViolation(
+                        f"{request_id}: prefill's first token {first_token} is not allowed by "
+                        "the request's grammar on this decode"
+                    )
         num_prompt = request.num_prompt_tokens
         request.num_computed_tokens = num_prompt
         for c in engine.registry:

@@ -18,6 +18,7 @@ from baton.request import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
     from baton.memory.state import StateRegistry
+    from baton.sampling.grammar import GrammarCompiler, GrammarMatcher
     from baton.tokenizer import Tokenizer
 
 
@@ -32,6 +33,7 @@ class RequestIntake:
         num_speculative_tokens: int,
         registry: StateRegistry,
         seed: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         """``num_speculative_tokens``: the draft tokens a step may add past ``max_tokens``
         (0 without a draft), which the pools must hold too; ``seed``: the engine's, which
@@ -41,6 +43,8 @@ class RequestIntake:
         self.max_model_len = max_model_len
         self.num_speculative_tokens = num_speculative_tokens
         self.registry = registry
+        self.grammars = grammars
+        """Compiles structured-output constraints (None: the model has no tokenizer.json)."""
         self._ids = itertools.count()
         self._seeds = itertools.count(seed * 1_000_003)
 
@@ -95,6 +99,19 @@ class RequestIntake:
                     f"has {component.num_units}; raise num_pages or kv_cache_memory_mb"
                 )
         return max_tokens
+
+    def grammar(self, params: SamplingParams) -> GrammarMatcher | None:
+        """A fresh matcher of the request's ``structured_outputs`` (None without one);
+        ``InvalidRequest`` naming what its grammar engine cannot take."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest(
+                "structured outputs need the model's tokenizer.json; this model directory has none",
+                "structured_outputs",
+            )
+        return self.grammars.matcher(spec)
 
     def next_request_id(self) -> str:
         """``req-N``: the id of a request that names none."""

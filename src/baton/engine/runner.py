@@ -70,7 +70,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, states: dict[str, SamplingState]) -> StepResult:
         spec = [c.request.request_id for c in batch.chunks if c.num_lookahead]
-        chains = self.proposer.propose(spec) if spec else {}
+        grammars = {rid: states[rid].grammar for rid in spec if states[rid].grammar is not None}
+        chains = self.proposer.propose(spec, grammars) if spec else {}
         input_ids: list[int] = []
         positions: list[int] = []
         segments: list[Segment] = []

@@ -40,7 +40,10 @@ class AuxPool:
         registry: StateRegistry,
         allocator: StorageAllocator | None = None,
         name: str = "aux",
+        derived: tuple[str, ...] = (),
     ) -> None:
+        """``derived``: per-request state decode rebuilds from the record rather than
+        receiving (``StateComponent.derived``)."""
         self.name = name
         self.hidden_size = hidden_size
         self.dtype = dtype
@@ -61,6 +64,7 @@ class AuxPool:
             unit_shape=(self.row_bytes,),
             storage=self.storage,
             push=PushPhase.LAST,
+            derived=derived,
             index=self.index,
             owner=self,
         )

@@ -139,6 +139,11 @@ class StateComponent:
     only components with lag 0; a trailing one is trimmed by the model that writes it."""
     push: PushPhase = PushPhase.FINAL
     caching: Caching = Caching.NONE
+    derived: tuple[str, ...] = ()
+    """State the receiving side rebuilds from this component's content instead of receiving
+    its bytes, each with what rebuilding it depends on (the aux record: ``grammar: llguidance
+    1.9.1, tokenizer sha256 ...``, the matcher a structured request's first token advanced).
+    In the schema, so a pair that would rebuild it differently does not pair."""
     index: Callable[[str], UnitRange] | None = field(default=None, compare=False, repr=False)
     """request id -> the units that request holds now."""
     owner: UnitOwner | None = field(default=None, compare=False, repr=False)
@@ -183,6 +188,7 @@ class StateComponent:
             "ring_rows": self.ring_rows,
             "token_lag": self.token_lag,
             "push": self.push.value,
+            "derived": list(self.derived),
         }  # NOTE: not ``caching``: how a worker reuses its own pages is its own business
 
 

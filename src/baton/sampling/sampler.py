@@ -9,6 +9,7 @@ for rejection sampling.
 Pipeline, in the order of transformers and vLLM, each stage vectorised over the batch::
 
     raw ─▶ repetition penalty (HF; prompt + output) ─▶ frequency / presence (OpenAI; output)
+        ─▶ grammar (forbidden ─▶ -inf; structured outputs)
         ─▶ min_tokens (EOS + stop ids ─▶ -inf) ─┬─▶ greedy rows: argmax
                                                 └─▶ temperature ─▶ top-k ─▶ top-p ─▶ min-p
                                                     ─▶ softmax ─▶ inverse-CDF draw
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.request import SamplingParams
+from baton.sampling.grammar import apply_masks, compute_masks
 from baton.sampling.sampling_state import SamplingState, TokenCounts
 
 _CDF_BLOCK = 1024
@@ -112,6 +114,7 @@ class Sampler:
                 )
         x = logits.float()
         x = _apply_penalties(x, states)
+        x = _mask_grammar(x, states)
         x = self._mask_min_tokens(x, states)
         greedy_rows = [i for i, s in enumerate(states) if s.params.is_greedy]
         random_rows = [i for i, s in enumerate(states) if not s.params.is_greedy]
@@ -131,6 +134,8 @@ class Sampler:
             params = state.params
             if state.num_output_tokens >= params.min_tokens:
                 continue
+            if state.grammar is not None and state.grammar.is_terminated:
+                continue  # the grammar allows EOS only: a complete output is not lengthened
             stop_ids = set(params.stop_token_ids)
             if not params.ignore_eos:
                 stop_ids |= self.eos_token_ids
@@ -142,6 +147,16 @@ class Sampler:
         x = x.clone()
         x[torch.tensor(rows, device=x.device), torch.tensor(cols, device=x.device)] = -torch.inf
         return x
+
+
+def _mask_grammar(x: torch.Tensor, states: Sequence[SamplingState]) -> torch.Tensor:
+    """Tokens each constrained request's grammar forbids next at -inf (a new tensor when
+    any row is constrained)."""
+    rows = [i for i, s in enumerate(states) if s.grammar is not None]
+    if not rows:
+        return x
+    matchers = [states[i].grammar for i in rows]
+    return apply_masks(x, rows, compute_masks(matchers, x.shape[1]))  # type: ignore[arg-type]
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

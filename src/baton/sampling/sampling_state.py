@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from baton.request import SamplingParams
+from baton.sampling.grammar import GrammarMatcher
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -39,6 +40,12 @@ def _token_ids_tensor(token_ids: Sequence[int], vocab_size: int, name: str) -> t
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"{name} has token id {bad}, outside the vocabulary [0, {vocab_size})")
     return ids
+
+
+class GrammarViolation(ValueError):
+    """A kept token the request's grammar forbids: masked sampling never keeps one, so this
+    is a state that does not continue the output it claims (a PD handoff's first token
+    under another grammar, a bug) -- the request fails, the engine goes on."""
 
 
 class TokenCounts:
@@ -93,6 +100,7 @@ class SamplingState:
         *,
         output_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size <= 0:
             raise ValueError(f"vocab_size must be a positive int, got {vocab_size!r}")
@@ -103,6 +111,12 @@ class SamplingState:
         self.seed: int = seed
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_output_tokens = len(output_token_ids)
+        self.grammar = grammar
+        """The request's structured-output matcher (None: unconstrained), advanced by every
+        ``append``: it has accepted exactly the output tokens."""
+        if grammar is not None:
+            for token_id in output_token_ids:
+                self._advance_grammar(token_id)
         outputs = _token_ids_tensor(output_token_ids, vocab_size, "output_token_ids")
         self.seen: TokenCounts | None = None
         self.output_counts: TokenCounts | None = None
@@ -119,20 +133,32 @@ class SamplingState:
         params = self.params
         return (
             params.is_greedy
+            and self.grammar is None
             and self.seen is None
             and self.output_counts is None
             and self.num_output_tokens >= params.min_tokens
         )
 
     def append(self, token_id: int) -> None:
-        """Record a generated token the engine kept (moves the random stream forward)."""
+        """Record a generated token the engine kept (moves the random stream forward, and
+        the grammar: ``GrammarViolation`` if it forbids the token)."""
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is not in the vocabulary [0, {self.vocab_size})")
+        if self.grammar is not None:
+            self._advance_grammar(token_id)
         if self.seen is not None:
             self.seen.add(token_id)
         if self.output_counts is not None:
             self.output_counts.add(token_id)
         self.num_output_tokens += 1
+
+    def _advance_grammar(self, token_id: int) -> None:
+        assert self.grammar is not None
+        if not self.grammar.accept(token_id):
+            raise GrammarViolation(
+                f"token id {token_id} is not allowed by the request's grammar here "
+                f"({self.grammar.error or 'after its end'})"
+            )
 
     def random(self, position: int, stream: int = 0) -> float:
         """A uniform draw in [0, 1) for output ``position``; ``stream`` separates uses."""

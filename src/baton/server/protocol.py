@@ -2,7 +2,7 @@
 conversion to ``SamplingParams``.
 
 Unknown fields that do not change the output (``user``, ``metadata``, ...) are ignored;
-known fields this server cannot honour (``n > 1``, ``echo``, ``logit_bias``, tools, ...)
+known fields this server cannot honour (``n > 1``, ``echo``, ``logit_bias``, ...)
 raise ``ApiError`` (a 400), never silently produce a different answer. Also the headers a
 router adds to the requests it forwards to a decode server (``PREFILL_HEADER``,
 ``ROOM_HEADER``).
@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from baton.request import InvalidRequest, SamplingParams
+from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -115,6 +115,34 @@ def route_not_found(request: Request, exc: StarletteHTTPException) -> JSONRespon
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+def response_format_constraint(response_format: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's ``response_format`` as ``StructuredOutputsParams`` fields (None for
+    ``text``); a 400 naming what is wrong."""
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ApiError(
+                "response_format.json_schema must be an object with a 'schema'",
+                param="response_format.json_schema",
+            )
+        schema = spec.get("schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise ApiError(
+                "response_format.json_schema.schema must be a JSON schema object",
+                param="response_format.json_schema.schema",
+            )
+        return {"json": schema}
+    raise ApiError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+        param="response_format.type",
+    )
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: Bool = False
@@ -144,6 +172,15 @@ class _SamplingRequest(BaseModel):
     repetition_penalty: Float | None = None
     ignore_eos: Bool = False
     min_tokens: Int = 0
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: ``text``, ``json_object`` or ``json_schema`` (completions too, as vLLM)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: ``{"json" | "regex" | "choice" | "grammar" | "json_object": ...}``."""
+    guided_json: dict[str, Any] | Str | None = None
+    guided_regex: Str | None = None
+    guided_choice: list[Str] | None = None
+    guided_grammar: Str | None = None
+    """vLLM's older names of the same constraints."""
     # SGLang's PD fields, as llm-d's sidecar sends them to a decode (``bootstrap_route``).
     bootstrap_host: Str | None = None
     bootstrap_port: Int | None = None
@@ -154,6 +191,40 @@ class _SamplingRequest(BaseModel):
             raise ApiError(f"n={self.n} is not supported; only n=1", param="n")
         if self.logit_bias:
             raise ApiError("logit_bias is not supported", param="logit_bias")
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The one output constraint the body asks for, or None; a 400 naming the field for
+        two at once or one this server cannot read."""
+        asked = {}
+        if self.response_format is not None:
+            found = response_format_constraint(self.response_format)
+            if found is not None:
+                asked["response_format"] = found
+        if self.structured_outputs is not None:
+            asked["structured_outputs"] = dict(self.structured_outputs)
+        legacy = {
+            "guided_json": "json",
+            "guided_regex": "regex",
+            "guided_choice": "choice",
+            "guided_grammar": "grammar",
+        }
+        for name, kind in legacy.items():
+            if getattr(self, name) is not None:
+                asked[name] = {kind: getattr(self, name)}
+        if len(asked) > 1:
+            raise ApiError(
+                f"{' and '.join(asked)} both constrain the output; send one", param=list(asked)[1]
+            )
+        if not asked:
+            return None
+        field, spec = next(iter(asked.items()))
+        try:
+            return StructuredOutputsParams(**spec)
+        except TypeError as exc:  # an unknown key
+            raise ApiError(f"{field}: {exc}", param=field) from None
+        except InvalidRequest as exc:
+            param = field if exc.param in (None, "structured_outputs") else exc.param
+            raise ApiError(str(exc).replace("structured_outputs", field), param=param) from exc
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         self._check_unsupported()
@@ -177,6 +248,7 @@ class _SamplingRequest(BaseModel):
                 logprobs=logprobs,
                 ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens,
+                structured_outputs=self._structured_outputs(),
                 **kwargs,
             )
         except InvalidRequest as exc:
@@ -272,13 +344,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.tools:
             raise ApiError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ApiError("only response_format text is supported", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None

@@ -18,6 +18,8 @@ state), except the last one, whose token is the first sampled token: that pair i
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ from baton.model.decoder import CausalLM
 from baton.model.draft import MTPDraft
 from baton.model.executor import DraftExecutor
 from baton.model.paged_attention import PagedAttention, Segment
+from baton.sampling.grammar import GrammarMatcher, apply_masks, compute_masks
 
 
 @dataclass
@@ -138,9 +141,14 @@ class DraftProposer:
     def set_pending(self, request_id: str, pairs: PendingPairs) -> None:
         self.pending[request_id] = pairs
 
-    def propose(self, request_ids: list[str]) -> dict[str, list[int]]:
+    def propose(
+        self, request_ids: list[str], grammars: Mapping[str, GrammarMatcher] | None = None
+    ) -> dict[str, list[int]]:
         """A top-1 chain of ``num_speculative_tokens`` guesses per request, batched across
-        requests."""
+        requests. ``grammars``: the matchers of structured requests, whose every guess is
+        the best token their grammar allows after the guesses before it (a guess the
+        grammar forbids would only be rejected); they are left as they came."""
+        grammars = grammars or {}
         entries = []
         for rid in request_ids:
             p = self.pending[rid]
@@ -148,9 +156,10 @@ class DraftProposer:
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
         if sum(len(e[3]) for e in entries) > self.first_step_max_pairs:
             entries = self._store_all_but_last(entries)
-        chains = self._propose_natively(request_ids, entries, slots)
+        # NOTE: the native chain guesses inside one call; a grammar's mask needs each guess.
+        chains = None if grammars else self._propose_natively(request_ids, entries, slots)
         if chains is None:
-            chains = self._chain(request_ids, slots, self._run(entries))
+            chains = self._chain(request_ids, slots, self._run(entries), grammars)
         # Committed draft state ends where the pending pairs ended; trim behind it.
         for rid in request_ids:
             self.cache.trim(rid, slots[rid])
@@ -166,20 +175,40 @@ class DraftProposer:
         return [(rid, slot + len(ts) - 1, h[-1:], ts[-1:]) for rid, slot, h, ts in entries]
 
     def _chain(
-        self, request_ids: list[str], slots: dict[str, int], hiddens: list[torch.Tensor]
+        self,
+        request_ids: list[str],
+        slots: dict[str, int],
+        hiddens: list[torch.Tensor],
+        grammars: Mapping[str, GrammarMatcher] | None = None,
     ) -> dict[str, list[int]]:
         """The chains from the first step's states, step by step (guess, then draft step)."""
+        grammars = grammars or {}
+        with contextlib.ExitStack() as tentative:
+            for matcher in grammars.values():
+                tentative.enter_context(matcher.tentative())
+            return self._guess_steps(request_ids, slots, hiddens, grammars)
+
+    def _guess_steps(self, request_ids, slots, hiddens, grammars) -> dict[str, list[int]]:
         chains: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        constrained = [i for i, rid in enumerate(request_ids) if rid in grammars]
         for step in range(self.num_speculative_tokens):
             # NOTE: the head's raw output: the fp32 cast and soft-capping (monotonic) cannot
             # change an argmax, and skipping them is a decode step's worth of ops.
             # NOTE: argmax_rows reads the bf16 scores in place (torch's fallback: fp32 argmax,
             # twice as fast as bf16's; the fp32 copy then costs more than the argmax).
             scores = self.target.head(torch.cat(hiddens))
+            if constrained:
+                matchers = [grammars[request_ids[i]] for i in constrained]
+                masks = compute_masks(matchers, scores.shape[1])
+                scores = apply_masks(scores, constrained, masks)
             found = argmax_rows(scores)
             guesses = (found[0] if found is not None else scores.float().argmax(-1)).tolist()
             for rid, g in zip(request_ids, guesses, strict=True):
                 chains[rid].append(g)
+                if rid in grammars and not grammars[rid].accept(g):
+                    # NOTE: nothing allowed (the matcher failed): later guesses are unmasked
+                    # and verification rejects them.
+                    constrained = [i for i in constrained if request_ids[i] != rid]
             if step == self.num_speculative_tokens - 1:
                 break
             step_entries = [

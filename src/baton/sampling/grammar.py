@@ -1,0 +1,193 @@
+"""Structured outputs: a request's grammar compiled once, matched token by token, as a mask.
+
+``GrammarCompiler`` (one per engine) holds the model's tokenizer as the grammar engine sees it
+and turns a request's ``StructuredOutputsParams`` into a checked grammar (cached by the
+constraint's canonical text); a constraint the engine cannot take is an ``InvalidRequest``
+naming the feature (``Unimplemented keys: ["if"]``), before the request keeps anything.
+``GrammarMatcher`` is the per-request state: where in the grammar the output is. It lives in
+the request's ``SamplingState`` and moves with it: ``SamplingState.append`` advances it by
+every token the engine keeps, so every path that keeps a token -- sampling, speculative
+verification, a PD decode admitting prefill's first token -- advances it the same way, and
+nothing else does. Speculative proposals advance it only tentatively (``tentative``: rolled
+back before the chain returns).
+
+The engine is llguidance (a Rust library with no Python dependencies; the choice, measured
+against xgrammar, is in docs/measurements/). Its masks are one bit per token id, 32 to an
+int32 word; ``apply_masks`` turns a batch of them into -inf logits::
+
+    word w, bit b  ->  token 32 * w + b allowed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import llguidance
+import torch
+
+from baton.request import InvalidRequest, StructuredOutputsParams
+
+BACKEND = f"llguidance {llguidance.__version__}"
+"""The grammar engine and its version: part of what a PD pair declares (the aux record's
+``derived``), since decode rebuilds the matcher that prefill's first token advanced."""
+MAX_CACHED_GRAMMARS = 256
+JSON_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": r"(?:[ ]|\n[ \t]{0,20})?"}
+"""Whitespace JSON output may have between tokens: a space, or a line break and up to 20
+indentation characters -- llama.cpp's bound. Unbounded whitespace (the JSON grammar's own)
+lets a model that prefers blanks fill ``max_tokens`` with them, and small models do."""
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarCompiler:
+    """The model's tokenizer for the grammar engine, and compiled grammars by constraint."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._tokenizer_args = (tokenizer_json, vocab_size, sorted(eos_token_ids))
+        digest = hashlib.sha256(tokenizer_json.encode()).hexdigest()[:16]
+        self.declaration = f"grammar: {BACKEND}, tokenizer sha256 {digest}"
+        """What rebuilding a matcher depends on besides the request: the engine, its version
+        and the tokenizer (declared in the aux record's schema, checked at the handshake)."""
+        self._grammars: OrderedDict[str, str] = OrderedDict()
+
+    @functools.cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """The vocabulary as the grammar engine reads it; built at the first structured
+        request (a 150k vocabulary takes a while, and most deployments never need it)."""
+        tokenizer_json, vocab_size, eos = self._tokenizer_args
+        return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos)
+
+    @classmethod
+    def for_model(
+        cls, model_dir: str | Path, vocab_size: int, eos_token_ids: Sequence[int]
+    ) -> GrammarCompiler | None:
+        """The compiler of a model directory; None without ``tokenizer.json``."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            return None
+        return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
+
+    def compile(self, spec: StructuredOutputsParams) -> str:
+        """The checked grammar of ``spec``; ``InvalidRequest`` naming what the engine cannot
+        take (an unsupported schema keyword, a bad regex, a Lark error)."""
+        key = spec.key()
+        grammar = self._grammars.get(key)
+        if grammar is not None:
+            self._grammars.move_to_end(key)
+            return grammar
+        field = f"structured_outputs.{spec.kind}"
+        try:
+            grammar = _grammar_text(spec)
+        except ValueError as exc:
+            raise InvalidRequest(f"{field}: {exc}", field) from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
+            grammar, self.tokenizer
+        )
+        if is_error:
+            first = messages[0].strip().splitlines()[0] if messages else "invalid"
+            raise InvalidRequest(f"{field} is not supported: {first}", field)
+        self._grammars[key] = grammar
+        if len(self._grammars) > MAX_CACHED_GRAMMARS:
+            self._grammars.popitem(last=False)
+        return grammar
+
+    def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
+        """A fresh matcher of ``spec`` at the grammar's start."""
+        return GrammarMatcher(self, self.compile(spec))
+
+
+def _grammar_text(spec: StructuredOutputsParams) -> str:
+    from_ = llguidance.LLMatcher
+    whitespace = {"whitespace_flexible": False} if spec.disable_any_whitespace else JSON_WHITESPACE
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else {"type": "object"}
+        if isinstance(schema, str):
+            schema = json.loads(schema)  # ValueError: not JSON
+        return from_.grammar_from_json_schema(schema, overrides=whitespace)
+    if spec.regex is not None:
+        return from_.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        return llguidance.grammar_from("choice", json.dumps(spec.choice))
+    assert spec.grammar is not None
+    return from_.grammar_from_lark(spec.grammar)
+
+
+class GrammarMatcher:
+    """Where one request's output is in its grammar (see the module docstring)."""
+
+    def __init__(self, compiler: GrammarCompiler, grammar: str) -> None:
+        self.vocab_size = compiler.vocab_size
+        self.eos_token_ids = compiler.eos_token_ids
+        self._matcher = llguidance.LLMatcher(compiler.tokenizer, grammar, log_level=0)
+        self.num_tokens = 0
+        """Tokens accepted so far (tentative ones included)."""
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a kept token; False, the matcher unchanged, if the grammar forbids it
+        (masked sampling never keeps one). EOS where the grammar is complete ends it and
+        leaves it where it is (``ignore_eos`` output goes on: EOS again)."""
+        # NOTE: try_consume, not consume: a forbidden token would leave llguidance's matcher
+        # in its error state for good, and a speculative guess may be one.
+        if self._matcher.try_consume_tokens([token_id]) == 1:
+            self.num_tokens += 1
+            return True
+        return token_id in self.eos_token_ids and self._matcher.is_accepting()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens:
+            assert self._matcher.rollback(num_tokens), self._matcher.get_error()
+            self.num_tokens -= num_tokens
+
+    @contextlib.contextmanager
+    def tentative(self) -> Iterator[GrammarMatcher]:
+        """Accept tokens inside the block, roll them all back after it (draft proposals)."""
+        start = self.num_tokens
+        try:
+            yield self
+        finally:
+            self.rollback(self.num_tokens - start)
+
+    @property
+    def is_terminated(self) -> bool:
+        """Only EOS can follow (the grammar is complete and cannot grow)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """The allowed next tokens into ``row`` ([ceil(V / 32)] int32, contiguous)."""
+        assert row.dtype == torch.int32 and row.is_contiguous()
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one token mask."""
+    return (vocab_size + 31) // 32
+
+
+def compute_masks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.Tensor:
+    """[len(matchers), words] int32: each matcher's allowed next tokens."""
+    masks = torch.empty((len(matchers), mask_words(vocab_size)), dtype=torch.int32)
+    for row, matcher in zip(masks, matchers, strict=True):
+        matcher.fill_mask(row)
+    return masks
+
+
+def apply_masks(x: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, V] with every token a row's mask forbids at -inf (``rows[i]`` takes
+    ``masks[i]``); a new tensor, ``x`` untouched."""
+    allowed = ((masks[:, :, None] >> _BITS) & 1).bool().reshape(len(rows), -1)  # [R, 32 * W]
+    forbidden = ~allowed[:, : x.shape[1]]
+    out = x.clone()
+    index = torch.tensor(list(rows), device=x.device)
+    out[index] = x[index].masked_fill(forbidden.to(x.device), -torch.inf)
+    return out
