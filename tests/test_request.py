@@ -32,8 +32,12 @@ def test_defaults_match_vllm():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("n", 2),
+        ("n", 17),
         ("n", 0),
+        ("n", 2.0),
+        ("best_of", 0),
+        ("best_of", 17),
+        ("best_of", 2.5),
         ("max_tokens", 0),
         ("max_tokens", -3),
         ("max_tokens", "16"),
@@ -75,6 +79,14 @@ def test_defaults_match_vllm():
 def test_bad_value_names_the_field(field: str, value: object):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_n_and_best_of_bounds():
+    """n in [1, MAX_N]; best_of in [n, MAX_N] (None: n)."""
+    assert SamplingParams(n=16, best_of=16).best_of == 16
+    assert SamplingParams(n=3).best_of is None
+    with pytest.raises(ValueError, match=r"best_of must be in \[n=3, 16\], got 2"):
+        SamplingParams(n=3, best_of=2)
 
 
 def test_min_tokens_above_max_tokens():

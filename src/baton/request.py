@@ -18,6 +18,8 @@ from typing import overload
 
 MAX_LOGPROBS = 20
 """Most top logprobs a request may ask for per generated token (OpenAI's limit)."""
+MAX_N = 16
+"""Most samples (``n``, ``best_of``) one request may ask for: each holds pages of its own."""
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy, as in vLLM: dividing logits by less overflows fp32."""
 
@@ -96,6 +98,18 @@ class StructuredOutputsParams:
                 f"got {type(self.json).__name__}",
                 "structured_outputs.json",
             )
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise InvalidRequest(
+                    f"structured_outputs.json is not valid JSON: {exc}", "structured_outputs.json"
+                ) from None
+            if not isinstance(schema, dict):
+                raise InvalidRequest(
+                    f"structured_outputs.json must be a JSON schema object, got {self.json!r}",
+                    "structured_outputs.json",
+                )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -129,7 +143,7 @@ class StructuredOutputsParams:
         key, and what a PD handoff's two sides agree on)."""
         value = getattr(self, self.kind)
         if isinstance(value, str) and self.kind == "json":
-            value = json.loads(value) if value.strip().startswith("{") else value
+            value = json.loads(value)
         body = {"kind": self.kind, "value": value, "compact": self.disable_any_whitespace}
         return json.dumps(body, sort_keys=True, separators=(",", ":"))
 
@@ -139,7 +153,11 @@ class SamplingParams:
     """How to pick each next token and when to stop; vLLM-compatible names and defaults."""
 
     n: int = 1
-    """Completions per prompt; only 1 is supported."""
+    """Completions returned per prompt, in [1, ``MAX_N``]: child requests of one sample each,
+    sharing the prompt's pages (``engine/parallel_sampling.py``)."""
+    best_of: int | None = None
+    """Completions generated, of which the ``n`` of highest cumulative logprob are returned;
+    in [n, ``MAX_N``]; None: n."""
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to the model's context length."""
     temperature: float = 1.0
@@ -178,8 +196,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
-        if self.n != 1:
-            raise InvalidRequest(f"n={self.n} is not supported; only n=1", "n")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequest(f"n must be in [1, {MAX_N}], got {self.n}", "n")
+        _check_int("best_of", self.best_of, optional=True)
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise InvalidRequest(
+                f"best_of must be in [n={self.n}, {MAX_N}], got {self.best_of}", "best_of"
+            )
         _check_int("max_tokens", self.max_tokens, optional=True)
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise InvalidRequest(

@@ -159,19 +159,22 @@ class Tokenizer:
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         **extra: Any,
     ) -> str:
         """Render ``messages`` to the prompt string, as transformers does with tokenize=False.
 
-        ``extra`` becomes template variables (e.g. ``tools=[...]``, ``enable_thinking=False``)
-        and overrides the special-token variables of the same name.
+        ``tools``: the template's ``tools`` variable, a list of tool dicts passed unchanged
+        (OpenAI's ``{"type": "function", "function": {...}}``), None without tools (transformers
+        passes None too; templates test ``tools is not none``). ``extra`` becomes template
+        variables (e.g. ``enable_thinking=False``) and overrides the special-token variables of
+        the same name.
         """
         template = self._template()
         variables: dict[str, Any] = {
             **self._special_token_variables(),
-            # transformers always passes these two; templates test ``tools is not none``.
-            "tools": None,
-            "documents": None,
+            "tools": [dict(tool) for tool in tools] if tools is not None else None,
+            "documents": None,  # transformers always passes it too
             **extra,
             "messages": _normalize_messages(messages),
             "add_generation_prompt": add_generation_prompt,

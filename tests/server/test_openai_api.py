@@ -223,8 +223,20 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "best_of": 3, "stream": True},
+        400,
+        "best_of",
+    ),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1},
+        400,
+        "echo",
+    ),
     ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     (

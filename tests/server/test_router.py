@@ -255,7 +255,7 @@ def test_metrics_of_every_worker_parse(deployment, client):
             "temperature",
         ),
         (json.dumps({"model": "tiny", "prompt": PROMPT, "top_p": 2}).encode(), 400, "top_p"),
-        (json.dumps({"model": "tiny", "prompt": PROMPT, "n": 3}).encode(), 400, "n"),
+        (json.dumps({"model": "tiny", "prompt": PROMPT, "n": 17}).encode(), 400, "n"),
         (
             json.dumps({"model": "tiny", "prompt": "x " * 400, "max_tokens": 4}).encode(),
             400,
@@ -646,3 +646,24 @@ def test_a_decode_takes_routing_headers_only_signed_by_the_deployments_token(dep
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-baton-handoff"] == "local_prefill; reason=no_healthy_prefill"
     assert httpx.post(url, json=body, timeout=30).status_code == 200  # no route: its own
+
+
+def test_n_choices_through_a_pd_deployment(deployment, client, offline):
+    """n=3 on a PD decode behind the router: the choices equal the offline engine's for the
+    seed, streamed (by index) or not; the decode is left with no request."""
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    want = [c.text for c in offline.generate(PROMPT, params)[0].outputs]
+    assert len(set(want)) == 3
+    body = {"model": "tiny", "prompt": PROMPT, "n": 3, "temperature": 1.0, "seed": 3}
+    kwargs = {**body, "max_tokens": 8, "extra_body": {"ignore_eos": True}}
+    resp = client.completions.create(**kwargs)
+    assert [c.text for c in resp.choices] == want and resp.usage.completion_tokens == 24
+    texts = ["", "", ""]
+    for chunk in client.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == want
+    deadline = time.monotonic() + 10
+    while _metrics(deployment.decode)["baton_num_requests_running{}"]:
+        assert time.monotonic() < deadline, "a choice kept running on decode"
+        time.sleep(0.1)

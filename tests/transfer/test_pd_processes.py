@@ -29,6 +29,7 @@ from baton.config import Deadlines, EngineConfig, LocalPrefill
 from baton.engine.core import PDRoute
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffKind, HandoffReason
+from baton.engine.parallel_sampling import ParallelSampling
 from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
@@ -643,4 +644,40 @@ def test_a_queued_request_whose_prefill_failed_to_pair_meanwhile_fails_cleanly(
         assert done[first].error is None
         assert "failed to pair" in done[queued].error
         _drain_releases(client, 10.0)
+        assert _free_units(client.engine) == start_free
+
+
+def _samples(requests: ParallelSampling, prompt: list[int], params: SamplingParams):
+    """One request of several samples to its end; its final output."""
+    request_id = requests.add_request({"prompt_token_ids": prompt}, params)
+    deadline = time.monotonic() + 60
+    while True:
+        assert time.monotonic() < deadline, "the samples did not finish"
+        for out in requests.step():
+            if out.request_id == request_id and out.finished:
+                return out
+
+
+def test_n_samples_through_pd_share_the_prompt(pd_dir, prefill_server):
+    """n=3 on a PD decode: every choice equals colocated n=3's (same seed), decode computes
+    no prompt token, and the later choices push only what decode's own cache does not hold
+    -- the prompt's pages move about once, not three times; nothing is left behind."""
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, VOCAB, (83,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=12, seed=11, ignore_eos=True)
+    want = _samples(ParallelSampling(LLMEngine(pd_dir, _config())), prompts[1], params)
+    with _client(pd_dir, prefill_server.endpoint) as client:
+        start_free = _free_units(client.engine)
+        requests = ParallelSampling(client)
+        moved = []
+        for prompt, n in zip(prompts, (1, 3), strict=True):
+            before = client.inbox.transfer_bytes.get("target.full", 0)
+            out = _samples(requests, prompt, SamplingParams(**{**params.__dict__, "n": n}))
+            assert out.error is None, out.error
+            moved.append(client.inbox.transfer_bytes["target.full"] - before)
+        assert [c.token_ids for c in out.outputs] == [c.token_ids for c in want.outputs]
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+        assert client.engine.runner.num_computed_prompt_tokens == 0
+        assert moved[0] < moved[1] < 1.5 * moved[0]  # three choices, not 3x the bytes
+        assert not client.routes and not client.engine.tracks and not requests._parents
         assert _free_units(client.engine) == start_free

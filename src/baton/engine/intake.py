@@ -70,6 +70,12 @@ class RequestIntake:
         """Check a request against the model and memory; returns its max_tokens."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params)}")
+        if params.n != 1 or (params.best_of or 1) != 1:
+            raise InvalidRequest(
+                f"an engine request is one sample (n={params.n}, best_of={params.best_of}); "
+                "LLM.generate and the server fan several out (engine/parallel_sampling.py)",
+                "n",
+            )
         if not token_ids:
             empty = "the prompt is empty: a request needs at least one token"
             raise InvalidRequest(empty, "prompt")

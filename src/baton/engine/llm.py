@@ -2,7 +2,9 @@
 
 ``generate`` validates every prompt before adding any, so one bad prompt raises
 ``ValueError`` and leaves the engine as it was; ``generate_stream`` yields one
-``RequestOutput`` per new token whose ``delta`` holds the increment.
+``RequestOutput`` per new token whose ``delta`` holds the increment. ``SamplingParams.n > 1``
+(and ``best_of``) go through ``ParallelSampling``: one ``RequestOutput`` per prompt, one
+``CompletionOutput`` per choice.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
+from baton.engine.parallel_sampling import ParallelSampling, num_samples, one_sample
 from baton.request import SamplingParams
 
 Prompt = str | list[int] | dict
@@ -30,6 +33,8 @@ class LLM:
         ``page_size``, ``num_pages``, ``sliding_mode``, ``max_num_seqs``, ... ; those not
         given take ``OFFLINE_DEFAULTS``, then the engine's defaults."""
         self.engine = LLMEngine(model, EngineConfig.from_kwargs(**{**OFFLINE_DEFAULTS, **kwargs}))
+        self.requests = ParallelSampling(self.engine)
+        """The engine, taking requests of several samples (``n``, ``best_of``)."""
 
     @property
     def tokenizer(self):
@@ -56,7 +61,7 @@ class LLM:
                 raise ValueError(f"{len(per)} sampling params for {len(batch)} prompts")
         for prompt, p in zip(batch, per, strict=True):
             _, ids = self.engine.intake.encode_prompt(prompt)
-            self.engine.intake.validate(ids, p)
+            self.engine.intake.validate(ids, one_sample(p))
         return list(zip(batch, per, strict=True))
 
     def generate(
@@ -68,17 +73,18 @@ class LLM:
         requests = self._requests(prompts, sampling_params)
         # Only finished outputs are read here: the engine builds no other (nor decodes text
         # token by token).
-        ids = [self.engine.add_request(p, s, final_only=True) for p, s in requests]
+        ids = [self.requests.add_request(p, s, final_only=True) for p, s in requests]
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         try:
             while len(done) < len(ids):
-                for out in self.engine.step():
+                for out in self.requests.step():
                     if out.finished and out.request_id in wanted:
                         done[out.request_id] = out
         except BaseException:
             for request_id in ids:
-                self.engine.abort_request(request_id)
+                if request_id not in done:
+                    self.requests.abort_request(request_id)
             raise
         return [done[i] for i in ids]
 
@@ -86,14 +92,19 @@ class LLM:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
         ((prompt, params),) = self._requests(prompt, sampling_params)
-        request_id = self.engine.add_request(prompt, params)
+        if num_samples(params) > params.n:
+            raise ValueError(
+                f"best_of={params.best_of} > n={params.n} cannot stream: the samples not "
+                "chosen would be streamed too"
+            )
+        request_id = self.requests.add_request(prompt, params)
         finished = False
         try:
             while not finished:
-                for out in self.engine.step():
+                for out in self.requests.step():
                     if out.request_id == request_id:
                         finished = out.finished
                         yield out
         finally:
             if not finished:
-                self.engine.abort_request(request_id)
+                self.requests.abort_request(request_id)

@@ -51,10 +51,12 @@ from baton.server.request_body import (
 from baton.server.response_body import (
     chat_chunks,
     chat_logprobs,
+    chat_message,
     completion_chunks,
     completion_logprobs,
     engine_failed,
     last_unless_disconnected,
+    prompt_text,
     sse_events,
     usage_of,
 )
@@ -171,18 +173,21 @@ async def _completions(request: Request) -> Response:
     n_top = req.logprobs or 0
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
     if req.stream:
-        chunk = completion_chunks(server.tokenizer, head, n_top)
+        chunk = completion_chunks(server.tokenizer, head, n_top, req.echo)
         events = sse_events(outputs, chunk, head if req.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     final = await last_unless_disconnected(request, outputs)
-    completion = final.outputs[0]
-    choice = {
-        "index": 0,
-        "text": completion.text,
-        "logprobs": completion_logprobs(server.tokenizer, completion, n_top, 0),
-        "finish_reason": completion.finish_reason,
-    }
-    return JSONResponse({**head, "choices": [choice], "usage": usage_of(final)}, headers=headers)
+    echo = prompt_text(server.tokenizer, final) if req.echo else ""
+    choices = [
+        {
+            "index": completion.index,
+            "text": echo + completion.text,
+            "logprobs": completion_logprobs(server.tokenizer, completion, n_top, 0),
+            "finish_reason": completion.finish_reason,
+        }
+        for completion in final.outputs
+    ]
+    return JSONResponse({**head, "choices": choices, "usage": usage_of(final)}, headers=headers)
 
 
 async def _chat_completions(request: Request) -> Response:
@@ -190,7 +195,9 @@ async def _chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
-    prompt = _chat_prompt(server.tokenizer, req)
+    tools = req.tool_use()
+    parses_tools = tools is not None and tools.parses_output
+    prompt = _chat_prompt(server.tokenizer, req, tools.template_tools() if tools else None)
     outputs, headers = await _run(server, prompt, params, await _route_of(request, req))
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.top_logprobs or 0
@@ -201,19 +208,22 @@ async def _chat_completions(request: Request) -> Response:
             "created": created,
             "model": server.model_name,
         }
-        chunk = chat_chunks(server.tokenizer, head, n_top)
+        chunk = chat_chunks(server.tokenizer, head, n_top, parses_tools)
         events = sse_events(outputs, chunk, head if req.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     final = await last_unless_disconnected(request, outputs)
-    completion = final.outputs[0]
-    choice = {
-        "index": 0,
-        "message": {"role": "assistant", "content": completion.text},
-        "logprobs": chat_logprobs(server.tokenizer, completion, n_top),
-        "finish_reason": completion.finish_reason,
-    }
+    choices = []
+    for completion in final.outputs:  # one per choice (``n``)
+        message, finish_reason = chat_message(completion, parses_tools)
+        choice = {
+            "index": completion.index,
+            "message": message,
+            "logprobs": chat_logprobs(server.tokenizer, completion, n_top),
+            "finish_reason": finish_reason,
+        }
+        choices.append(choice)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
-    return JSONResponse({**head, "choices": [choice], "usage": usage_of(final)}, headers=headers)
+    return JSONResponse({**head, "choices": choices, "usage": usage_of(final)}, headers=headers)
 
 
 async def _models(request: Request) -> dict:
@@ -253,11 +263,14 @@ def _check_model(server: _Server, name: str) -> None:
         )
 
 
-def _chat_prompt(tokenizer: Any, req: ChatCompletionRequest) -> Any:
+def _chat_prompt(
+    tokenizer: Any, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None
+) -> Any:
     if tokenizer is None:
         raise ApiError("this model has no tokenizer; chat needs one", param="messages")
+    messages = req.template_messages()
     try:
-        return tokenizer.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     except ValueError as exc:
         raise ApiError(str(exc), param="messages") from exc
 
@@ -307,14 +320,15 @@ async def _observed(
     try:
         async for out in _replayed(first, stream):
             num_new = len(out.delta.token_ids) if out.delta else 0
-            if num_new:
+            # NOTE: latencies follow the first choice alone: n choices advance in one step.
+            if num_new and out.delta.index == 0:
                 now = time.monotonic()
                 if last is None:
                     metrics.ttft.observe(now - arrival)
                 else:
                     metrics.itl.observe((now - last) / num_new)
                 last = now
-                metrics.generation_tokens.inc(num_new)
+            metrics.generation_tokens.inc(num_new)
             if out.finished:
                 metrics.prompt_tokens.inc(len(out.prompt_token_ids))
                 if (accepted := out.metrics.acceptance_length) is not None:

@@ -9,6 +9,9 @@ while there is no work (no spinning), otherwise steps the engine and hands each
 ``RequestOutput`` back to the request's asyncio queue: one ``loop.call_soon_threadsafe`` per
 event loop per step (``_dispatch``).
 Aborts (a client that left) are commands too, so they apply between steps, never inside one.
+A request of several samples (``n``, ``best_of``) is fanned out into child requests and its
+outputs folded back by ``ParallelSampling`` (``engine/parallel_sampling.py``), which the
+thread calls in the engine's place; aborting the request aborts every child.
 
 If the engine loop raises, every request in flight ends with an ``EngineFailed`` naming the
 exception, every ``add`` still queued or made later raises ``RuntimeError``, and
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from baton.engine.core import EngineCore, PDRoute
 from baton.engine.keep_warm import KeepWarm
 from baton.engine.outputs import RequestOutput
+from baton.engine.parallel_sampling import ParallelSampling
 from baton.engine.stats import EngineStats
 from baton.request import InvalidRequest, SamplingParams
 
@@ -85,6 +89,9 @@ class AsyncEngine:
         after its last step the idle loop keeps torch's threads warm (``KeepWarm``).
         ``after_step``: called on the engine thread after every step (KV events)."""
         self.engine = engine
+        self.requests = ParallelSampling(engine)
+        """The engine, taking requests of several samples: what the thread adds, steps and
+        aborts through."""
         self.warm = KeepWarm(keep_warm_s)
         self.on_failure = on_failure
         self.fail_after_steps = fail_after_steps
@@ -213,7 +220,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     if num_steps == self.fail_after_steps:
                         raise InjectedFault(f"injected after {num_steps} engine steps")
-                    self._dispatch(self.engine.step())
+                    self._dispatch(self.requests.step())
                     self.warm.busy()
                     if self.after_step is not None:
                         self.after_step()
@@ -246,10 +253,10 @@ class AsyncEngine:
                 return False
             if isinstance(command, _Abort):
                 self._streams.pop(command.request_id, None)
-                self.engine.abort_request(command.request_id)
+                self.requests.abort_request(command.request_id)
                 continue
             try:
-                request_id = self.engine.add_request(
+                request_id = self.requests.add_request(
                     command.prompt, command.params, route=command.route
                 )
             except Exception as exc:
@@ -278,14 +285,14 @@ class AsyncEngine:
             except RuntimeError:  # its event loop is closed: nobody is listening any more
                 for _, out in deliveries:
                     self._streams.pop(out.request_id, None)
-                    self.engine.abort_request(out.request_id)
+                    self.requests.abort_request(out.request_id)
 
     def _fail_all(self, error: BaseException) -> None:
         """End every request: those running (their units freed, when the engine still can)
         and those whose ``add`` is still queued."""
         for request_id, (loop, outputs_queue) in list(self._streams.items()):
             try:
-                self.engine.abort_request(request_id)
+                self.requests.abort_request(request_id)
             except Exception:  # a failed engine may not free cleanly; the answer matters more
                 logger.exception("aborting %s after the failure", request_id)
             if not loop.is_closed():

@@ -2,9 +2,10 @@
 conversion to ``SamplingParams``.
 
 Unknown fields that do not change the output (``user``, ``metadata``, ...) are ignored;
-known fields this server cannot honour (``n > 1``, ``echo``, ``logit_bias``, ...)
-raise ``ApiError`` (a 400), never silently produce a different answer. Also the headers a
-router adds to the requests it forwards to a decode server (``PREFILL_HEADER``,
+known fields this server cannot honour (``logit_bias``, ``suffix``, ...)
+raise ``ApiError`` (a 400), never silently produce a different answer. Tools (``tools``,
+``tool_choice``, the messages of a tool round trip) are checked by ``tools.py``. Also the
+headers a router adds to the requests it forwards to a decode server (``PREFILL_HEADER``,
 ``ROOM_HEADER``).
 """
 
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
+from baton.server.tools import ToolUse, message_tool_fields, tool_use, tools_grammar
 
 Int = Annotated[int, Strict()]
 Float = Annotated[float, Strict()]
@@ -187,8 +189,6 @@ class _SamplingRequest(BaseModel):
     bootstrap_room: Int | None = None
 
     def _check_unsupported(self) -> None:
-        if self.n != 1:
-            raise ApiError(f"n={self.n} is not supported; only n=1", param="n")
         if self.logit_bias:
             raise ApiError("logit_bias is not supported", param="logit_bias")
 
@@ -226,7 +226,9 @@ class _SamplingRequest(BaseModel):
             param = field if exc.param in (None, "structured_outputs") else exc.param
             raise ApiError(str(exc).replace("structured_outputs", field), param=param) from exc
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, best_of: int | None = None
+    ) -> SamplingParams:
         self._check_unsupported()
         if max_tokens is not None and max_tokens <= 0:
             raise ApiError(f"max_tokens must be positive, got {max_tokens}", param="max_tokens")
@@ -243,6 +245,8 @@ class _SamplingRequest(BaseModel):
         kwargs = {k: v for k, v in given.items() if v is not None}
         try:
             return SamplingParams(
+                n=self.n,
+                best_of=best_of,
                 max_tokens=max_tokens,
                 stop=self.stop,
                 logprobs=logprobs,
@@ -312,21 +316,38 @@ class CompletionRequest(_SamplingRequest):
         return prompt
 
     def sampling_params(self) -> SamplingParams:
-        if self.echo:
-            raise ApiError("echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise ApiError("best_of > 1 is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise ApiError(
+                "echo with logprobs is not supported: the prompt's logprobs are not computed",
+                param="echo",
+            )
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise ApiError(
+                f"best_of={self.best_of} > n={self.n} cannot stream (as OpenAI): the "
+                "completions not chosen would be streamed too",
+                param="best_of",
+            )
         if self.suffix:
             raise ApiError("suffix is not supported", param="suffix")
-        return self._sampling_params(self.max_tokens, self.logprobs)
+        return self._sampling_params(self.max_tokens, self.logprobs, self.best_of)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Str
     content: Str | list[dict[str, Any]] | None = None
+    tool_calls: list[Any] | None = None
+    """An assistant's calls, OpenAI's shape (``function.arguments`` a JSON text)."""
+    tool_call_id: Str | None = None
+    """A ``tool`` message's answer to which call."""
 
-    def as_template_dict(self) -> dict[str, Any]:
+    def as_template_dict(self, index: int) -> dict[str, Any]:
+        """The message as transformers passes it to a chat template (the tool calls'
+        arguments as objects: ``tools.message_tool_fields``); a 400 naming the field."""
+        try:
+            tools = message_tool_fields(index, self.role, self.tool_calls, self.tool_call_id)
+        except InvalidRequest as exc:
+            raise ApiError(str(exc), param=exc.param) from exc
         content = self.content
         if isinstance(content, list):
             parts = []
@@ -335,7 +356,8 @@ class ChatMessage(BaseModel):
                     raise ApiError("only text content parts are supported", param="messages")
                 parts.append(part["text"])
             content = "".join(parts)
-        return {**(self.model_extra or {}), "role": self.role, "content": content or ""}
+        extra = self.model_extra or {}
+        return {**extra, "role": self.role, "content": content or "", **tools}
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -344,10 +366,33 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Bool = False
     top_logprobs: Int | None = None
     tools: list[Any] | None = None
+    tool_choice: Str | dict[str, Any] | None = None
+    """``none``, ``auto`` (the default with tools), ``required`` or a named function."""
+    parallel_tool_calls: Bool = True
+
+    def tool_use(self) -> ToolUse | None:
+        """What the request asks of tools (None: it gives none); a 400 naming the field."""
+        try:
+            return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidRequest as exc:
+            raise ApiError(str(exc), param=exc.param) from exc
+
+    def _structured_outputs(self) -> StructuredOutputsParams | None:
+        """The body's own constraint, or the grammar of ``required`` / a named function;
+        a 400 where tools may be called and another constraint is asked for too."""
+        constraint = super()._structured_outputs()
+        given = None
+        if constraint is not None:  # the field super() took it from
+            fields = [f for f in _CONSTRAINT_FIELDS if getattr(self, f) is not None]
+            is_text = fields[0] == "response_format" and self.response_format["type"] == "text"
+            given = fields[1] if is_text else fields[0]
+        try:
+            grammar = tools_grammar(self.tool_use(), given)
+        except InvalidRequest as exc:
+            raise ApiError(str(exc), param=exc.param) from exc
+        return constraint if grammar is None else StructuredOutputsParams(grammar=grammar)
 
     def sampling_params(self) -> SamplingParams:
-        if self.tools:
-            raise ApiError("tools are not supported", param="tools")
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
@@ -359,4 +404,16 @@ class ChatCompletionRequest(_SamplingRequest):
     def template_messages(self) -> list[dict[str, Any]]:
         if not self.messages:
             raise ApiError("messages must not be empty", param="messages")
-        return [m.as_template_dict() for m in self.messages]
+        return [m.as_template_dict(i) for i, m in enumerate(self.messages)]
+
+
+_CONSTRAINT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+"""The fields that constrain a chat's output besides its tools, in ``_structured_outputs``'s
+order of precedence."""

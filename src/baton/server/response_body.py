@@ -5,7 +5,9 @@ A streamed request's outputs become SSE events (``sse_events``: one chunk per ou
 an engine that dies mid-stream is an error event, never a broken connection); a
 non-streamed one is read to its last output (``last_unless_disconnected``, which aborts it
 when the client leaves). ``usage_of``, ``completion_logprobs`` and ``chat_logprobs`` are
-OpenAI's shapes of either. Only reads outputs: it never submits to the engine nor records
+OpenAI's shapes of either. A chat that may call tools has its text read for calls
+(``tool_parser.py``): ``chat_message`` for a whole one, ``chat_chunks(parses_tools=True)``
+for a stream. Only reads outputs: it never submits to the engine nor records
 metrics (``api.py``: ``_run``, ``_observed``) and never parses request bodies
 (``request_body.py``).
 
@@ -25,10 +27,13 @@ from fastapi import Request
 from baton.engine.outputs import CompletionOutput, RequestOutput
 from baton.server.async_engine import EngineFailed
 from baton.server.protocol import ApiError
+from baton.server.tool_parser import ToolCallStream, parse_tool_calls
 
 
 def usage_of(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -42,52 +47,106 @@ def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
     return others[:n] if n else []
 
 
+def prompt_text(tokenizer: Any, out: RequestOutput) -> str:
+    """The prompt as text (``echo``): as given, else its ids decoded."""
+    if out.prompt is not None:
+        return out.prompt
+    return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+
+def _is_empty(out: RequestOutput) -> bool:
+    delta = out.delta
+    return not (delta.text or delta.token_ids or delta.finish_reason or out.finished)
+
+
 def completion_chunks(
-    tokenizer: Any, head: dict, n_top: int
+    tokenizer: Any, head: dict, n_top: int, echo: bool = False
 ) -> Callable[[RequestOutput], dict | None]:
-    """The SSE chunk of each streamed completion output (None: nothing to send)."""
-    offset = 0
+    """The SSE chunk of each streamed completion output (None: nothing to send), for the
+    choice its delta extends (``index``); with ``echo`` a choice's first chunk starts with
+    the prompt."""
+    offsets: dict[int, int] = {}
 
     def chunk(out: RequestOutput) -> dict | None:
-        nonlocal offset
         delta = out.delta
-        if not delta.text and not delta.token_ids and not out.finished:
+        if _is_empty(out):
             return None
+        index = delta.index
+        text = delta.text
+        if echo and index not in offsets:
+            text = prompt_text(tokenizer, out) + text
+        offset = offsets.get(index, 0)
         choice = {
-            "index": 0,
-            "text": delta.text,
+            "index": index,
+            "text": text,
             "logprobs": completion_logprobs(tokenizer, delta, n_top, offset),
             "finish_reason": delta.finish_reason,
         }
-        offset += len(delta.text)
+        offsets[index] = offset + len(text)
         return {**head, "choices": [choice]}
 
     return chunk
 
 
-def chat_chunks(tokenizer: Any, head: dict, n_top: int) -> Callable[[RequestOutput], dict | None]:
-    """The SSE chunk of each streamed chat output (None: nothing to send); the first one
-    carries the assistant's role."""
-    is_first = True
+def chat_chunks(
+    tokenizer: Any, head: dict, n_top: int, parses_tools: bool = False
+) -> Callable[[RequestOutput], dict | None]:
+    """The SSE chunk of each streamed chat output (None: nothing to send), for the choice
+    its delta extends (``index``); each choice's first one carries the assistant's role.
+    ``parses_tools``: each choice's text is read for tool calls (a ``ToolCallStream`` each),
+    sent as ``delta.tool_calls``, the text around them as ``delta.content``."""
+    started: set[int] = set()
+    tool_streams: dict[int, ToolCallStream] = {}
 
     def chunk(out: RequestOutput) -> dict | None:
-        nonlocal is_first
         delta = out.delta
-        if not is_first and not delta.text and not delta.token_ids and not out.finished:
+        is_first = delta.index not in started
+        if not is_first and _is_empty(out):
             return None
-        message = (
-            {"role": "assistant", "content": delta.text} if is_first else {"content": delta.text}
-        )
-        is_first = False
+        message, reason = {"content": delta.text}, delta.finish_reason
+        if parses_tools:
+            stream = tool_streams.setdefault(delta.index, ToolCallStream())
+            message, reason = _tool_delta(stream, delta)
+        if is_first:
+            message = {"role": "assistant", **message}
+        started.add(delta.index)
         choice = {
-            "index": 0,
+            "index": delta.index,
             "delta": message,
             "logprobs": chat_logprobs(tokenizer, delta, n_top),
-            "finish_reason": delta.finish_reason,
+            "finish_reason": reason,
         }
         return {**head, "choices": [choice]}
 
     return chunk
+
+
+def _tool_delta(stream: ToolCallStream, delta: CompletionOutput) -> tuple[dict, str | None]:
+    found = stream.feed(delta.text, is_last=delta.finish_reason is not None)
+    message: dict[str, Any] = {}
+    if found.content or not found.tool_calls:
+        message["content"] = found.content
+    if found.tool_calls:
+        message["tool_calls"] = found.tool_calls
+    return message, _finish_reason(delta.finish_reason, stream.num_calls)
+
+
+def chat_message(completion: CompletionOutput, parses_tools: bool) -> tuple[dict, str | None]:
+    """A whole chat's assistant message and finish reason; with ``parses_tools``, the tool
+    calls read out of its text (``tool_parser.parse_tool_calls``)."""
+    if not parses_tools:
+        return {"role": "assistant", "content": completion.text}, completion.finish_reason
+    parsed = parse_tool_calls(completion.text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+    return message, _finish_reason(completion.finish_reason, len(parsed.tool_calls))
+
+
+def _finish_reason(reason: str | None, num_calls: int) -> str | None:
+    # NOTE: only a completion that stopped by itself reports "tool_calls"; a "length" stays,
+    # so that the client knows the output was cut (a last call may be missing).
+    return "tool_calls" if num_calls and reason == "stop" else reason
 
 
 async def sse_events(
