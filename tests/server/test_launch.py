@@ -8,6 +8,7 @@ when it is full is the engine's (``tests/engine/test_handoff.py``).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -206,6 +207,34 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
             json={"model": model, "prompt": long_prompt, "max_tokens": 4, "temperature": 0},
         )
         assert raw.headers["x-baton-handoff"].startswith("transferred; bytes="), raw.headers
+
+        # A structured request handed off: prefill's first token under the grammar, decode's
+        # matcher rebuilt from it -- the text the offline engine writes under it (issue 43).
+        schema = {
+            "type": "object",
+            "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["x"],
+            "additionalProperties": False,
+        }
+        form = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        raw = httpx.post(
+            f"{base_url}/completions",
+            timeout=30,
+            json={
+                "model": model,
+                "prompt": long_prompt,
+                "max_tokens": 32,
+                "temperature": 0,
+                "response_format": form,
+            },
+        )
+        assert raw.headers["x-baton-handoff"].startswith("transferred; bytes="), raw.headers
+        constrained = SamplingParams(
+            max_tokens=32, temperature=0, structured_outputs={"json": schema}
+        )
+        want = offline.generate(long_prompt, constrained)[0].outputs[0].text
+        assert raw.json()["choices"][0]["text"] == want
+        assert json.loads(want)["x"] in range(100)
 
         # Idle, the console stays quiet (no health-check or access lines: issue 39).
         said = out_path.read_text() + err_path.read_text()

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import torch
 
 from baton.request import InvalidRequest, StructuredOutputsParams
@@ -41,7 +42,6 @@ JSON_WHITESPACE = {"whitespace_flexible": True, "whitespace_pattern": r"(?:[ ]|\
 """Whitespace JSON output may have between tokens: a space, or a line break and up to 20
 indentation characters -- llama.cpp's bound. Unbounded whitespace (the JSON grammar's own)
 lets a model that prefers blanks fill ``max_tokens`` with them, and small models do."""
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarCompiler:
@@ -196,9 +196,12 @@ def compute_masks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.
 def apply_masks(x: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> torch.Tensor:
     """``x`` [B, V] with every token a row's mask forbids at -inf (``rows[i]`` takes
     ``masks[i]``); a new tensor, ``x`` untouched."""
-    allowed = ((masks[:, :, None] >> _BITS) & 1).bool().reshape(len(rows), -1)  # [R, 32 * W]
-    forbidden = ~allowed[:, : x.shape[1]]
+    # NOTE: numpy's unpackbits reads the words' bytes little-endian, bit 0 first: token order.
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+    forbidden = torch.from_numpy(bits[:, : x.shape[1]] == 0).to(x.device)  # [R, V]
     out = x.clone()
+    if len(rows) == x.shape[0] and list(rows) == list(range(len(rows))):
+        return out.masked_fill_(forbidden, -torch.inf)
     index = torch.tensor(list(rows), device=x.device)
-    out[index] = x[index].masked_fill(forbidden.to(x.device), -torch.inf)
+    out[index] = x[index].masked_fill(forbidden, -torch.inf)
     return out
