@@ -11,7 +11,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.engine.core import PDRoute
 from baton.integrations.dynamo import request as dr
-from baton.request import InvalidRequest
+from baton.request import InvalidRequest, StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -70,7 +70,14 @@ def test_defaults_run_to_the_context_end_and_ignore_eos_drops_the_hidden_stop_id
         (_request(sampling_options={"n": 2}), "n"),
         (_request(sampling_options={"best_of": 3}), "best_of"),
         (_request(sampling_options={"use_beam_search": True}), "use_beam_search"),
-        (_request(sampling_options={"guided_decoding": {"json": {}}}), "guided_decoding"),
+        (
+            _request(sampling_options={"guided_decoding": {"structural_tag": {}}}),
+            "guided_decoding.structural_tag",
+        ),
+        (
+            _request(sampling_options={"guided_decoding": {"regex": "a", "choice": ["b"]}}),
+            "structured_outputs",
+        ),
         (_request(output_options={"prompt_logprobs": 1}), "prompt_logprobs"),
         (_request(sampling_options={"temperature": -1}), "temperature"),
         (_request(sampling_options={"top_p": 2}), "top_p"),
@@ -87,6 +94,20 @@ def test_what_baton_refuses_names_the_field(request_, param):
         dr.prompt_ids(request_)
         dr.sampling_params(request_, 100)
     assert caught.value.param == param
+
+
+def test_guided_decoding_is_a_structured_output():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for guided, spec in [
+        ({"json": schema, "backend": "xgrammar"}, StructuredOutputsParams(json=schema)),
+        ({"regex": "[a-z]+"}, StructuredOutputsParams(regex="[a-z]+")),
+        ({"choice": ["x", "y"]}, StructuredOutputsParams(choice=["x", "y"])),
+        ({"grammar": 'start: "a"'}, StructuredOutputsParams(grammar='start: "a"')),
+    ]:
+        request = _request(sampling_options={"guided_decoding": guided})
+        assert dr.sampling_params(request, 100).structured_outputs == spec
+    empty = _request(sampling_options={"guided_decoding": {"json": None, "backend": "x"}})
+    assert dr.sampling_params(empty, 100).structured_outputs is None
 
 
 def test_a_bootstrap_payload_is_the_route_a_routers_headers_name():

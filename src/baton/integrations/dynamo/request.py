@@ -10,10 +10,12 @@ strings; a backend's ``generate(request, context)`` gets a ``PreprocessedRequest
 
 Every option baton takes maps: temperature, top-p/k, min-p, seed, the three penalties, min
 and max tokens, ``ignore_eos``, the model's hidden stop ids (its EOS: Dynamo sends them in
-``stop_token_ids_hidden``) and ``logprobs``. Stop *strings* stay with Dynamo's detokenizer,
-as for its other engines (it ends the stream, which aborts the request here). What baton
-does not do yet is refused by name (``InvalidRequest`` with the field): ``n``/``best_of``
-above 1, beam search, ``guided_decoding`` (structured outputs) and ``prompt_logprobs``.
+``stop_token_ids_hidden``), ``logprobs`` and ``guided_decoding`` (structured outputs: json,
+regex, choice, Lark grammar). Stop *strings* stay with Dynamo's detokenizer, as for its other
+engines (it ends the stream, which aborts the request here). What baton does not do yet is
+refused by name (``InvalidRequest`` with the field): ``n``/``best_of`` above 1 (Dynamo's own
+frontend fans n out, not its backends), beam search, ``guided_decoding.structural_tag`` and
+``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from baton.engine.core import PDRoute
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.request import InvalidRequest, SamplingParams
+from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
 
 ROOM_LIMIT = 2**63
 """A room is in [1, 2**63): baton's rooms, and the signed 64-bit range Dynamo draws from."""
@@ -75,11 +77,7 @@ def sampling_params(request: Mapping[str, Any], max_model_len: int) -> SamplingP
             raise InvalidRequest(f"{name}={options[name]!r}: baton serves one choice", name)
     if options.get("use_beam_search"):
         raise InvalidRequest("beam search is not supported by baton", "use_beam_search")
-    if options.get("guided_decoding") is not None:
-        raise InvalidRequest(
-            "guided decoding (structured outputs) is not supported by baton yet",
-            "guided_decoding",
-        )
+    structured = _guided_decoding(options.get("guided_decoding"))
     if output.get("prompt_logprobs") is not None:
         raise InvalidRequest("prompt_logprobs are not supported by baton", "prompt_logprobs")
     kwargs = {name: options[name] for name in SAMPLING_OPTIONS if options.get(name) is not None}
@@ -95,8 +93,35 @@ def sampling_params(request: Mapping[str, Any], max_model_len: int) -> SamplingP
         max_tokens=max_tokens,
         stop_token_ids=hidden or None,
         logprobs=output.get("logprobs"),
+        structured_outputs=structured,
         **kwargs,
     )
+
+
+GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""``guided_decoding`` fields that are ``StructuredOutputsParams`` fields of the same name."""
+
+
+def _guided_decoding(guided: Any) -> StructuredOutputsParams | None:
+    """Dynamo's ``guided_decoding`` (its frontend's ``response_format`` / vLLM extras) as
+    ``StructuredOutputsParams``; what baton cannot constrain (``structural_tag``, a
+    ``whitespace_pattern``) is refused by name. ``backend`` names the engine vLLM would use:
+    baton has one (llguidance), so it is not read."""
+    if guided is None:
+        return None
+    if not isinstance(guided, Mapping):
+        raise InvalidRequest("guided_decoding must be an object", "guided_decoding")
+    for name in ("structural_tag", "whitespace_pattern"):
+        if guided.get(name) is not None:
+            raise InvalidRequest(
+                f"guided_decoding.{name} is not supported by baton", f"guided_decoding.{name}"
+            )
+    given = {k: guided[k] for k in GUIDED_KINDS if guided.get(k) not in (None, False)}
+    if not given:
+        return None
+    if "json" in given and isinstance(given["json"], Mapping):
+        given["json"] = dict(given["json"])
+    return StructuredOutputsParams(**given)
 
 
 def pd_route(request: Mapping[str, Any]) -> PDRoute | None:
