@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.engine.grammar_greedy import GreedyUnderGrammar
 from baton.engine.scheduler import SchedulerOutput
 from baton.kernels import inline_small_calls
 from baton.kernels.logits import argmax_rows, head_greedy, logsumexp_rows
@@ -64,6 +65,8 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.proposer = proposer
+        self.grammar_greedy = GreedyUnderGrammar(model)
+        """Greedy picks of structured requests on the argmax paths (``_plain_greedy``)."""
         self.num_computed_tokens = 0
         self.num_computed_prompt_tokens = 0
 
@@ -152,10 +155,13 @@ class ModelRunner:
         fused = self._greedy_rows(hidden, rows, row_states, greedy)
         if fused is not None:
             out = SamplerOutput(*fused, [None] * len(rows))
+            self.grammar_greedy.obey(lambda j: take_rows(hidden, [rows[j]]), row_states, out)
         else:
             scores = self.model.head(take_rows(hidden, rows))  # [B, V]
             out = self._greedy(scores, row_states)
-            if out is None:
+            if out is not None:
+                self.grammar_greedy.obey(lambda j: take_rows(hidden, [rows[j]]), row_states, out)
+            else:
                 out = self.sampler.sample(self.model.logits_of(scores), row_states)
         for i, (chunk, _) in enumerate(picked):
             row_states[i].append(out.token_ids[i])
@@ -173,11 +179,17 @@ class ModelRunner:
         if fused is not None:
             best, logprobs = fused
             self._commit_greedy(
-                verified, best, lambda at: [logprobs[i] for i in at], chains, row_states, result
+                verified,
+                best,
+                lambda at: [logprobs[i] for i in at],
+                chains,
+                row_states,
+                result,
+                lambda j: take_rows(hidden, [rows[j]]),
             )
             return
         scores = self.model.head(take_rows(hidden, rows))  # [R, V]
-        if self._verify_greedy(verified, scores, chains, row_states, result):
+        if self._verify_greedy(verified, scores, chains, row_states, result, hidden, rows):
             return
         logits = self.model.logits_of(scores)
         argmax: list[int] | None = None
@@ -214,11 +226,12 @@ class ModelRunner:
             offset += len(tokens)
 
     def _plain_greedy(self, states: list[SamplingState]) -> bool:
-        """Whether every state takes its row's argmax and asks for no top logprobs (and the
+        """Whether every state takes its row's argmax -- or under a grammar, the argmax where
+        allowed (``_obey_grammars`` checks it) -- and asks for no top logprobs (and the
         model's logits are its raw scores): then argmax_rows and logsumexp_rows replace the
         fp32 logits, the sampler and log_softmax."""
         return self.model.spec.final_logit_softcap is None and all(
-            s.is_plain_greedy and s.params.logprobs is None for s in states
+            s.is_argmax_or_grammar and s.params.logprobs is None for s in states
         )
 
     def _greedy(self, scores: torch.Tensor, states: list[SamplingState]) -> SamplerOutput | None:
@@ -252,7 +265,9 @@ class ModelRunner:
         kernel = self.executor.head_kernel(x.shape[0])
         return None if kernel is None else head_greedy(x, *kernel)
 
-    def _verify_greedy(self, verified, scores, chains, row_states, result: StepResult) -> bool:
+    def _verify_greedy(
+        self, verified, scores, chains, row_states, result: StepResult, hidden, rows
+    ) -> bool:
         """``_verify`` when every request is plain greedy without top logprobs (False when
         not): every committed token is its row's argmax, so the kernels' argmax and
         log-sum-exp give tokens and logprobs, read only for the rows committed."""
@@ -267,19 +282,27 @@ class ModelRunner:
             chains,
             row_states,
             result,
+            lambda j: take_rows(hidden, [rows[j]]),
         )
         return True
 
-    def _commit_greedy(self, verified, best, logprobs_of, chains, row_states, result) -> None:
+    def _commit_greedy(
+        self, verified, best, logprobs_of, chains, row_states, result, hidden_of
+    ) -> None:
         """Greedy verification from each verified row's argmax (``best``): the chains'
         accepted prefixes and bonus tokens, appended and committed with their log-probabilities
-        (``logprobs_of``: committed rows -> their log-probabilities)."""
-        committed, at, start = [], [], 0
+        (``logprobs_of``: committed rows -> their log-probabilities; ``hidden_of``: a row ->
+        its final hidden state [1, H], for a grammar that forbids the row's argmax)."""
+        committed, at, start, fixed = [], [], 0, {}
         for (chunk, _), state in zip(verified, row_states, strict=True):
             end = start + chunk.num_tokens
-            tokens = greedy_chain(
-                best[start:end], chains[chunk.request.request_id][: chunk.num_lookahead]
-            )
+            proposals = chains[chunk.request.request_id][: chunk.num_lookahead]
+            if state.grammar is None:
+                tokens = greedy_chain(best[start:end], proposals)
+            else:
+                tokens = self.grammar_greedy.chain(
+                    best, start, proposals, state, hidden_of, logprobs_of, fixed
+                )
             for token in tokens:
                 state.append(token)
             committed.append(
@@ -288,6 +311,8 @@ class ModelRunner:
             at.extend(range(start, start + len(tokens)))
             start = end
         logprobs = logprobs_of(at)
+        for i, row in enumerate(at):
+            logprobs[i] = fixed.get(row, logprobs[i])
         offset = 0
         for request_id, tokens, num_rejected in committed:
             own = logprobs[offset : offset + len(tokens)]

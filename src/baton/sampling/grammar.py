@@ -156,6 +156,36 @@ class GrammarMatcher:
             assert self._matcher.rollback(num_tokens), self._matcher.get_error()
             self.num_tokens -= num_tokens
 
+    def allows(self, token_id: int) -> bool:
+        """Whether the grammar allows ``token_id`` next (cheaper than a whole mask)."""
+        if token_id in self.eos_token_ids:
+            return self._matcher.is_accepting()
+        return self._matcher.validate_tokens([token_id]) == 1
+
+    def repair(self, guesses: Sequence[int]) -> list[int]:
+        """A draft's top-1 chain made one the grammar allows, the matcher left as it came:
+        the guesses up to the first one it forbids (each the draft's best *allowed* token
+        then, the masked argmax), and past it the tokens the grammar forces -- which the
+        target then takes surely -- or, where nothing is forced, its first allowed token."""
+        chain: list[int] = []
+        with self.tentative():
+            for guess in guesses:
+                if not self.allows(guess):
+                    break
+                chain.append(guess)
+                self.accept(guess)
+            while len(chain) < len(guesses):
+                forced = self._matcher.compute_ff_tokens()
+                token = forced[0] if forced else self._first_allowed()
+                chain.append(token)
+                self.accept(token)
+        return chain
+
+    def _first_allowed(self) -> int:
+        mask = compute_masks([self], self.vocab_size)
+        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little"))
+        return int(allowed[0]) if len(allowed) else min(self.eos_token_ids, default=0)
+
     @contextlib.contextmanager
     def tentative(self) -> Iterator[GrammarMatcher]:
         """Accept tokens inside the block, roll them all back after it (draft proposals)."""
@@ -205,3 +235,36 @@ def apply_masks(x: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> to
     index = torch.tensor(list(rows), device=x.device)
     out[index] = x[index].masked_fill(forbidden, -torch.inf)
     return out
+
+
+def best_allowed(logits: torch.Tensor, matcher: GrammarMatcher) -> tuple[int, float]:
+    """Of raw ``logits`` [1, V], the best token ``matcher`` allows next and its raw
+    log-probability: a greedy pick under a grammar that forbids the argmax."""
+    x = logits.float()
+    masked = apply_masks(x, [0], compute_masks([matcher], x.shape[1]))
+    token = int(masked[0].argmax())
+    return token, float(x[0].log_softmax(-1)[token])
+
+
+MAX_GATHERED_TOKENS = 512
+"""``best_allowed_of_few`` scores at most this many allowed tokens (past it, the head's row)."""
+
+
+def best_allowed_of_few(
+    x: torch.Tensor, weight: torch.Tensor, matcher: GrammarMatcher, argmax: int, logprob: float
+) -> tuple[int, float] | None:
+    """``best_allowed`` from the hidden row ``x`` [1, H] and the head's ``weight`` [V, H]
+    (no bias, no soft-cap), scoring only the tokens the grammar allows -- few, mostly, in
+    JSON: a key, a digit, a bracket -- where ``argmax`` (the raw argmax, log-probability
+    ``logprob``) is forbidden. Its log-sum-exp comes from that pair (lse = its score -
+    ``logprob``). None when the grammar allows more than ``MAX_GATHERED_TOKENS``."""
+    mask = compute_masks([matcher], weight.shape[0])
+    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: weight.shape[0]]
+    allowed = np.flatnonzero(bits)
+    if len(allowed) > MAX_GATHERED_TOKENS or not len(allowed):
+        return None
+    ids = torch.from_numpy(np.append(allowed, argmax))
+    scores = (x.float() @ weight[ids].float().T)[0]  # [A + 1]
+    best = int(scores[:-1].argmax())  # the first maximum: the lowest id, as argmax's
+    lse = float(scores[-1]) - logprob
+    return int(allowed[best]), float(scores[best]) - lse

@@ -129,11 +129,16 @@ class SamplingState:
     @property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing reshaping the logits from here on (no penalty, ``min_tokens``
-        reached): every next token is the raw logits' argmax."""
+        reached, no grammar): every next token is the raw logits' argmax."""
+        return self.grammar is None and self.is_argmax_or_grammar
+
+    @property
+    def is_argmax_or_grammar(self) -> bool:
+        """``is_plain_greedy`` but for a grammar: every next token is the raw logits' argmax
+        where the grammar allows it, else the best token it allows."""
         params = self.params
         return (
             params.is_greedy
-            and self.grammar is None
             and self.seen is None
             and self.output_counts is None
             and self.num_output_tokens >= params.min_tokens

@@ -145,9 +145,10 @@ class DraftProposer:
         self, request_ids: list[str], grammars: Mapping[str, GrammarMatcher] | None = None
     ) -> dict[str, list[int]]:
         """A top-1 chain of ``num_speculative_tokens`` guesses per request, batched across
-        requests. ``grammars``: the matchers of structured requests, whose every guess is
-        the best token their grammar allows after the guesses before it (a guess the
-        grammar forbids would only be rejected); they are left as they came."""
+        requests. ``grammars``: the matchers of structured requests, whose guesses are only
+        tokens their grammar allows after the guesses before them (a guess the grammar
+        forbids would only be rejected): masked step by step on the per-step path, repaired
+        after the native call (``GrammarMatcher.repair``); they are left as they came."""
         grammars = grammars or {}
         entries = []
         for rid in request_ids:
@@ -156,10 +157,12 @@ class DraftProposer:
         slots = {rid: e[1] + len(e[3]) for rid, e in zip(request_ids, entries, strict=True)}
         if sum(len(e[3]) for e in entries) > self.first_step_max_pairs:
             entries = self._store_all_but_last(entries)
-        # NOTE: the native chain guesses inside one call; a grammar's mask needs each guess.
-        chains = None if grammars else self._propose_natively(request_ids, entries, slots)
+        chains = self._propose_natively(request_ids, entries, slots)
         if chains is None:
             chains = self._chain(request_ids, slots, self._run(entries), grammars)
+        else:  # the native call guesses unmasked: its chains are repaired to the grammar
+            for rid, matcher in grammars.items():
+                chains[rid] = matcher.repair(chains[rid])
         # Committed draft state ends where the pending pairs ended; trim behind it.
         for rid in request_ids:
             self.cache.trim(rid, slots[rid])
