@@ -17,12 +17,13 @@ Target (issue 43): constrained >= 0.85x unconstrained at batch 1 and 32.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
 from baton import platform
 from baton.config import EngineConfig
-from baton.engine import runner as runner_module
+from baton.engine import grammar_greedy as grammar_greedy_module
 from baton.engine.engine import LLMEngine
 from baton.request import SamplingParams
 from baton.sampling import grammar as grammar_module
@@ -61,7 +62,7 @@ class Timer:
             (grammar_module.GrammarMatcher, "allows"),
             (grammar_module.GrammarMatcher, "accept"),
             (grammar_module.GrammarMatcher, "repair"),
-            (runner_module.ModelRunner, "_best_allowed"),
+            (grammar_greedy_module.GreedyUnderGrammar, "fix"),
             (sampler_module, "_mask_grammar"),
             (proposer_module, "compute_masks"),
             (proposer_module, "apply_masks"),
@@ -78,13 +79,24 @@ class Timer:
                 self._depth -= 1
                 if not self._depth:
                     self.seconds += time.perf_counter() - start
-                self.num_fixes += name == "_best_allowed"
+                self.num_fixes += len(args[1]) if name == "fix" else 0
 
         return timed
 
 
-def run(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool) -> tuple[float, int]:
-    structured = {"json": SCHEMA} if constrained else None
+CONSTRAINTS = {
+    "schema": {"json": SCHEMA},
+    "printable": {"regex": r"[\x20-\x7e\n]*"},
+}
+"""``schema``: JSON the bundled model never writes by itself (its argmax is forbidden nearly
+every token: each costs a fix); ``printable``: a language it mostly writes anyway (a model
+asked for what it is trained to write, where the grammar's cost is the check per token)."""
+
+
+def run(
+    engine: LLMEngine, batch: int, max_tokens: int, constrained: bool, kind: str = "schema"
+) -> tuple[float, int]:
+    structured = CONSTRAINTS[kind] if constrained else None
     params = SamplingParams(
         temperature=0.0, max_tokens=max_tokens, ignore_eos=True, structured_outputs=structured
     )
@@ -97,7 +109,16 @@ def run(engine: LLMEngine, batch: int, max_tokens: int, constrained: bool) -> tu
         for out in engine.step():
             if out.finished:
                 generated += len(out.outputs[0].token_ids)
+                ACCEPTED[constrained].extend(out.metrics.accepted_lengths)
     return generated / (time.perf_counter() - start), steps
+
+
+ACCEPTED: dict[bool, list[int]] = {False: [], True: []}
+"""Tokens committed per verify step, unconstrained and constrained (the MTP rows)."""
+
+
+def _mean(values: list[int]) -> float | None:
+    return round(sum(values) / len(values), 2) if values else None
 
 
 def main() -> None:
@@ -106,6 +127,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--constraints", default="schema,printable")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     print(f"platform: {platform.current().summary()}")
@@ -119,13 +141,16 @@ def main() -> None:
         )
         engine = LLMEngine("baton-stdlib-qwen3", config)
         run(engine, 2, 16, True)  # warm: kernels, the grammar's first mask
-        for batch in map(int, args.batches.split(",")):
+        for kind, batch in itertools.product(
+            args.constraints.split(","), map(int, args.batches.split(","))
+        ):
             best = {False: 0.0, True: 0.0}
+            ACCEPTED[False].clear(), ACCEPTED[True].clear()
             grammar_s, steps_c, tokens_c, fixes = 0.0, 0, 0, 0
             for _ in range(args.repeats):
                 for constrained in (False, True):
                     before = (timer.seconds, timer.num_fixes)
-                    tok_s, steps = run(engine, batch, args.max_tokens, constrained)
+                    tok_s, steps = run(engine, batch, args.max_tokens, constrained, kind)
                     best[constrained] = max(best[constrained], tok_s)
                     if constrained:
                         grammar_s += timer.seconds - before[0]
@@ -134,19 +159,26 @@ def main() -> None:
                         tokens_c += batch * args.max_tokens
             row = {
                 "draft": "mtp" if engine.proposer is not None else "none",
+                "constraint": kind,
                 "batch": batch,
                 "plain_tok_s": round(best[False], 1),
                 "schema_tok_s": round(best[True], 1),
                 "ratio": round(best[True] / best[False], 3),
                 "grammar_ms_per_step": round(1e3 * grammar_s / max(steps_c, 1), 3),
                 "forbidden_argmax_per_token": round(fixes / max(tokens_c, 1), 3),
+                "tokens_per_verify": {
+                    "plain": _mean(ACCEPTED[False]),
+                    "schema": _mean(ACCEPTED[True]),
+                },
             }
             rows.append(row)
             print(
-                f"draft {row['draft']:4s} batch {batch:3d}: plain {row['plain_tok_s']:8.1f} tok/s, "
-                f"schema {row['schema_tok_s']:8.1f} tok/s, ratio {row['ratio']:.3f} "
+                f"draft {row['draft']:4s} {kind:9s} batch {batch:3d}: "
+                f"plain {row['plain_tok_s']:8.1f} tok/s, "
+                f"constrained {row['schema_tok_s']:8.1f} tok/s, ratio {row['ratio']:.3f} "
                 f"(target >= 0.85); grammar {row['grammar_ms_per_step']:.3f} ms/step; "
-                f"argmax forbidden {row['forbidden_argmax_per_token']:.2f} per token"
+                f"argmax forbidden {row['forbidden_argmax_per_token']:.2f} per token; "
+                f"tokens per verify step {row['tokens_per_verify']}"
             )
     if args.json:
         with open(args.json, "w") as f:

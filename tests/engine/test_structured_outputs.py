@@ -165,6 +165,32 @@ def test_greedy_speculation_equals_greedy_decoding_under_a_grammar(engines, spec
         assert all(o.outputs[0].finish_reason == "stop" for o in with_draft)
 
 
+def test_the_per_step_draft_path_masks_its_guesses_and_matches_too(engines):
+    """Without the native chain, the proposer masks each guess (``_chain``): the same
+    greedy output; and its guesses are only tokens the grammar allows."""
+    engine = LLMEngine(MODEL, EngineConfig.from_kwargs(dtype="float32"))
+    engine.proposer.chain = None  # the reference: one draft step, one mask, per guess
+    spec = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
+    proposed: list[tuple[str, list[bool]]] = []
+    chain = engine.proposer._chain
+
+    def recording(request_ids, slots, hiddens, grammars):
+        chains = chain(request_ids, slots, hiddens, grammars)
+        for rid, matcher in grammars.items():  # back where the guesses start
+            with matcher.tentative():
+                allowed = [matcher.allows(t) and matcher.accept(t) for t in chains[rid]]
+            proposed.append((rid, allowed))
+        return chains
+
+    engine.proposer._chain = recording
+    per_step = _run(engine, PROMPTS, params)
+    plain = _run(engines[False], PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in per_step] == [o.outputs[0].token_ids for o in plain]
+    assert proposed and all(all(allowed) for _, allowed in proposed), proposed
+    assert all(o.metrics.accepted_lengths for o in per_step)
+
+
 def test_a_grammar_forces_what_the_model_would_not_write(engines):
     engine = engines[None]
     free = _run(engine, ["x"], SamplingParams(temperature=0.0, max_tokens=12))[0]
@@ -264,3 +290,20 @@ def test_sampled_verification_under_a_grammar_keeps_the_masked_distribution(engi
         chi2 = float(((counts[big] - expected) ** 2 / expected).sum())
         assert int(big.sum()) >= 3, "too few tokens to test"
         assert chi2 < _chi2_quantile_999(int(big.sum()) - 1), chi2
+
+
+def test_a_native_chain_is_repaired_to_tokens_the_grammar_allows(engines):
+    compiler = engines[None].grammars
+    matcher = compiler.matcher(StructuredOutputsParams(json={"type": "array"}))
+    tokenizer = compiler.tokenizer
+    start = tokenizer.tokenize_str("[1, ")
+    assert all(matcher.accept(t) for t in start)
+    forbidden = tokenizer.tokenize_str("def f")[0]
+    allowed_first = tokenizer.tokenize_str("2")[0]
+    for guesses in ([forbidden] * 4, [allowed_first, forbidden, forbidden, forbidden]):
+        chain = matcher.repair(guesses)
+        assert len(chain) == len(guesses) and forbidden not in chain
+        assert matcher.num_tokens == len(start)  # left as it came
+        with matcher.tentative():
+            assert all(matcher.allows(t) and matcher.accept(t) for t in chain), chain
+    assert matcher.repair([allowed_first])[0] == allowed_first  # an allowed guess is kept

@@ -11,6 +11,10 @@ compare the two through greedy outputs with and without speculation and across P
 
 from __future__ import annotations
 
+import contextlib
+
+import torch
+
 from baton.model.decoder import CausalLM
 from baton.sampling.grammar import best_allowed, best_allowed_of_few
 from baton.sampling.sampler import SamplerOutput
@@ -28,36 +32,66 @@ class GreedyUnderGrammar:
         forbids the argmax, the best token it allows and its raw log-probability
         (``hidden_of``: a row -> its final hidden state [1, H]). A model that writes what it
         is asked for mostly picks an allowed argmax, and checking one token costs less than
-        a mask."""
-        for j, state in enumerate(states):
-            grammar = state.grammar
-            if grammar is not None and not grammar.allows(out.token_ids[j]):
-                fixed = self.best_allowed(hidden_of(j), grammar, out.token_ids[j], out.logprobs[j])
-                out.token_ids[j], out.logprobs[j] = fixed
+        a mask; the rows it forbids are fixed together (``fix``)."""
+        forbidden = [
+            j
+            for j, s in enumerate(states)
+            if s.grammar is not None and not s.grammar.allows(out.token_ids[j])
+        ]
+        picks = [
+            (hidden_of(j), states[j].grammar, out.token_ids[j], out.logprobs[j]) for j in forbidden
+        ]
+        for j, (token, logprob) in zip(forbidden, self.fix(picks), strict=True):
+            out.token_ids[j], out.logprobs[j] = token, logprob
 
-    def best_allowed(self, x, grammar, argmax: int, logprob: float) -> tuple[int, float]:
-        """The best token ``grammar`` allows at the row ``x`` [1, H] whose raw argmax (and its
-        log-probability) it forbids: scoring the allowed tokens alone where they are few."""
+    def fix(self, picks: list[tuple]) -> list[tuple[int, float]]:
+        """For each (row x [1, H], grammar, its raw argmax, that token's log-probability)
+        whose grammar forbids the argmax: the best token it allows and its log-probability.
+        Rows whose grammar allows few tokens score only those, all together in fp64 (the
+        same picks whatever rows share the call); the others take their own head row."""
+        if not picks:
+            return []
         head = self.model.lm_head
+        found: list[tuple[int, float] | None] = [None] * len(picks)
         if head.bias is None:
-            found = best_allowed_of_few(x, head.weight, grammar, argmax, logprob)
-            if found is not None:
-                return found
-        return best_allowed(self.model.logits_of(self.model.head(x)), grammar)
+            x = torch.cat([p[0] for p in picks])  # [F, H]
+            found = best_allowed_of_few(
+                x, head.weight, [p[1] for p in picks], [p[2] for p in picks], [p[3] for p in picks]
+            )
+        return [
+            f if f is not None else best_allowed(self.model.logits_of(self.model.head(p[0])), p[1])
+            for f, p in zip(found, picks, strict=True)
+        ]
 
-    def chain(self, best, start, proposals, state, hidden_of, logprobs_of, fixed):
-        """``greedy_chain`` under ``state``'s grammar: position i's token is its argmax if the
-        grammar, advanced by the proposals accepted before i, allows it, else the best token
-        it allows (its log-probability into ``fixed``, by row)."""
-        grammar, tokens = state.grammar, []
-        with grammar.tentative():
-            for i in range(len(proposals) + 1):
-                row, token = start + i, best[start + i]
-                if not grammar.allows(token):
-                    logprob = logprobs_of([row])[0]
-                    token, fixed[row] = self.best_allowed(hidden_of(row), grammar, token, logprob)
-                tokens.append(token)
-                if i == len(proposals) or token != proposals[i]:
-                    break
-                grammar.accept(token)
+    def chains(self, entries, best, hidden_of, logprobs_of, fixed) -> list[list[int]]:
+        """``greedy_chain`` of each entry (its first row, its proposals, its grammar) under
+        its grammar: position i's token is its argmax if the grammar, advanced by the
+        proposals accepted before i, allows it, else the best token it allows (its
+        log-probability into ``fixed``, by row). Entries move in lockstep, position by
+        position, so each position's fixes are one ``fix``."""
+        tokens: list[list[int]] = [[] for _ in entries]
+        with contextlib.ExitStack() as tentative:
+            for _, _, grammar in entries:
+                tentative.enter_context(grammar.tentative())
+            live = list(range(len(entries)))
+            i = 0
+            while live:
+                rows = {k: entries[k][0] + i for k in live}
+                picked = {k: best[rows[k]] for k in live}
+                forbidden = [k for k in live if not entries[k][2].allows(picked[k])]
+                logprobs = logprobs_of([rows[k] for k in forbidden]) if forbidden else []
+                picks = [
+                    (hidden_of(rows[k]), entries[k][2], picked[k], logprob)
+                    for k, logprob in zip(forbidden, logprobs, strict=True)
+                ]
+                for k, (token, logprob) in zip(forbidden, self.fix(picks), strict=True):
+                    picked[k], fixed[rows[k]] = token, logprob
+                for k in list(live):
+                    proposals = entries[k][1]
+                    tokens[k].append(picked[k])
+                    if i == len(proposals) or picked[k] != proposals[i]:
+                        live.remove(k)
+                    else:
+                        entries[k][2].accept(picked[k])
+                i += 1
         return tokens

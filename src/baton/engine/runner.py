@@ -293,23 +293,29 @@ class ModelRunner:
         accepted prefixes and bonus tokens, appended and committed with their log-probabilities
         (``logprobs_of``: committed rows -> their log-probabilities; ``hidden_of``: a row ->
         its final hidden state [1, H], for a grammar that forbids the row's argmax)."""
-        committed, at, start, fixed = [], [], 0, {}
-        for (chunk, _), state in zip(verified, row_states, strict=True):
-            end = start + chunk.num_tokens
-            proposals = chains[chunk.request.request_id][: chunk.num_lookahead]
-            if state.grammar is None:
-                tokens = greedy_chain(best[start:end], proposals)
-            else:
-                tokens = self.grammar_greedy.chain(
-                    best, start, proposals, state, hidden_of, logprobs_of, fixed
-                )
+        committed, at, start, fixed, starts = [], [], 0, {}, []
+        for chunk, _ in verified:
+            starts.append(start)
+            start += chunk.num_tokens
+        proposals = [chains[c.request.request_id][: c.num_lookahead] for c, _ in verified]
+        constrained = [k for k, s in enumerate(row_states) if s.grammar is not None]
+        entries = [(starts[k], proposals[k], row_states[k].grammar) for k in constrained]
+        under_grammar = dict(
+            zip(
+                constrained,
+                self.grammar_greedy.chains(entries, best, hidden_of, logprobs_of, fixed),
+                strict=True,
+            )
+        )
+        for k, ((chunk, _), state) in enumerate(zip(verified, row_states, strict=True)):
+            start, end = starts[k], starts[k] + chunk.num_tokens
+            tokens = under_grammar.get(k) or greedy_chain(best[start:end], proposals[k])
             for token in tokens:
                 state.append(token)
             committed.append(
                 (chunk.request.request_id, tokens, chunk.num_lookahead + 1 - len(tokens))
             )
             at.extend(range(start, start + len(tokens)))
-            start = end
         logprobs = logprobs_of(at)
         for i, row in enumerate(at):
             logprobs[i] = fixed.get(row, logprobs[i])

@@ -251,20 +251,34 @@ MAX_GATHERED_TOKENS = 512
 
 
 def best_allowed_of_few(
-    x: torch.Tensor, weight: torch.Tensor, matcher: GrammarMatcher, argmax: int, logprob: float
-) -> tuple[int, float] | None:
-    """``best_allowed`` from the hidden row ``x`` [1, H] and the head's ``weight`` [V, H]
-    (no bias, no soft-cap), scoring only the tokens the grammar allows -- few, mostly, in
-    JSON: a key, a digit, a bracket -- where ``argmax`` (the raw argmax, log-probability
-    ``logprob``) is forbidden. Its log-sum-exp comes from that pair (lse = its score -
-    ``logprob``). None when the grammar allows more than ``MAX_GATHERED_TOKENS``."""
-    mask = compute_masks([matcher], weight.shape[0])
-    bits = np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[: weight.shape[0]]
-    allowed = np.flatnonzero(bits)
-    if len(allowed) > MAX_GATHERED_TOKENS or not len(allowed):
-        return None
-    ids = torch.from_numpy(np.append(allowed, argmax))
-    scores = (x.float() @ weight[ids].float().T)[0]  # [A + 1]
-    best = int(scores[:-1].argmax())  # the first maximum: the lowest id, as argmax's
-    lse = float(scores[-1]) - logprob
-    return int(allowed[best]), float(scores[best]) - lse
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    matchers: Sequence[GrammarMatcher],
+    argmaxes: Sequence[int],
+    logprobs: Sequence[float],
+) -> list[tuple[int, float] | None]:
+    """``best_allowed`` for rows ``x`` [F, H] of a head ``weight`` [V, H] (no bias, no
+    soft-cap) whose raw argmax (log-probability ``logprobs``) each row's grammar forbids,
+    scoring only the tokens the grammars allow -- few, mostly, in JSON: a key, a digit, a
+    bracket. fp64, so a row's pick does not depend on which rows share the product. A row's
+    log-sum-exp comes from its argmax (lse = its score - its log-probability). None for a
+    row whose grammar allows more than ``MAX_GATHERED_TOKENS``."""
+    vocab_size = weight.shape[0]
+    masks = compute_masks(matchers, vocab_size)
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+    bits = bits[:, :vocab_size].astype(bool)  # [F, V]
+    counts = bits.sum(axis=1)
+    few = [i for i in range(len(matchers)) if 0 < counts[i] <= MAX_GATHERED_TOKENS]
+    found: list[tuple[int, float] | None] = [None] * len(matchers)
+    if not few:
+        return found
+    union = np.flatnonzero(bits[few].any(axis=0))  # ascending: the first maximum is argmax's
+    ids = torch.from_numpy(np.concatenate([union, np.asarray(argmaxes)[few]]))
+    scores = x[few].double() @ weight[ids].double().T  # [f, U + f]
+    allowed = torch.from_numpy(bits[few][:, union])  # [f, U]
+    picked = scores[:, : len(union)].masked_fill(~allowed, -torch.inf).argmax(dim=1)
+    for k, i in enumerate(few):
+        lse = float(scores[k, len(union) + k]) - logprobs[i]
+        best = int(picked[k])
+        found[i] = (int(union[best]), float(scores[k, best]) - lse)
+    return found
