@@ -136,3 +136,11 @@ def test_a_constraint_the_server_cannot_take_is_a_400_naming_it(server, body, pa
     assert error["param"] == param, error
     assert says in error["message"], error
     assert not server[0].engine.tracks
+
+
+def test_the_responses_api_is_a_404_naming_what_is_served(server):  # noqa: F811
+    resp = httpx.post(server[1] + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=10)
+    assert resp.status_code == 404
+    message = resp.json()["error"]["message"]
+    assert "/v1/responses" in message
+    assert "/v1/chat/completions" in message and "/v1/completions" in message

@@ -113,6 +113,12 @@ def route_not_found(request: Request, exc: StarletteHTTPException) -> JSONRespon
     as OpenAI's error JSON, like every other error of baton's apps (an exception handler)."""
     codes = {404: "not_found", 405: "method_not_allowed"}
     message = f"{exc.detail}: {request.method} {request.url.path}"
+    if exc.status_code == 404 and request.url.path.startswith("/v1/"):
+        # e.g. /v1/responses, /v1/embeddings: say what this server does answer.
+        served = sorted(
+            {r.path for r in request.app.routes if getattr(r, "path", "").startswith("/v1/")}
+        )
+        message += f"; this server serves {', '.join(served)}"
     error = ApiError(message, exc.status_code, code=codes.get(exc.status_code))
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
