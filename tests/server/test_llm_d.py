@@ -25,7 +25,7 @@ import pytest
 
 from baton import LLM, SamplingParams
 from baton.memory.allocator import SHM_DIR
-from baton.server.protocol import HANDOFF_HEADER
+from baton.server.route_headers import HANDOFF_HEADER
 from tests.multihost.client import metrics
 from tests.server.test_router import ENGINE, PROMPT, Deployment
 

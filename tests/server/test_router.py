@@ -612,7 +612,7 @@ def test_a_decode_takes_routing_headers_only_signed_by_the_deployments_token(dep
     a 403 and reserves nothing; a signed one is served."""
     import time as _time
 
-    from baton.server.protocol import (
+    from baton.server.route_headers import (
         LOCAL_PREFILL_HEADER,
         PREFILL_HEADER,
         ROOM_HEADER,

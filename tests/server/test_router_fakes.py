@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.outputs import HandoffReason
 from baton.router.router import Router, build_router_app
-from baton.server.protocol import HANDOFF_HEADER, LOCAL_PREFILL_HEADER, PREFILL_HEADER
+from baton.server.route_headers import HANDOFF_HEADER, LOCAL_PREFILL_HEADER, PREFILL_HEADER
 
 pytestmark = pytest.mark.integration
 

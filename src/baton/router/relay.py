@@ -23,7 +23,8 @@ from fastapi.responses import StreamingResponse
 from baton.engine.outputs import HandoffReason
 from baton.router.policy import Instance
 from baton.server.http import ACCESS_LOGGER
-from baton.server.protocol import HANDOFF_HEADER, ApiError
+from baton.server.protocol import ApiError
+from baton.server.route_headers import HANDOFF_HEADER
 
 logger = logging.getLogger("baton.router")
 access_logger = logging.getLogger(ACCESS_LOGGER)

@@ -54,15 +54,9 @@ from baton.router.admin import add_admin_routes
 from baton.router.metrics import RouterMetrics
 from baton.router.policy import ROLES, Instance, InstanceTable, make_policy, prompt_key
 from baton.router.relay import ClientGone, Release, prefill_failure, relay
-from baton.server.protocol import (
-    LOCAL_PREFILL_HEADER,
-    PREFILL_HEADER,
-    ROOM_HEADER,
-    ApiError,
-    route_not_found,
-    sign_route,
-)
+from baton.server.protocol import ApiError, route_not_found
 from baton.server.request_body import MAX_BODY_BYTES, read_body
+from baton.server.route_headers import LOCAL_PREFILL_HEADER, PREFILL_HEADER, ROOM_HEADER, sign_route
 from baton.transfer.protocol import new_room
 
 logger = logging.getLogger("baton.router")

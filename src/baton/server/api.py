@@ -31,15 +31,10 @@ from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOu
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
 from baton.server.protocol import (
-    HANDOFF_HEADER,
-    LOCAL_PREFILL_HEADER,
-    PREFILL_HEADER,
-    ROOM_HEADER,
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     route_not_found,
-    route_problem,
 )
 from baton.server.request_body import (
     MAX_BODY_BYTES,
@@ -59,6 +54,13 @@ from baton.server.response_body import (
     prompt_text,
     sse_events,
     usage_of,
+)
+from baton.server.route_headers import (
+    HANDOFF_HEADER,
+    LOCAL_PREFILL_HEADER,
+    PREFILL_HEADER,
+    ROOM_HEADER,
+    route_problem,
 )
 
 
@@ -98,7 +100,7 @@ def build_app(
     """``platform_info``: the CPU and compute dtype (``LLMEngine.platform_info``), reported by
     ``/health`` and ``/v1/models``; ``max_body_bytes``: the request-body limit (a 413);
     ``route_token`` (a PD decode): the routing headers count only when signed with it
-    (``protocol.route_problem``; a 403 otherwise); ``trust_bootstrap_fields``: the SGLang-style
+    (``route_headers.route_problem``; a 403 otherwise); ``trust_bootstrap_fields``: the SGLang-style
     ``bootstrap_*`` body fields (llm-d's sidecar) count unsigned, where only the sidecar
     reaches this port (a 403 naming the flag otherwise); ``pick_prefill``: awaited for the
     prefill of a request that names none (a platform's router: Ray Serve's)."""

@@ -13,9 +13,9 @@ and max tokens, ``ignore_eos``, the model's hidden stop ids (its EOS: Dynamo sen
 ``stop_token_ids_hidden``), ``logprobs`` and ``guided_decoding`` (structured outputs: json,
 regex, choice, Lark grammar). Stop *strings* stay with Dynamo's detokenizer, as for its other
 engines (it ends the stream, which aborts the request here). What baton does not do yet is
-refused by name (``InvalidRequest`` with the field): ``n``/``best_of`` above 1 (Dynamo's own
-frontend fans n out, not its backends), beam search, ``guided_decoding.structural_tag`` and
-``prompt_logprobs``.
+refused by name (``InvalidRequest`` with the field): ``n``/``best_of`` above 1 (a Dynamo
+backend streams one choice per request here), beam search, ``guided_decoding.structural_tag``
+and ``prompt_logprobs``.
 """
 
 from __future__ import annotations
