@@ -307,3 +307,25 @@ def test_a_native_chain_is_repaired_to_tokens_the_grammar_allows(engines):
         with matcher.tentative():
             assert all(matcher.allows(t) and matcher.accept(t) for t in chain), chain
     assert matcher.repair([allowed_first])[0] == allowed_first  # an allowed guess is kept
+
+
+def test_llm_chat_renders_the_template_and_takes_a_grammar():
+    from baton import LLM
+
+    llm = LLM(MODEL, dtype="float32")
+    conversations = [
+        [{"role": "user", "content": "Give me a record."}],
+        [{"role": "system", "content": "JSON only."}, {"role": "user", "content": "Another."}],
+    ]
+    spec = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"enum": [1, 2]}}})
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=spec)
+    chats = llm.chat(conversations, params)
+    prompts = [
+        llm.tokenizer.apply_chat_template(c, add_generation_prompt=True) for c in conversations
+    ]
+    assert [o.outputs[0].text for o in chats] == [
+        o.outputs[0].text for o in llm.generate(prompts, params)
+    ]
+    assert all(o.outputs[0].text.startswith("{") for o in chats)
+    (one,) = llm.chat(conversations[0], params)  # one conversation: one output
+    assert one.outputs[0].text == chats[0].outputs[0].text

@@ -88,6 +88,34 @@ class LLM:
             raise
         return [done[i] for i in ids]
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of messages) or several, rendered
+        by the model's chat template (``tools`` and ``chat_template_kwargs`` are the
+        template's variables, as transformers passes them), then ``generate``. Tool calls
+        come back as the text the model wrote; a grammar constrains them if asked
+        (``SamplingParams.structured_outputs``)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer.json; this directory has none")
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        prompts = [
+            self.tokenizer.apply_chat_template(
+                conversation,
+                add_generation_prompt=True,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
     def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
