@@ -16,6 +16,7 @@ import json
 import jsonschema
 import msgspec
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
@@ -26,6 +27,7 @@ from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.protocol import sampling_params_from_wire, sampling_params_to_wire
 from baton.transfer.sender import Sender
+from tests.engine.test_structured_outputs import _follows, _sampling, _schemas
 from tests.transfer.inprocess import InProcessDecode
 
 MODEL = "baton-stdlib-qwen3"
@@ -164,3 +166,22 @@ def test_a_first_token_the_decode_grammar_forbids_fails_the_request_and_leaks_no
         for cache in engine.caches:
             assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
         assert engine.aux.num_free_units == engine.aux.component.num_units
+
+
+@settings(
+    max_examples=4,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(schema=_schemas, sampling=_sampling)
+def test_random_schemas_through_pd_equal_colocated_and_validate(colocated, schema, sampling):
+    spec = StructuredOutputsParams(json=schema)
+    params = SamplingParams(max_tokens=80, structured_outputs=spec, **sampling)
+    expected = _run_colocated(colocated, params)
+    outs, failed, _, _ = _run_pd(params)
+    assert not failed
+    pd = [outs[room] for room in sorted(outs)]
+    assert [o.outputs[0].token_ids for o in pd] == [o.outputs[0].token_ids for o in expected]
+    for output in pd:
+        _follows(colocated, output, spec, schema)
