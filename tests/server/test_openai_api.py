@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from baton import LLM, SamplingParams
-from baton.config import EngineConfig
-from baton.engine.engine import LLMEngine
-from baton.server.api import build_app
-from baton.server.async_engine import AsyncEngine
+from tests.server.inprocess_server import serve
 
 pytestmark = pytest.mark.integration
 
@@ -24,33 +18,10 @@ OPTIONS = {"dtype": "float32", "page_size": 8, "max_num_batched_tokens": 64}
 PROMPT = "def add(a, b):\n    return"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(text_model_dir):
-    engine = AsyncEngine(LLMEngine(text_model_dir, EngineConfig.from_kwargs(**OPTIONS))).start()
-    port = _free_port()
-    config = uvicorn.Config(
-        build_app(engine, MODEL, engine.engine.platform_info),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-    )
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield engine, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    with serve(text_model_dir, OPTIONS, MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

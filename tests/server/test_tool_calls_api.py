@@ -5,20 +5,13 @@ valid, so every ``required`` / named-function answer is checked against the tool
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import jsonschema
 import pytest
-import uvicorn
 
-from baton.config import EngineConfig
-from baton.engine.engine import LLMEngine
-from baton.server.api import build_app
-from baton.server.async_engine import AsyncEngine
 from baton.tokenizer import Tokenizer
 from tests.conftest import BUNDLED
+from tests.server.inprocess_server import serve
 from tests.server.test_tools import ROUND_TRIP, _as_transformers_takes_them
 from tests.server.tool_chat import ALARM, TOOLS, WEATHER, with_tools_template
 
@@ -45,22 +38,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def base_url(model_dir):
-    engine = AsyncEngine(LLMEngine(model_dir, EngineConfig.from_kwargs(**OPTIONS))).start()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = build_app(engine, MODEL, engine.engine.platform_info)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(10)
-    engine.shutdown()
+    with serve(model_dir, OPTIONS, MODEL) as (_, url):
+        yield url
 
 
 @pytest.fixture(scope="module")
