@@ -272,13 +272,15 @@ def best_allowed_of_few(
     found: list[tuple[int, float] | None] = [None] * len(matchers)
     if not few:
         return found
+    # NOTE: numpy past the gather: each torch call here costs more than its arithmetic.
     union = np.flatnonzero(bits[few].any(axis=0))  # ascending: the first maximum is argmax's
     ids = torch.from_numpy(np.concatenate([union, np.asarray(argmaxes)[few]]))
-    scores = x[few].double() @ weight[ids].double().T  # [f, U + f]
-    allowed = torch.from_numpy(bits[few][:, union])  # [f, U]
-    picked = scores[:, : len(union)].masked_fill(~allowed, -torch.inf).argmax(dim=1)
+    rows = x if len(few) == x.shape[0] else x.index_select(0, torch.tensor(few))
+    scores = rows.double().numpy() @ weight.index_select(0, ids).double().numpy().T  # [f, U + f]
+    masked = np.where(bits[few][:, union], scores[:, : len(union)], -np.inf)
+    picked = masked.argmax(axis=1)
     for k, i in enumerate(few):
-        lse = float(scores[k, len(union) + k]) - logprobs[i]
+        lse = scores[k, len(union) + k] - logprobs[i]
         best = int(picked[k])
-        found[i] = (int(union[best]), float(scores[k, best]) - lse)
+        found[i] = (int(union[best]), float(scores[k, best] - lse))
     return found
