@@ -164,6 +164,47 @@ def _wait_for_url(proc, out_path: Path, err_path: Path) -> str:
     return match.group(1)
 
 
+def _check_parse_and_a_tool_round_trip(client, model: str) -> None:
+    """What API users send, through the deployment as they would (issue 43): the official
+    client's ``parse`` with a pydantic model, and a named tool call answered and sent back."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Reading(BaseModel):
+        sensor: Literal["left", "right"]
+        value: int = Field(ge=0, le=99)
+
+    messages = [{"role": "user", "content": "Report the reading."}]
+    parsed = client.chat.completions.parse(
+        model=model, messages=messages, response_format=Reading, max_tokens=48, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Reading)
+    tz = {"type": "string", "enum": ["UTC", "CET"]}
+    parameters = {
+        "type": "object",
+        "properties": {"tz": tz},
+        "required": ["tz"],
+        "additionalProperties": False,
+    }
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": parameters}}]
+    asked = [{"role": "user", "content": "What time is it?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = client.chat.completions.create(
+        model=model, messages=asked, tools=tools, tool_choice=named, max_tokens=64, temperature=0
+    )
+    assert answer.choices[0].message.tool_calls, answer
+    (call,) = answer.choices[0].message.tool_calls
+    assert call.function.name == "get_time"
+    assert json.loads(call.function.arguments)["tz"] in ("UTC", "CET")
+    turn = answer.choices[0].message.model_dump(exclude_none=True)
+    result = {"role": "tool", "tool_call_id": call.id, "content": "12:00"}
+    follow = client.chat.completions.create(
+        model=model, messages=[*asked, turn, result], tools=tools, max_tokens=8, temperature=0
+    )
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
 def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_engine: dict) -> str:
     """``baton launch`` answering the official client (a completion equal to the offline
     engine's, a streamed chat), then SIGINT: exit 0, no child or segment left. Its stderr."""
@@ -235,6 +276,7 @@ def _serve_and_stop(model_dir, tmp_path, flags: list[str], env: dict, offline_en
         want = offline.generate(long_prompt, constrained)[0].outputs[0].text
         assert raw.json()["choices"][0]["text"] == want
         assert json.loads(want)["x"] in range(100)
+        _check_parse_and_a_tool_round_trip(client, model)
 
         # Idle, the console stays quiet (no health-check or access lines: issue 39).
         said = out_path.read_text() + err_path.read_text()
