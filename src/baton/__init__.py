@@ -1,8 +1,8 @@
 """baton: an LLM serving engine with prefill/decode disaggregation."""
 
-from baton.request import SamplingParams
+from baton.request import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):
