@@ -158,3 +158,44 @@ def test_edges_of_n_best_of_and_echo(client, server):
     )
     assert tokens == [len(c.logprobs.tokens) for c in full.choices]
     _assert_idle(server[0])
+
+
+def test_several_prompts_are_indexed_prompt_major_and_sum_their_usage(client, server):
+    prompts = [PROMPT, "import os\n", "x = 1"]
+    full = client.completions.create(model=MODEL, prompt=prompts, n=2, **SAMPLED)
+    assert [c.index for c in full.choices] == list(range(6))
+    singles = [client.completions.create(model=MODEL, prompt=p, n=2, **SAMPLED) for p in prompts]
+    assert [c.text for c in full.choices] == [c.text for s in singles for c in s.choices]
+    assert full.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert full.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompts,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        **SAMPLED,
+    )
+    texts: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+        usage = chunk.usage or usage
+    assert [texts[i] for i in range(6)] == [c.text for c in full.choices]
+    assert usage.completion_tokens == full.usage.completion_tokens
+    ids = client.completions.create(model=MODEL, prompt=[[5, 6, 7], [8, 9]], **SAMPLED)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+    _assert_idle(server[0])
+
+
+@pytest.mark.parametrize(
+    ("prompt", "says"),
+    [(["a", ""], "prompt[1] is empty"), (["x"] * 65, "at most 64")],
+)
+def test_a_bad_prompt_list_is_a_400_naming_it_and_keeps_nothing(server, prompt, says):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+    resp = httpx.post(server[1] + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["param"] == "prompt" and says in resp.json()["error"]["message"]
+    _assert_idle(server[0])

@@ -14,6 +14,7 @@ chunks, logprobs, usage, the last output of a non-streamed request) are
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -30,6 +31,7 @@ from baton.engine.core import PDRoute
 from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
 from baton.server.metrics import ServerMetrics
+from baton.server.prompt_batch import merged
 from baton.server.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -50,6 +52,7 @@ from baton.server.response_body import (
     completion_chunks,
     completion_logprobs,
     engine_failed,
+    last_of_each,
     last_unless_disconnected,
     prompt_text,
     sse_events,
@@ -169,8 +172,11 @@ async def _completions(request: Request) -> Response:
     req: CompletionRequest = await parse_body(request, CompletionRequest, server.limits)
     _check_model(server, req.model)
     params = req.sampling_params()
+    prompts = req.engine_prompts()
     route = await _route_of(request, req)
-    outputs, headers = await _run(server, req.engine_prompt(), params, route)
+    if route is not None and len(prompts) > 1:
+        raise ApiError("a PD route names one room: send one prompt per request", param="prompt")
+    outputs, headers = await _run_each(server, prompts, params, route)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     n_top = req.logprobs or 0
     head = {"id": rid, "object": "text_completion", "created": created, "model": server.model_name}
@@ -178,18 +184,41 @@ async def _completions(request: Request) -> Response:
         chunk = completion_chunks(server.tokenizer, head, n_top, req.echo)
         events = sse_events(outputs, chunk, head if req.include_usage else None)
         return StreamingResponse(events, media_type="text/event-stream", headers=headers)
-    final = await last_unless_disconnected(request, outputs)
-    echo = prompt_text(server.tokenizer, final) if req.echo else ""
-    choices = [
-        {
-            "index": completion.index,
-            "text": echo + completion.text,
-            "logprobs": completion_logprobs(server.tokenizer, completion, n_top, 0),
-            "finish_reason": completion.finish_reason,
-        }
-        for completion in final.outputs
-    ]
-    return JSONResponse({**head, "choices": choices, "usage": usage_of(final)}, headers=headers)
+    finals = await last_of_each(request, outputs, len(prompts))
+    choices = []
+    for final in finals:
+        echo = prompt_text(server.tokenizer, final) if req.echo else ""
+        choices += [
+            {
+                "index": completion.index,
+                "text": echo + completion.text,
+                "logprobs": completion_logprobs(server.tokenizer, completion, n_top, 0),
+                "finish_reason": completion.finish_reason,
+            }
+            for completion in final.outputs
+        ]
+    usage = usage_of(*finals)
+    return JSONResponse({**head, "choices": choices, "usage": usage}, headers=headers)
+
+
+async def _run_each(
+    server: _Server, prompts: list, params: Any, route: PDRoute | None
+) -> tuple[AsyncIterator[RequestOutput], dict[str, str]]:
+    """``_run`` of each prompt, their outputs merged (``prompt_batch.merged``); a prompt
+    refused or failed before its first token refuses the request, the others aborted."""
+    if len(prompts) == 1:
+        return await _run(server, prompts[0], params, route)
+    runs = await asyncio.gather(
+        *(_run(server, p, params, route) for p in prompts), return_exceptions=True
+    )
+    failed = [r for r in runs if isinstance(r, BaseException)]
+    if failed:
+        for run in runs:
+            if not isinstance(run, BaseException):
+                await run[0].aclose()
+        raise failed[0]
+    streams = [stream for stream, _ in runs]
+    return merged(streams, params.n), runs[0][1]
 
 
 async def _chat_completions(request: Request) -> Response:

@@ -18,6 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
+from baton.server.prompt_batch import MAX_PROMPTS
 from baton.server.tools import ToolUse, message_tool_fields, tool_use, tools_grammar
 
 Int = Annotated[int, Strict()]
@@ -251,22 +252,30 @@ class _SamplingRequest(BaseModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: Str | list[Int] | list[Str]
+    prompt: Str | list[Int] | list[Str] | list[list[Int]]
     max_tokens: Int | None = 16  # OpenAI's default for completions
     logprobs: Int | None = None
     echo: Bool = False
     best_of: Int | None = None
     suffix: Str | None = None
 
-    def engine_prompt(self) -> str | list[int]:
+    def engine_prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one (a string or token ids) or several (a list of either;
+        at most ``MAX_PROMPTS``), none of them empty."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise ApiError("only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if not prompt:
-            raise ApiError("the prompt is empty", param="prompt")
-        return prompt
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        prompts = list(prompt) if several else [prompt]
+        if len(prompts) > MAX_PROMPTS:
+            raise ApiError(
+                f"prompt has {len(prompts)} prompts; this server takes at most {MAX_PROMPTS} "
+                "per request",
+                param="prompt",
+            )
+        for i, one in enumerate(prompts):
+            if not one:
+                where = f"prompt[{i}]" if several else "prompt"
+                raise ApiError(f"{where} is empty", param="prompt")
+        return prompts
 
     def sampling_params(self) -> SamplingParams:
         if self.echo and self.logprobs is not None:

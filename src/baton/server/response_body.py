@@ -30,15 +30,18 @@ from baton.server.protocol import ApiError
 from baton.server.tool_parser import ToolCallStream, parse_tool_calls
 
 
-def usage_of(out: RequestOutput) -> dict:
-    """OpenAI's usage: the prompt once, the completion tokens of every choice."""
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def usage_of(*outs: RequestOutput) -> dict:
+    """OpenAI's usage over requests' latest outputs (several: a completions request of
+    several prompts): each prompt once, the completion tokens of every choice."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": sum(out.metrics.num_cached_tokens for out in outs)
+        },
     }
 
 
@@ -156,15 +159,15 @@ async def sse_events(
 ) -> AsyncIterator[str]:
     """The SSE events of ``chunk(out)`` per output; with ``usage_head`` (the client asked
     for ``stream_options.include_usage``) a last chunk carrying the usage."""
-    last = None
+    latest: dict[str, RequestOutput] = {}  # per request: several prompts are several
     try:
         async for out in outputs:
-            last = out
+            latest[out.request_id] = out
             data = chunk(out)
             if data is not None:
                 yield f"data: {json.dumps(data)}\n\n"
-        if usage_head is not None and last is not None:
-            usage = {**usage_head, "choices": [], "usage": usage_of(last)}
+        if usage_head is not None and latest:
+            usage = {**usage_head, "choices": [], "usage": usage_of(*latest.values())}
             yield f"data: {json.dumps(usage)}\n\n"
     except Exception as exc:  # the engine died mid-stream: tell the client, then end
         err = (
@@ -236,7 +239,17 @@ async def last_unless_disconnected(
 ) -> RequestOutput:
     """``_last``, but a client that leaves (or a router that cancels) aborts the request:
     nothing else would notice before the whole completion was computed."""
-    task = asyncio.ensure_future(_last(outputs))
+    (last,) = await last_of_each(request, outputs, 1)
+    return last
+
+
+async def last_of_each(
+    request: Request, outputs: AsyncIterator[RequestOutput], num_requests: int
+) -> list[RequestOutput]:
+    """Each of ``num_requests`` requests' last output (``outputs`` merges them: a
+    completions request of several prompts), by their first choice's index; a client that
+    leaves aborts them all."""
+    task = asyncio.ensure_future(_last(outputs, num_requests))
     while True:
         done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
         if done:
@@ -248,13 +261,13 @@ async def last_unless_disconnected(
             raise ApiError("the client disconnected", 499)
 
 
-async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
+async def _last(outputs: AsyncIterator[RequestOutput], num_requests: int) -> list[RequestOutput]:
+    latest: dict[str, RequestOutput] = {}
     try:
         async for out in outputs:
-            last = out
+            latest[out.request_id] = out
     finally:
         await outputs.aclose()
-    if last is None:
+    if len(latest) != num_requests:
         raise ApiError("the engine returned no output", 500, type="server_error")
-    return last
+    return sorted(latest.values(), key=lambda out: min(c.index for c in out.outputs))
