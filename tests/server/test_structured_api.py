@@ -138,9 +138,64 @@ def test_a_constraint_the_server_cannot_take_is_a_400_naming_it(server, body, pa
     assert not server[0].engine.tracks
 
 
-def test_the_responses_api_is_a_404_naming_what_is_served(server):  # noqa: F811
-    resp = httpx.post(server[1] + "/v1/responses", json={"model": MODEL, "input": "x"}, timeout=10)
+def test_an_unknown_v1_route_is_a_404_naming_what_is_served(server):  # noqa: F811
+    resp = httpx.post(server[1] + "/v1/embeddings", json={"model": MODEL, "input": "x"}, timeout=10)
     assert resp.status_code == 404
     message = resp.json()["error"]["message"]
-    assert "/v1/responses" in message
-    assert "/v1/chat/completions" in message and "/v1/completions" in message
+    assert "/v1/embeddings" in message
+    assert "/v1/chat/completions" in message and "/v1/responses" in message
+
+
+def test_the_responses_api_answers_as_the_chat_completion_it_means(client):  # noqa: F811
+    asked = {"instructions": "Answer in JSON.", "max_output_tokens": 24, "temperature": 0}
+    response = client.responses.create(model=MODEL, input="Report the reading.", **asked)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer in JSON."},
+            {"role": "user", "content": "Report the reading."},
+        ],
+        max_tokens=24,
+        temperature=0,
+    )
+    assert response.output_text == chat.choices[0].message.content
+    assert response.status in ("completed", "incomplete")
+    assert response.usage.output_tokens == chat.usage.completion_tokens
+    events = list(
+        client.responses.create(model=MODEL, input="Report the reading.", stream=True, **asked)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in (
+        "response.completed",
+        "response.incomplete",
+    )
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text == events[-1].response.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_the_responses_api_takes_a_json_schema_and_refuses_state_by_name(client, server):  # noqa: F811
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
+    response = client.responses.create(
+        model=MODEL,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "n?"}]}],
+        text={"format": {"type": "json_schema", "name": "n", "schema": schema, "strict": True}},
+        max_output_tokens=32,
+        temperature=0.8,
+    )
+    jsonschema.validate(json.loads(response.output_text), schema)
+    for body, param in (
+        ({"previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]"),
+    ):
+        resp = httpx.post(
+            server[1] + "/v1/responses", json={"model": MODEL, "input": "x", **body}, timeout=30
+        )
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["param"] == param

@@ -58,6 +58,7 @@ from baton.server.response_body import (
     sse_events,
     usage_of,
 )
+from baton.server.responses import ResponseBody, ResponsesRequest
 from baton.server.route_headers import (
     HANDOFF_HEADER,
     LOCAL_PREFILL_HEADER,
@@ -138,6 +139,13 @@ def build_app(
         methods=["POST"],
         name="chat_completions",
         openapi_extra=openapi_body(ChatCompletionRequest, model_name),
+    )
+    app.add_api_route(
+        "/v1/responses",
+        _responses,
+        methods=["POST"],
+        name="responses",
+        openapi_extra=openapi_body(ResponsesRequest, model_name),
     )
     app.add_api_route("/v1/models", _models, methods=["GET"], name="models")
     app.add_api_route("/health", _health, methods=["GET"], name="health")
@@ -255,6 +263,24 @@ async def _chat_completions(request: Request) -> Response:
         choices.append(choice)
     head = {"id": rid, "object": "chat.completion", "created": created, "model": server.model_name}
     return JSONResponse({**head, "choices": choices, "usage": usage_of(final)}, headers=headers)
+
+
+async def _responses(request: Request) -> Response:
+    """The Responses API's stateless subset (``responses.py``), run as the chat completion
+    it means."""
+    server = _server(request)
+    req: ResponsesRequest = await parse_body(request, ResponsesRequest, server.limits)
+    _check_model(server, req.model)
+    chat = req.chat_request()
+    params = chat.sampling_params()
+    prompt = _chat_prompt(server.tokenizer, chat, None)
+    outputs, headers = await _run(server, prompt, params, await _route_of(request, chat))
+    body = ResponseBody(req, server.model_name)
+    if req.stream:
+        events = body.events(outputs)
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+    final = await last_unless_disconnected(request, outputs)
+    return JSONResponse(body.response(final), headers=headers)
 
 
 async def _models(request: Request) -> dict:
