@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from baton.server.tool_parser import END, START, ToolCallStream, parse_tool_calls
@@ -158,6 +158,9 @@ PIECES = st.lists(
 )
 
 
+# NOTE: nested JSON values make big examples now and then; on a loaded 2-core machine the
+# generation health checks fail on those, not on the parser.
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], deadline=None)
 @given(PIECES, st.data())
 def test_a_stream_cut_anywhere_joins_to_the_whole(pieces, data):
     text = "".join(pieces)
