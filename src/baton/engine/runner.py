@@ -227,7 +227,7 @@ class ModelRunner:
 
     def _plain_greedy(self, states: list[SamplingState]) -> bool:
         """Whether every state takes its row's argmax -- or under a grammar, the argmax where
-        allowed (``_obey_grammars`` checks it) -- and asks for no top logprobs (and the
+        allowed (``GreedyUnderGrammar.obey`` checks it) -- and asks for no top logprobs (and the
         model's logits are its raw scores): then argmax_rows and logsumexp_rows replace the
         fp32 logits, the sampler and log_softmax."""
         return self.model.spec.final_logit_softcap is None and all(
@@ -300,13 +300,10 @@ class ModelRunner:
         proposals = [chains[c.request.request_id][: c.num_lookahead] for c, _ in verified]
         constrained = [k for k, s in enumerate(row_states) if s.grammar is not None]
         entries = [(starts[k], proposals[k], row_states[k].grammar) for k in constrained]
-        under_grammar = dict(
-            zip(
-                constrained,
-                self.grammar_greedy.chains(entries, best, hidden_of, logprobs_of, fixed),
-                strict=True,
-            )
-        )
+        under_grammar = {}
+        if constrained:
+            chains_of = self.grammar_greedy.chains(entries, best, hidden_of, logprobs_of, fixed)
+            under_grammar = dict(zip(constrained, chains_of, strict=True))
         for k, ((chunk, _), state) in enumerate(zip(verified, row_states, strict=True)):
             start, end = starts[k], starts[k] + chunk.num_tokens
             tokens = under_grammar.get(k) or greedy_chain(best[start:end], proposals[k])

@@ -76,10 +76,11 @@ class GrammarCompiler:
             return None
         return cls(path.read_text(encoding="utf-8"), vocab_size, eos_token_ids)
 
-    def compile(self, spec: StructuredOutputsParams) -> str:
-        """The checked grammar of ``spec``; ``InvalidRequest`` naming what the engine cannot
-        take (an unsupported schema keyword, a bad regex, a Lark error)."""
-        key = spec.key()
+    def compile(self, spec: StructuredOutputsParams, key: str | None = None) -> str:
+        """The checked grammar of ``spec`` (``key``: its ``spec.key()``, if known);
+        ``InvalidRequest`` naming what the engine cannot take (an unsupported schema keyword,
+        a bad regex, a Lark error)."""
+        key = key if key is not None else spec.key()
         grammar = self._grammars.get(key)
         if grammar is not None:
             self._grammars.move_to_end(key)
@@ -105,7 +106,7 @@ class GrammarCompiler:
         """A fresh matcher of ``spec`` at the grammar's start: a copy of the one kept with
         its grammar (copying took 5 us where building one took ~1 ms; docs/measurements)."""
         key = spec.key()
-        grammar = self.compile(spec)
+        grammar = self.compile(spec, key)
         start = self._starts.get(key)
         if start is None:
             start = self._starts[key] = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
@@ -183,7 +184,7 @@ class GrammarMatcher:
 
     def _first_allowed(self) -> int:
         mask = compute_masks([self], self.vocab_size)
-        allowed = np.flatnonzero(np.unpackbits(mask.numpy().view(np.uint8), bitorder="little"))
+        allowed = np.flatnonzero(allowed_bits(mask, self.vocab_size)[0])
         return int(allowed[0]) if len(allowed) else min(self.eos_token_ids, default=0)
 
     @contextlib.contextmanager
@@ -223,12 +224,17 @@ def compute_masks(matchers: Sequence[GrammarMatcher], vocab_size: int) -> torch.
     return masks
 
 
+def allowed_bits(masks: torch.Tensor, vocab_size: int) -> np.ndarray:
+    """[R, words] int32 masks -> [R, vocab_size] bool, True where a token is allowed."""
+    # NOTE: numpy's unpackbits reads the words' bytes little-endian, bit 0 first: token order.
+    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab_size].astype(bool)
+
+
 def apply_masks(x: torch.Tensor, rows: Sequence[int], masks: torch.Tensor) -> torch.Tensor:
     """``x`` [B, V] with every token a row's mask forbids at -inf (``rows[i]`` takes
     ``masks[i]``); a new tensor, ``x`` untouched."""
-    # NOTE: numpy's unpackbits reads the words' bytes little-endian, bit 0 first: token order.
-    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
-    forbidden = torch.from_numpy(bits[:, : x.shape[1]] == 0).to(x.device)  # [R, V]
+    forbidden = torch.from_numpy(~allowed_bits(masks, x.shape[1])).to(x.device)  # [R, V]
     out = x.clone()
     if len(rows) == x.shape[0] and list(rows) == list(range(len(rows))):
         return out.masked_fill_(forbidden, -torch.inf)
@@ -265,8 +271,7 @@ def best_allowed_of_few(
     row whose grammar allows more than ``MAX_GATHERED_TOKENS``."""
     vocab_size = weight.shape[0]
     masks = compute_masks(matchers, vocab_size)
-    bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
-    bits = bits[:, :vocab_size].astype(bool)  # [F, V]
+    bits = allowed_bits(masks, vocab_size)  # [F, V]
     counts = bits.sum(axis=1)
     few = [i for i in range(len(matchers)) if 0 < counts[i] <= MAX_GATHERED_TOKENS]
     found: list[tuple[int, float] | None] = [None] * len(matchers)
