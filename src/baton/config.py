@@ -22,6 +22,9 @@ from typing import Any
 SLIDING_MODES = ("paged", "ring")
 DTYPES = ("auto", "float32", "bfloat16")
 """``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
+
+QUANTIZATIONS = ("int8",)
+"""``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 """``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
 
@@ -211,6 +214,10 @@ class EngineConfig:
     milliseconds after a parallel region, on the core the decode steps' native calls share
     (offline, bf16 MTP: the 7 decode steps after a prompt step ran 1.56x the steady step
     time, 1.26x released; a next prompt step starts them again)."""
+    quantization: str | None = None
+    """Weight-only quantization of every matmul (``QUANTIZATIONS``: ``int8``, symmetric per
+    output channel, quantized at load time: ``baton.model.quantize``); None computes with
+    the checkpoint's weights."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None
@@ -229,6 +236,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                f"got {self.quantization!r}"
+            )
         if self.keep_warm_s < 0:
             raise ValueError(f"keep_warm_s must be >= 0 seconds, got {self.keep_warm_s}")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:

@@ -85,7 +85,7 @@ class LLMEngine:
         if config.num_threads or not RuntimeEnv.from_environ().omp_threads_set:
             torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
-        self.model = load_model(model_dir, config.dtype).fuse_projections()
+        self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -100,6 +100,7 @@ class LLMEngine:
             fallback = " (native kernels unavailable: torch paths, see the warning above)"
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
+            + (f"; weights {config.quantization}" if config.quantization else "")
             + (f"; --threads {config.num_threads}" if config.num_threads else "")
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
@@ -152,7 +153,7 @@ class LLMEngine:
         use_draft = config.speculative is not False
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
-            draft.fuse_projections()
+            draft.fuse_projections(config.quantization)
         if config.speculative and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"
@@ -202,8 +203,10 @@ class LLMEngine:
 
     @property
     def platform_info(self) -> dict:
-        """``Platform.as_dict`` plus the compute dtype: what ``/health`` reports."""
-        return {**platform.current().as_dict(), "dtype": self.dtype_name}
+        """``Platform.as_dict`` plus the compute dtype and the weights' quantization: what
+        ``/health`` reports."""
+        quantization = self.config.quantization or "none"
+        return {**platform.current().as_dict(), "dtype": self.dtype_name, "quantization": quantization}
 
     # -- requests --------------------------------------------------------------------------
     def add_request(

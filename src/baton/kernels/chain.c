@@ -31,7 +31,7 @@ typedef struct { /* field for field baton/kernels/chain.py ``_Chain`` */
     const void *enorm, *hnorm, *norm; /* [hidden]: the draft's input norms, the target's final */
     const void *eh, *eh_bias;         /* panels of [hidden, 2 hidden] (bias may be NULL) */
     const void *head, *head_bias;     /* panels of [vocab, hidden] */
-    int32_t vocab, hidden, eh_w_bf16, head_w_bf16, eh_op, head_op;
+    int32_t vocab, hidden, eh_w_format, head_w_format, eh_op, head_op;
     float eps, offset, norm_eps, norm_offset; /* enorm's and hnorm's; the final norm's */
 } Chain;
 
@@ -72,7 +72,7 @@ static int draft_step(const Chain *c, const ChainStep *s, const void *hidden, co
         memcpy(eh + (2 * r + 1) * row, e + r * row, row);
     }
     int status = baton_linear_rows(eh, 2 * hid, (int)n, (int)(2 * hid), c->eh, (int)hid,
-                                   c->eh_bias, NULL, 0, c->eh_op, x, hid, bf, c->eh_w_bf16, nt);
+                                   c->eh_bias, NULL, 0, c->eh_op, x, hid, bf, c->eh_w_format, nt);
     const Step step = {x, cos, sin, s->k_pool, s->v_pool, attn, (int32_t)n, segments, bf,
                        s->lanes, nt};
     return status | baton_decoder_layer(c->layer, &step);
@@ -147,7 +147,7 @@ static int draft_chain(const Chain *c, const ChainStep *s) {
     for (int i = 0; status == 0; i++) {
         status |= baton_linear_rows(s->hidden, hid, (int)b, (int)hid, c->head, (int)vocab,
                                     c->head_bias, NULL, 0, c->head_op, scores, vocab, bf,
-                                    c->head_w_bf16, nt);
+                                    c->head_w_format, nt);
         baton_argmax_rows(scores, b, vocab, vocab, bf, best, value, nt);
         for (int r = 0; r < b; r++) s->tokens[r * s->steps + i] = best[r];
         if (i == s->steps - 1) break;

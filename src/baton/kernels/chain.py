@@ -17,7 +17,7 @@ import torch
 
 from baton.kernels import DTYPES, library, small_step_threads
 from baton.kernels.layer import NativeLayer
-from baton.kernels.linear import ROUND_ONCE, PackedRows
+from baton.kernels.linear import ROUND_ONCE, WEIGHT_FORMATS, PackedRows
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
 _ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
@@ -45,8 +45,8 @@ class _Chain(ctypes.Structure):
             for name in (
                 "vocab",
                 "hidden",
-                "eh_w_bf16",
-                "head_w_bf16",
+                "eh_w_format",
+                "head_w_format",
                 "eh_op",
                 "head_op",
             )
@@ -156,11 +156,13 @@ class NativeChain:
             setattr(chain, name, t.data_ptr())
         keep = [*tensors]
         for name, (weight, bias, round_once) in (("eh", eh), ("head", head)):
-            if weight.dtype not in DTYPES or (bias is not None and bias.dtype != weight.dtype):
+            if weight.dtype not in WEIGHT_FORMATS or (
+                bias is not None and bias.dtype != weight.bias_dtype
+            ):
                 return None
             setattr(chain, name, weight.data_ptr())
             setattr(chain, f"{name}_bias", None if bias is None else bias.data_ptr())
-            setattr(chain, f"{name}_w_bf16", DTYPES[weight.dtype])
+            setattr(chain, f"{name}_w_format", weight.format)
             setattr(chain, f"{name}_op", ROUND_ONCE if round_once else 0)
             keep += [weight, bias]
         chain.vocab, chain.hidden = head[0].n, hidden

@@ -55,7 +55,7 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
  * scratch memory. */
 int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
-                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
+                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads);
 
 /* g = act(x gate^T + gate_bias), u = mul(x up^T + up_bias, g): the two calls of
@@ -63,10 +63,11 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
 int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *gate,
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
-                     int32_t w_bf16, int32_t num_threads);
+                     int32_t w_format, int32_t num_threads);
 
-/* layer.c's decoder layer. Matrices are packed in linear.c's panels; they and their biases are
- * bf16 (w_bf16) or fp32, norm weights in the activations' dtype. */
+/* layer.c's decoder layer. Matrices are packed in linear.c's panels, all in one format
+ * (w_format: W_F32, W_BF16, W_INT8), their biases fp32 or bf16 (BIAS_AT); norm weights in
+ * the activations' dtype. */
 typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
     const void *input_norm, *post_norm; /* [hidden] */
     const void *qkv, *qkv_bias;         /* [(heads + 2 kv_heads) * head_dim, hidden] */
@@ -75,7 +76,7 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
     const void *gate, *gate_bias, *up, *up_bias, *down, *down_bias;
     int32_t hidden, intermediate, heads, kv_heads, head_dim, act; /* act: EPI_SILU / GELU */
     float eps, norm_offset, qk_eps;
-    int32_t w_bf16, round_once; /* round_once: EPI_ROUND_ONCE, as oneDNN's packed matmuls */
+    int32_t w_format, round_once; /* round_once: EPI_ROUND_ONCE, as oneDNN's packed matmuls */
 } Layer;
 
 typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
@@ -95,7 +96,7 @@ int baton_decoder_layer(const Layer *L, const Step *s);
  * scratch memory. */
 int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t vocab, const void *bias, int32_t op, void *scores,
-                      int32_t act_bf16, int32_t w_bf16, int64_t *best, float *logprob,
+                      int32_t act_bf16, int32_t w_format, int64_t *best, float *logprob,
                       int32_t num_threads);
 
 /* logits.c: per row its first maximum's index and value. */
@@ -152,6 +153,19 @@ void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
  * 1, at most `threads` -- a small region is not spread over every core (its threads would
  * cost more in wake-ups than they save), a large one takes them all. */
 int baton_threads_for(int64_t work, int64_t per_thread, int threads);
+
+/* A packed weight's format (linear.c's panels; baton/kernels/linear.py ``WEIGHT_FORMATS``):
+ * fp32, bf16, or int8 (symmetric per output column: each panel's k x 16 int8 values, then
+ * its 16 columns' fp32 scales; the bias of an int8 weight is fp32). */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+
+/* The bytes of one panel of `k` inputs in format `w_format`. */
+static inline int64_t baton_panel_bytes(int64_t k, int w_format) {
+    return w_format == W_INT8 ? 16 * k + 16 * (int64_t)sizeof(float) : 16 * k * (w_format ? 2 : 4);
+}
+
+/* Element i of a bias of a weight in format `w_format`, as fp32. */
+#define BIAS_AT(bias, i, w_format) to_f32((bias), (i), (w_format) == W_BF16)
 
 enum { EPI_NONE = 0, EPI_ADD = 1, EPI_MUL = 2, EPI_SILU = 3, EPI_GELU = 4 };
 /* Or'ed into linear.c's op: the epilogue runs on the fp32 result and rounds once, as

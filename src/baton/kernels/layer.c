@@ -37,7 +37,7 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     baton_rms_norm(s->x, t, hid, 1, 0, L->input_norm, 0, h, (int)hid, L->eps, L->norm_offset,
                    bf, s->lanes, nt);
     status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->qkv, (int)qkv_dim, L->qkv_bias,
-                                NULL, 0, EPI_NONE | once, qkv, qkv_dim, bf, L->w_bf16, nt);
+                                NULL, 0, EPI_NONE | once, qkv, qkv_dim, bf, L->w_format, nt);
     baton_rms_norm_rotary(qkv, t, qkv_dim, heads + kv, d, L->qk_norm, d, s->cos, s->sin, d, qk,
                           (int)d, L->qk_eps, bf, s->lanes, nt);
 
@@ -52,13 +52,13 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
 
     /* The residual adds write x in place: each element is read, then written, by one thread. */
     status |= baton_linear_rows(att, heads * d, (int)t, (int)(heads * d), L->o, (int)hid,
-                                L->o_bias, s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
+                                L->o_bias, s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_format, nt);
     baton_rms_norm(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset, bf,
                    s->lanes, nt);
     status |= baton_gated_rows(h, hid, (int)t, (int)hid, L->gate, L->gate_bias, L->act | once, g,
-                               L->up, L->up_bias, EPI_MUL | once, u, (int)inter, bf, L->w_bf16, nt);
+                               L->up, L->up_bias, EPI_MUL | once, u, (int)inter, bf, L->w_format, nt);
     status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
-                                s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_bf16, nt);
+                                s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_format, nt);
     free(scratch);
     return status;
 }
@@ -93,7 +93,7 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
     const void *head, *head_bias; /* panels of [vocab, hidden] */
     int64_t *best;                /* [tokens] */
     float *logprob;               /* [tokens] */
-    int32_t vocab, head_op, head_w_bf16;
+    int32_t vocab, head_op, head_w_format;
     /* Optionally (num_plans > 0) the pools' attention plans, built here first
      * (baton_paged_plan) from the step's segments [batch, 4]: the layers' attn point at
      * their args. */
@@ -146,7 +146,7 @@ int baton_decoder_stack(Stack *s) {
     free(x);
     if (status == 0 && s->head != NULL)
         status = baton_head_greedy(s->out, hid, (int32_t)t, (int32_t)hid, s->head, s->vocab,
-                                   s->head_bias, s->head_op, NULL, s->act_bf16, s->head_w_bf16,
+                                   s->head_bias, s->head_op, NULL, s->act_bf16, s->head_w_format,
                                    s->best, s->logprob, s->num_threads);
     return status;
 }

@@ -24,6 +24,7 @@ from baton.kernels.linear import (
     MAX_ROWS,
     MAX_ROWS_BESIDE_ONEDNN,
     ROUND_ONCE,
+    WEIGHT_FORMATS,
     PackedRows,
 )
 from baton.kernels.norm import MAX_DIM, torch_lanes
@@ -72,7 +73,7 @@ class _Layer(ctypes.Structure):
         ("eps", _f32),
         ("norm_offset", _f32),
         ("qk_eps", _f32),
-        ("w_bf16", _i32),
+        ("w_format", _i32),
         ("round_once", _i32),
     ]
 
@@ -151,7 +152,7 @@ class _Stack(ctypes.Structure):
             )
         ),
         *((name, _ptr) for name in ("head", "head_bias", "best", "logprob")),
-        *((name, _i32) for name in ("vocab", "head_op", "head_w_bf16")),
+        *((name, _i32) for name in ("vocab", "head_op", "head_w_format")),
         ("plans", _ptr),
         ("segs", _ptr),
         *((name, _i32) for name in ("num_plans", "batch", "failed_plan")),
@@ -222,15 +223,20 @@ class NativeLayer:
         }
         if any(not isinstance(present.get(k), PackedRows) for k in MATRICES):
             raise TypeError(f"the matrices {MATRICES} are PackedRows (linear.c's layout)")
-        # Norm weights are in the activations' dtype, matrices in theirs (bf16 under fp32
-        # activations: a bf16 checkpoint's weights, half the bytes to read).
-        norms = {present[k].dtype for k in NORMS}
-        matrices = {w.dtype for k, w in present.items() if k not in NORMS}
+        # Norm weights are in the activations' dtype, matrices in one format of theirs (bf16
+        # under fp32 activations: a bf16 checkpoint's weights, half the bytes to read; int8
+        # under either), biases in the matrices' bias dtype.
+        norms = {present[k].dtype for k in NORMS if k in present}
+        matrices = {present[k].dtype for k in MATRICES}
+        biases = {w.dtype for k, w in present.items() if k not in NORMS and k not in MATRICES}
         hidden = present["input_norm"].shape[0]
-        if len(norms) != 1 or len(matrices) != 1 or not (norms | matrices) <= set(DTYPES):
+        if len(norms) != 1 or not norms <= set(DTYPES) or len(matrices) != 1:
             return None
-        if matrices != norms and norms != {torch.float32}:
-            return None  # bf16 activations read bf16 matrices
+        first = present["qkv"]
+        if first.dtype not in WEIGHT_FORMATS or not biases <= {first.bias_dtype}:
+            return None
+        if first.dtype != torch.int8 and matrices != norms and norms != {torch.float32}:
+            return None  # bf16 activations read bf16 (or int8) matrices
         if hidden > MAX_DIM:
             return None
         if head_dim % 2 or head_dim > MAX_DIM or any(not w.is_cpu for w in present.values()):
@@ -242,7 +248,7 @@ class NativeLayer:
         layer.heads, layer.kv_heads, layer.head_dim = heads, kv_heads, head_dim
         layer.act = int(ACTIVATIONS[act])
         layer.eps, layer.norm_offset, layer.qk_eps = eps, norm_offset, qk_eps
-        layer.w_bf16 = DTYPES[present["qkv"].dtype]
+        layer.w_format = first.format
         layer.round_once = int(round_once)
         return cls(present, layer)
 
@@ -366,13 +372,14 @@ class NativeStack:
         stack.num_threads = small_step_threads()
         if head is not None:
             weight, bias, round_once = head
-            assert weight.k == out.shape[-1] and weight.dtype in DTYPES and tokens <= MAX_ROWS
-            assert bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+            assert weight.k == out.shape[-1] and weight.dtype in WEIGHT_FORMATS
+            assert tokens <= MAX_ROWS
+            assert bias is None or (bias.dtype == weight.bias_dtype and bias.is_contiguous())
             best, logprob = array.array("q", bytes(8 * tokens)), array.array("f", bytes(4 * tokens))
             stack.head = weight.data_ptr()
             stack.head_bias = None if bias is None else bias.data_ptr()
             stack.best, stack.logprob = best.buffer_info()[0], logprob.buffer_info()[0]
-            stack.vocab, stack.head_w_bf16 = weight.n, DTYPES[weight.dtype]
+            stack.vocab, stack.head_w_format = weight.n, weight.format
             stack.head_op = ROUND_ONCE if round_once else 0
         else:
             stack.head = None

@@ -21,8 +21,12 @@
  * stored.
  *
  * x (m rows, row stride x_stride, k contiguous), other (row stride other_stride) and y
- * (row stride y_stride) are bf16 (act_bf16) or fp32; the packed weight and the bias are
- * bf16 (w_bf16) or fp32. Arithmetic is fp32. Rounding follows the torch path this replaces
+ * (row stride y_stride) are bf16 (act_bf16) or fp32; the packed weight is fp32, bf16 or
+ * int8 (w_format: kernels.h's W_*), its bias bf16 for a bf16 weight, else fp32. An int8
+ * weight (weight-only quantization, baton/model/quantize.py) is symmetric per output
+ * column: a panel's 16 x k integers, widened to fp32 as they are loaded (a quarter of fp32's
+ * bytes, half of bf16's: a decode step streams its weights), then its 16 columns' fp32
+ * scales, applied once to each sum. Arithmetic is fp32. Rounding follows the torch path this replaces
  * (baton/model/layers.py FrozenLinear): unpacked, the matmul's result is rounded to the
  * activation dtype, then each epilogue op rounds again; with EPI_ROUND_ONCE in op (oneDNN's
  * packed bf16 matmul, whose post-op works on the fp32 result) the epilogue rounds once.
@@ -55,20 +59,26 @@ enum { GROUP = 6, PANEL = 16, MACS_PER_THREAD = 32768, TASKS_PER_THREAD = 4 };
 /* The column a bf16 panel holds at position p of one i (see the layout above). */
 static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
 
-/* tile_R: tile_R_of with the weight dtype a constant in each copy. */
+/* tile_R: tile_R_of with the weight format a constant in each copy. */
 #define DISPATCH_TILE(R)                                                                      \
-    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
-        if (w_bf16)                                                                           \
-            tile_##R##_of(x, k, p, 1, out);                                                   \
+    static void tile_##R(const float *x, int k, const void *p, int w_format, float *out) {    \
+        if (w_format == W_BF16)                                                               \
+            tile_##R##_of(x, k, p, W_BF16, out);                                              \
+        else if (w_format == W_INT8)                                                          \
+            tile_##R##_of(x, k, p, W_INT8, out);                                              \
         else                                                                                  \
-            tile_##R##_of(x, k, p, 0, out);                                                   \
+            tile_##R##_of(x, k, p, W_F32, out);                                               \
     }
 
 #if defined(HAVE_AVX512)
 /* w[16 b + c, i] for the panel's 16 columns c (already at panel b); in bf16 in the panel's
- * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores. */
-static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
-    if (w_bf16) {
+ * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores; in
+ * int8 the integer (its column's scale applies after the sum). */
+static inline __m512 load16(const void *p, int64_t i, const int w_format) {
+    if (w_format == W_INT8)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + 16 * i))));
+    if (w_format == W_BF16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
     }
@@ -79,19 +89,19 @@ static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
  * multiply-adds in the same order per column, so the same bits, at half the instructions. */
 #define DEFINE_TILE(R, U)                                                                     \
     static inline __attribute__((always_inline)) void tile_##R##_of(                          \
-        const float *x, int k, const void *p, const int w_bf16, float *out) {                 \
+        const float *x, int k, const void *p, const int w_format, float *out) {               \
         __m512 acc[U][R];                                                                     \
         _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                   \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_setzero_ps(); \
         int i = 0;                                                                            \
         for (; i + U <= k; i += U)                                                            \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
-                const __m512 w = load16(p, i + u, w_bf16);                                    \
+                const __m512 w = load16(p, i + u, w_format);                                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_fmadd_ps( \
                     w, _mm512_set1_ps(x[(int64_t)r * k + i + u]), acc[u][r]);                 \
             }                                                                                 \
         for (; i < k; i++) {                                                                  \
-            const __m512 w = load16(p, i, w_bf16);                                            \
+            const __m512 w = load16(p, i, w_format);                                          \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[0][r] =                   \
                 _mm512_fmadd_ps(w, _mm512_set1_ps(x[(int64_t)r * k + i]), acc[0][r]);         \
         }                                                                                     \
@@ -101,15 +111,20 @@ static inline __m512 load16(const void *p, int64_t i, const int w_bf16) {
             __m512 sum = acc[0][r];                                                           \
             _Pragma("GCC unroll 8") for (int u = 1; u < U; u++)                               \
                 sum = _mm512_add_ps(sum, acc[u][r]);                                          \
-            if (w_bf16) sum = _mm512_permutexvar_ps(column_at, sum);                          \
+            if (w_format == W_BF16) sum = _mm512_permutexvar_ps(column_at, sum);              \
             _mm512_storeu_ps(out + r * 16, sum);                                              \
         }                                                                                     \
     }                                                                                         \
     DISPATCH_TILE(R)
 #elif defined(HAVE_AVX2)
-/* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b). */
-static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo, __m256 *hi) {
-    if (w_bf16) {
+/* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b); in int8
+ * the integers (each column's scale applies after the sum). */
+static inline void load16(const void *p, int64_t i, const int w_format, __m256 *lo, __m256 *hi) {
+    if (w_format == W_INT8) {
+        const int8_t *q = (const int8_t *)p + 16 * i;
+        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
+    } else if (w_format == W_BF16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
@@ -124,7 +139,7 @@ static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo
  * added in order at the end. R, U and the weight dtype are constants in each copy. */
 #define DEFINE_TILE(R, U)                                                                     \
     static inline __attribute__((always_inline)) void tile_##R##_of(                          \
-        const float *x, int k, const void *p, const int w_bf16, float *out) {                 \
+        const float *x, int k, const void *p, const int w_format, float *out) {               \
         __m256 acc[U][R][2];                                                                  \
         _Pragma("GCC unroll 8") for (int u = 0; u < U; u++)                                                           \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();   \
@@ -132,7 +147,7 @@ static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo
         for (; i + U <= k; i += U)                                                            \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                                                     \
                 __m256 lo, hi;                                                                \
-                load16(p, i + u, w_bf16, &lo, &hi);                                           \
+                load16(p, i + u, w_format, &lo, &hi);                                         \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
                     const __m256 b = _mm256_broadcast_ss(x + (int64_t)r * k + i + u);         \
                     acc[u][r][0] = _mm256_fmadd_ps(lo, b, acc[u][r][0]);                      \
@@ -141,7 +156,7 @@ static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo
             }                                                                                 \
         for (; i < k; i++) {                                                                  \
             __m256 lo, hi;                                                                    \
-            load16(p, i, w_bf16, &lo, &hi);                                                   \
+            load16(p, i, w_format, &lo, &hi);                                                 \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                     \
                 const __m256 b = _mm256_broadcast_ss(x + (int64_t)r * k + i);                 \
                 acc[0][r][0] = _mm256_fmadd_ps(lo, b, acc[0][r][0]);                          \
@@ -158,24 +173,29 @@ static inline void load16(const void *p, int64_t i, const int w_bf16, __m256 *lo
     }                                                                                         \
     DISPATCH_TILE(R)
 #else
+/* Element j of a panel in format `w_format`, as fp32 (int8: the integer). */
+static inline float weight_at(const void *p, int64_t j, int w_format) {
+    return w_format == W_INT8 ? (float)((const int8_t *)p)[j] : to_f32(p, j, w_format == W_BF16);
+}
+
 /* Portable C, the same sums in the same order. */
 #define DEFINE_TILE(R, U)                                                                     \
-    static void tile_##R(const float *x, int k, const void *p, int w_bf16, float *out) {      \
+    static void tile_##R(const float *x, int k, const void *p, int w_format, float *out) {    \
         float acc[U][R][16];                                                                  \
         memset(acc, 0, sizeof acc);                                                           \
         int i = 0;                                                                            \
         for (; i + U <= k; i += U)                                                            \
             for (int u = 0; u < U; u++)                                                       \
                 for (int q = 0; q < 16; q++) {                                                \
-                    const int c = w_bf16 ? bf16_column(q) : q;                                \
-                    const float w = to_f32(p, 16 * (int64_t)(i + u) + q, w_bf16);             \
+                    const int c = w_format == W_BF16 ? bf16_column(q) : q;                    \
+                    const float w = weight_at(p, 16 * (int64_t)(i + u) + q, w_format);        \
                     for (int r = 0; r < R; r++)                                               \
                         acc[u][r][c] = fmaf(w, x[(int64_t)r * k + i + u], acc[u][r][c]);      \
                 }                                                                             \
         for (; i < k; i++)                                                                    \
             for (int q = 0; q < 16; q++) {                                                    \
-                const int c = w_bf16 ? bf16_column(q) : q;                                    \
-                const float w = to_f32(p, 16 * (int64_t)i + q, w_bf16);                       \
+                const int c = w_format == W_BF16 ? bf16_column(q) : q;                        \
+                const float w = weight_at(p, 16 * (int64_t)i + q, w_format);                  \
                 for (int r = 0; r < R; r++)                                                   \
                     acc[0][r][c] = fmaf(w, x[(int64_t)r * k + i], acc[0][r][c]);              \
             }                                                                                 \
@@ -301,15 +321,19 @@ static inline float tanh_of(float z) {
     return z < 0.0f ? -a : a;
 }
 
-/* y[row, j0 + i] = epilogue(round(d[i] + bias[j0 + i]), other[row, j0 + i]) for i < count:
- * one output row's stretch of a block, the epilogue chosen once for the stretch. */
-static void finish(const float *d, int j0, int count, const void *bias, int w_bf16, int op,
-                   const void *other, int64_t other_at, void *y, int64_t y_at, int bf) {
+/* y[row, j0 + i] = epilogue(round(d[i] scale[i] + bias[j0 + i]), other[row, j0 + i]) for
+ * i < count: one output row's stretch of a block, the epilogue chosen once for the stretch;
+ * scale: an int8 panel's column scales, or NULL. */
+static void finish(const float *d, const float *scale, int j0, int count, const void *bias,
+                   int w_format, int op, const void *other, int64_t other_at, void *y,
+                   int64_t y_at, int bf) {
     float v[PANEL];
     const int first = op & EPI_ROUND_ONCE ? 0 : bf; /* the matmul's own rounding */
     op &= ~EPI_ROUND_ONCE;
     for (int i = 0; i < count; i++)
-        v[i] = round_to(d[i] + (bias != NULL ? to_f32(bias, j0 + i, w_bf16) : 0.0f), first);
+        v[i] = round_to((scale != NULL ? d[i] * scale[i] : d[i]) +
+                            (bias != NULL ? BIAS_AT(bias, j0 + i, w_format) : 0.0f),
+                        first);
     switch (op) {
     case EPI_ADD:
         for (int i = 0; i < count; i++) v[i] = round_to(v[i] + to_f32(other, other_at + i, bf), bf);
@@ -342,7 +366,7 @@ static void finish(const float *d, int j0, int count, const void *bias, int w_bf
 typedef struct Job {
     const float *xf;    /* the rows in fp32, contiguous (or NULL: xb) */
     const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
-    int32_t m, k, kp, n, op, act_bf16, w_bf16;
+    int32_t m, k, kp, n, op, act_bf16, w_format;
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
     void *y;
@@ -356,8 +380,11 @@ typedef struct Job {
 static void some_panels(const Job *J, int blk, int count) {
     const int m = J->m, k = J->k, n = J->n;
     float block[2][GROUP * PANEL]; /* the group's rows' outputs, per panel */
-    const int64_t panel_elems = (int64_t)PANEL * k;
-    const void *panel = (const char *)J->w + (size_t)(blk * panel_elems) * (J->w_bf16 ? 2 : 4);
+    const int64_t panel_elems = (int64_t)PANEL * k, panel_bytes = baton_panel_bytes(k, J->w_format);
+    const void *panel = (const char *)J->w + blk * panel_bytes;
+    /* int8: the panel's column scales follow its values (one panel: count is 1) */
+    const float *scale =
+        J->w_format == W_INT8 ? (const float *)((const char *)panel + panel_elems) : NULL;
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
 #if HAVE_PAIRS
@@ -366,14 +393,14 @@ static void some_panels(const Job *J, int blk, int count) {
                                         panel_elems, block[0], block[1]);
         else
 #endif
-            TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_bf16, block[0]);
+            TILES[rows](J->xf + (int64_t)g * k, k, panel, J->w_format, block[0]);
         for (int q = 0; q < count; q++) {
             const int begin = (blk + q) * PANEL, stop = begin + PANEL < n ? begin + PANEL : n;
             for (int r = 0; r < rows; r++) {
                 const int64_t row = g + r;
-                finish(block[q] + r * PANEL, begin, stop - begin, J->bias, J->w_bf16, J->op,
-                       J->other, row * J->other_stride + begin, J->y, row * J->y_stride + begin,
-                       J->act_bf16);
+                finish(block[q] + r * PANEL, scale, begin, stop - begin, J->bias, J->w_format,
+                       J->op, J->other, row * J->other_stride + begin, J->y,
+                       row * J->y_stride + begin, J->act_bf16);
             }
         }
     }
@@ -406,7 +433,7 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     const int m = job->m, k = job->k, n = job->n;
     /* The rows every weight row is multiplied into, contiguous: in bf16 for the pair tiles
      * (zero-padded to an even kp), else in fp32. */
-    const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_bf16, kp = k + (k & 1);
+    const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_format == W_BF16, kp = k + (k & 1);
     float *xf = pairs ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
     uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
     if (xf == NULL && xb == NULL) return 1;
@@ -433,9 +460,9 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
 
 int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
-                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_bf16,
+                      int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads) {
-    Job job = {NULL, NULL, m, k, 0, n, op, act_bf16, w_bf16, w, bias, other, other_stride,
+    Job job = {NULL, NULL, m, k, 0, n, op, act_bf16, w_format, w, bias, other, other_stride,
                y_stride, y, 0, NULL};
     return run(&job, x, x_stride, num_threads);
 }
@@ -447,10 +474,10 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
 int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *gate,
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
-                     int32_t w_bf16, int32_t num_threads) {
-    Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_bf16, up, up_bias, g, n, n, u, 0,
+                     int32_t w_format, int32_t num_threads) {
+    Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias, g, n, n, u, 0,
                   NULL};
-    Job first = {NULL, NULL, m, k, 0, n, act, act_bf16, w_bf16, gate, gate_bias, NULL, 0, n, g,
-                 0, &second};
+    Job first = {NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate, gate_bias, NULL, 0, n,
+                 g, 0, &second};
     return run(&first, x, x_stride, num_threads);
 }

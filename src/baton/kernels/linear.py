@@ -41,24 +41,47 @@ tasks and the draft's first step moved into C) 40 rows a tie at 48."""
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
 
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+"""A packed weight's dtype -> linear.c's weight format (kernels.h's ``W_*``)."""
+
 
 class PackedRows:
     """A ``[n, k]`` weight (torch's Linear layout, fp32 or bf16) in linear.c's panels:
     ``data[b, i, c] = w[16 b + c, i]`` (rows past n are zeros); in bf16 each ``data[b, i]``
     holds columns 0..7 at even positions and 8..15 at odd ones. NOTE: a copy, memory beside
-    the weight (which BLAS reads for large steps)."""
+    the weight (which BLAS reads for large steps). ``quantized`` packs int8 weights."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         weight = weight.detach()
         n, k = weight.shape
-        pad = -n % PANEL
-        if pad:
-            weight = torch.cat((weight, weight.new_zeros(pad, k)))
-        panels = weight.reshape(-1, PANEL, k).transpose(1, 2)  # [panels, k, column]
+        panels = _panels(weight)
         if weight.dtype == torch.bfloat16:  # column h * 8 + c at position 2 c + h
             panels = panels.reshape(-1, k, 2, PANEL // 2).transpose(2, 3)
         self.data = panels.contiguous().reshape(-1, k, PANEL)
         self.n, self.k, self.dtype = n, k, weight.dtype
+
+    @classmethod
+    def quantized(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedRows:
+        """An int8 weight ``q`` [n, k] whose row j means ``q[j] * scale[j]`` (fp32 [n]): each
+        panel's k x 16 integers, then its 16 columns' fp32 scales (linear.c's ``W_INT8``)."""
+        n, k = q.shape
+        assert q.dtype == torch.int8 and scale.shape == (n,) and scale.dtype == torch.float32
+        values = _panels(q.detach()).contiguous().reshape(-1, k * PANEL)
+        scales = _panels(scale.detach().reshape(n, 1)).contiguous().reshape(-1, PANEL)
+        self = cls.__new__(cls)
+        self.data = torch.cat((values.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+        self.n, self.k, self.dtype = n, k, torch.int8
+        return self
+
+    @property
+    def format(self) -> int:
+        """linear.c's weight format (``WEIGHT_FORMATS``)."""
+        return WEIGHT_FORMATS[self.dtype]
+
+    @property
+    def bias_dtype(self) -> torch.dtype:
+        """The dtype linear.c reads this weight's bias in: bf16 for bf16, else fp32."""
+        return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
 
     @property
     def is_cpu(self) -> bool:
@@ -66,6 +89,16 @@ class PackedRows:
 
     def data_ptr(self) -> int:
         return self.data.data_ptr()
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    """[n, k] -> [panels, k, PANEL] (a view's transpose): rows padded with zeros to whole
+    panels."""
+    n, k = weight.shape
+    pad = -n % PANEL
+    if pad:
+        weight = torch.cat((weight, weight.new_zeros(pad, k)))
+    return weight.reshape(-1, PANEL, k).transpose(1, 2)
 
 
 class Epilogue(IntEnum):
@@ -98,13 +131,13 @@ def takes(x: torch.Tensor, weight: PackedRows, bias: torch.Tensor | None) -> boo
     (``logits.head_greedy``)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in DTYPES:
+    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in WEIGHT_FORMATS:
         return False  # NOTE: called for every matmul of every step: cheapest checks first
     if not (x.is_contiguous() and weight.is_cpu) or weight.k != k:
         return False
     if torch.is_grad_enabled() and x.requires_grad:
         return False
-    return bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())
+    return bias is None or (bias.dtype == weight.bias_dtype and bias.is_contiguous())
 
 
 def linear_rows(
@@ -141,7 +174,7 @@ def linear_rows(
         y.data_ptr(),
         n,
         DTYPES[x.dtype],
-        DTYPES[weight.dtype],
+        weight.format,
         small_step_threads(),
     )
     if status != 0:

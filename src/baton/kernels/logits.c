@@ -114,13 +114,13 @@ static void greedy_row(void *ctx, int r, int worker) {
  * threads. 0, or 1 without scratch memory. */
 int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
                       int32_t vocab, const void *bias, int32_t op, void *scores,
-                      int32_t act_bf16, int32_t w_bf16, int64_t *best, float *logprob,
+                      int32_t act_bf16, int32_t w_format, int64_t *best, float *logprob,
                       int32_t num_threads) {
     void *own = scores == NULL ? malloc((size_t)m * vocab * (act_bf16 ? 2 : 4)) : NULL;
     if (scores == NULL && own == NULL) return 1;
     scores = scores != NULL ? scores : own; /* NULL: the scores are scratch, freed here */
     const int status = baton_linear_rows(x, x_stride, m, k, w, vocab, bias, NULL, 0, op, scores,
-                                         vocab, act_bf16, w_bf16, num_threads);
+                                         vocab, act_bf16, w_format, num_threads);
     if (status == 0) {
         const Greedy G = {scores, vocab, act_bf16, best, logprob};
         /* past 4096 scores, a thread per 2048 of them (all for a large vocabulary) */

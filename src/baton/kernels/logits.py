@@ -92,7 +92,7 @@ def head_greedy(
         int(Epilogue.NONE) | (ROUND_ONCE if round_once else 0),
         None,
         DTYPES[x.dtype],
-        DTYPES[weight.dtype],
+        weight.format,
         best.buffer_info()[0],
         logprob.buffer_info()[0],
         small_step_threads(),

@@ -23,6 +23,7 @@ from torch import nn
 
 from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
+from baton.model.quantize import release_weights
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 from baton.model.spec import ModelSpec
 
@@ -237,7 +238,7 @@ class Attention(nn.Module):
         self._o: FrozenLinear | None = None
         self._qk_norm: tuple[torch.Tensor, float] | None = None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, quantization: str | None = None) -> None:
         """Inference: one q|k|v matmul instead of three, and q and k normed and rotated as
         one tensor (a decode step of a small model is per-op overhead; the arithmetic is
         row by row, so the results are the same). The separate modules stay the
@@ -246,8 +247,11 @@ class Attention(nn.Module):
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
-        self._qkv = FrozenLinear(weight, bias)
-        self._o = FrozenLinear(self.o_proj.weight, self.o_proj.bias)
+        self._qkv = FrozenLinear(weight, bias, quantization=quantization)
+        self._o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, quantization=quantization)
+        del weight  # the concatenated copy: quantized, only the int8 one stays
+        if quantization is not None:
+            release_weights(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:
             assert self.q_norm.eps == self.k_norm.eps
             per_head = torch.cat(

@@ -18,6 +18,7 @@ from torch import nn
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import GatedMLP, RMSNorm
+from baton.model.quantize import QuantizedWeight, release_weights
 from baton.model.spec import ModelSpec
 
 
@@ -106,6 +107,8 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.frozen_head: FrozenLinear | None = None
         """The head as a ``FrozenLinear`` (``fuse_projections``), or None before."""
+        self.quantization: str | None = None
+        """The matmuls' quantization (``fuse_projections``), or None: as loaded."""
 
     def forward(
         self,
@@ -126,14 +129,27 @@ class CausalLM(nn.Module):
             x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
 
-    def fuse_projections(self) -> CausalLM:
+    def fuse_projections(self, quantization: str | None = None) -> CausalLM:
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
-        (weights are copied once)."""
+        (weights are copied once). quantization (``baton.model.quantize``): every matmul's
+        weight, the head's too, kept quantized and the float one dropped (a head tied to
+        the embedding keeps it: the embedding reads it)."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
-        self.frozen_head = FrozenLinear(self.lm_head.weight)
+                module.fuse_projections(quantization)
+        self.frozen_head = FrozenLinear(self.lm_head.weight, quantization=quantization)
+        if quantization is not None and self.lm_head.weight is not self.model.embed_tokens.weight:
+            release_weights(self.lm_head)
+        self.quantization = quantization
         return self
+
+    @property
+    def head_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The head's weight as the model computes with it (``FrozenLinear.effective_weight``
+        once fused): rows by ``index_select(0, ids)``."""
+        if self.frozen_head is not None:
+            return self.frozen_head.effective_weight
+        return self.lm_head.weight
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> raw [..., vocab] scores in the model's dtype (argmax-ready)."""

@@ -27,6 +27,7 @@ from torch import nn
 from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.frozen_linear import FrozenLinear
+from baton.model.quantize import release_weights
 from baton.model.layers import RMSNorm
 from baton.model.spec import SLIDING_ATTENTION, ModelSpec
 
@@ -89,12 +90,15 @@ class MTPDraft(nn.Module):
         self.rotary_emb = make_rotary(target_spec)
         self.frozen_eh: FrozenLinear | None = None
 
-    def fuse_projections(self) -> MTPDraft:
-        """Inference: as ``CausalLM.fuse_projections``."""
+    def fuse_projections(self, quantization: str | None = None) -> MTPDraft:
+        """Inference: as ``CausalLM.fuse_projections`` (the draft's matmuls quantized with
+        the target's)."""
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
-        self.frozen_eh = FrozenLinear(self.eh_proj.weight)
+                module.fuse_projections(quantization)
+        self.frozen_eh = FrozenLinear(self.eh_proj.weight, quantization=quantization)
+        if quantization is not None:
+            release_weights(self.eh_proj)
         return self
 
     def forward(

@@ -28,6 +28,7 @@ from baton.kernels.linear import (
     PackedRows,
     linear_rows,
 )
+from baton.model.quantize import QuantizedWeight, check_quantization, dequantize, quantize_int8
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -96,19 +97,33 @@ class FrozenLinear:
     with bitwise-equal results. Packed, the activation and ``mul``/``add``'s elementwise op
     run inside the matmul on its fp32 result (one rounding to bf16 instead of two or three):
     a 4096-token SwiGLU MLP in 13 vs 20 ms. NOTE: the packed copy is extra memory beside the
-    parameter."""
+    parameter.
+
+    quantization ``int8`` (``baton.model.quantize``): the weight is kept as int8 with a scale
+    per output channel and nothing else; few rows read its int8 panels (any size: every
+    call would otherwise dequantize), more rows dequantize it once per call for BLAS."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str = "none",
+        quantization: str | None = None,
     ) -> None:
         weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.activation = activation
+        self.quantized: QuantizedWeight | None = None
+        if check_quantization(quantization) == "int8":
+            self.quantized, weight = quantize_int8(weight), None
         self.packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, 1) if can_pack(weight) else None
+            torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            if weight is not None and can_pack(weight)
+            else None
         )
         self.weight = None if self.packed is not None else weight
-        """What ``F.linear`` reads: None when oneDNN's packed copy serves BLAS's calls."""
+        """What ``F.linear`` reads: None when oneDNN's packed copy serves BLAS's calls, or
+        the weight is quantized."""
         self._source = weight  # the parameter's own storage, no copy: what ``rows`` packs
         self._post = PACKED_ACTIVATIONS[activation]
         # NOTE: resolved once: the torch.ops lookup and overload dispatch cost microseconds
@@ -118,7 +133,9 @@ class FrozenLinear:
         self._rows: tuple[PackedRows, torch.Tensor | None] | None = None
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
-        self._few_rows = weight.numel() >= FEW_ROWS_MIN_WEIGHT and native_layers_enabled()
+        self._few_rows = native_layers_enabled() and (
+            self.quantized is not None or weight.numel() >= FEW_ROWS_MIN_WEIGHT
+        )
         self._max_few_rows = MAX_ROWS_BESIDE_ONEDNN if self.packed is not None else MAX_ROWS
 
     @property
@@ -133,8 +150,12 @@ class FrozenLinear:
         serves large steps) this is a third copy of the weight, for small steps (a batch-1
         step 0.48 vs 1.53 ms op by op through oneDNN on a Zen 5, ``benchmarks/step_cost.py``)."""
         if self._rows is None and native_layers_enabled():
-            weight, bias = self._narrowed()
-            self._rows = (PackedRows(weight), bias)
+            if self.quantized is not None:  # linear.c reads an int8 weight's bias in fp32
+                q, bias = self.quantized, None if self.bias is None else self.bias.float()
+                self._rows = (PackedRows.quantized(q.q, q.scale), bias)
+            else:
+                weight, bias = self._narrowed()
+                self._rows = (PackedRows(weight), bias)
         return self._rows
 
     def few_rows_kernel(self) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
@@ -189,11 +210,19 @@ class FrozenLinear:
         return x.numel() <= self._max_few_rows * x.shape[-1]
 
     def _blas(self, x: torch.Tensor) -> torch.Tensor:
-        """``__call__`` through oneDNN (packed) or ``F.linear``."""
+        """``__call__`` through oneDNN (packed) or ``F.linear`` (a quantized weight: on its
+        values dequantized for this call, in x's dtype)."""
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
-        return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
+        weight = self.weight if self.quantized is None else dequantize(self.quantized, x.dtype)
+        return ACT_FNS[self.activation](F.linear(x, weight, self.bias))
+
+    @property
+    def effective_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The weight this matmul multiplies by: the float weight, or the quantized one
+        (``QuantizedWeight.index_select`` gives rows of its values)."""
+        return self.quantized if self.quantized is not None else self._source
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other`` (no activation)."""

@@ -17,6 +17,7 @@ from torch import nn
 from baton.kernels.linear import PackedRows
 from baton.kernels.norm import rms_norm
 from baton.model.frozen_linear import ACT_FNS, FrozenLinear
+from baton.model.quantize import release_weights
 from baton.model.spec import RopeSpec
 
 
@@ -133,12 +134,16 @@ class GatedMLP(nn.Module):
         self._up: FrozenLinear | None = None
         self._down: FrozenLinear | None = None
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, quantization: str | None = None) -> None:
         """Inference: gate with its activation inside the matmul, up times it inside its
-        own, down (plus the residual) likewise: every matmul a ``FrozenLinear``."""
-        self._gate = FrozenLinear(self.gate_proj.weight, self.gate_proj.bias, self.act_name)
-        self._up = FrozenLinear(self.up_proj.weight, self.up_proj.bias)
-        self._down = FrozenLinear(self.down_proj.weight, self.down_proj.bias)
+        own, down (plus the residual) likewise: every matmul a ``FrozenLinear`` (quantized:
+        see ``baton.model.quantize``)."""
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        self._gate = FrozenLinear(gate.weight, gate.bias, self.act_name, quantization)
+        self._up = FrozenLinear(up.weight, up.bias, quantization=quantization)
+        self._down = FrozenLinear(down.weight, down.bias, quantization=quantization)
+        if quantization is not None:
+            release_weights(gate, up, down)
 
     @property
     def rounds_once(self) -> bool:
