@@ -205,8 +205,8 @@ class LLMEngine:
     def platform_info(self) -> dict:
         """``Platform.as_dict`` plus the compute dtype and the weights' quantization: what
         ``/health`` reports."""
-        quantization = self.config.quantization or "none"
-        return {**platform.current().as_dict(), "dtype": self.dtype_name, "quantization": quantization}
+        info = {"dtype": self.dtype_name, "quantization": self.config.quantization or "none"}
+        return {**platform.current().as_dict(), **info}
 
     # -- requests --------------------------------------------------------------------------
     def add_request(

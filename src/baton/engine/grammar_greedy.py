@@ -56,7 +56,11 @@ class GreedyUnderGrammar:
         if head.bias is None:
             x = torch.cat([p[0] for p in picks])  # [F, H]
             found = best_allowed_of_few(
-                x, self.model.head_weight, [p[1] for p in picks], [p[2] for p in picks], [p[3] for p in picks]
+                x,
+                self.model.head_weight,
+                [p[1] for p in picks],
+                [p[2] for p in picks],
+                [p[3] for p in picks],
             )
         return [
             f if f is not None else best_allowed(self.model.logits_of(self.model.head(p[0])), p[1])

@@ -23,8 +23,8 @@ from torch import nn
 
 from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
-from baton.model.quantize import release_weights
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from baton.model.quantize import release_weights
 from baton.model.spec import ModelSpec
 
 if TYPE_CHECKING:

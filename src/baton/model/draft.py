@@ -27,8 +27,8 @@ from torch import nn
 from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.frozen_linear import FrozenLinear
-from baton.model.quantize import release_weights
 from baton.model.layers import RMSNorm
+from baton.model.quantize import release_weights
 from baton.model.spec import SLIDING_ATTENTION, ModelSpec
 
 DRAFT_CONFIG_FILE = "mtp_config.json"
