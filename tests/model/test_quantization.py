@@ -157,7 +157,8 @@ def test_int8_generation_stays_close_to_the_float_model(float_llm, int8_llm):
     agree = total = 0
     for a, b in zip(want, got, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        first_diff = next((i for i, (u, v) in enumerate(zip(ta, tb, strict=False)) if u != v), len(ta))
+        pairs = enumerate(zip(ta, tb, strict=False))
+        first_diff = next((i for i, (u, v) in pairs if u != v), len(ta))
         agree += first_diff
         total += len(ta)
     assert agree / total >= 0.5, (agree, total)
