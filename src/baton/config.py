@@ -238,8 +238,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
-                f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                f"got {self.quantization!r}"
+                f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
             )
         if self.keep_warm_s < 0:
             raise ValueError(f"keep_warm_s must be >= 0 seconds, got {self.keep_warm_s}")

@@ -267,9 +267,9 @@ def best_allowed_of_few(
     soft-cap; a tensor, or anything with its ``shape`` and ``index_select(0, ids)`` -- a
     quantized head's ``QuantizedWeight``) whose raw argmax (log-probability ``logprobs``)
     each row's grammar forbids, scoring only the tokens the grammars allow -- few, mostly,
-    in JSON: a key, a digit, a bracket. fp64, so a row's pick does not depend on which rows share the product. A row's
-    log-sum-exp comes from its argmax (lse = its score - its log-probability). None for a
-    row whose grammar allows more than ``MAX_GATHERED_TOKENS``."""
+    in JSON: a key, a digit, a bracket. fp64, so a row's pick does not depend on which rows
+    share the product. A row's log-sum-exp comes from its argmax (lse = its score - its
+    log-probability). None for a row whose grammar allows more than ``MAX_GATHERED_TOKENS``."""
     vocab_size = weight.shape[0]
     masks = compute_masks(matchers, vocab_size)
     bits = allowed_bits(masks, vocab_size)  # [F, V]
