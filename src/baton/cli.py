@@ -36,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
     llm = LLM(
         args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         num_threads=args.threads,
         speculative=None if args.speculative else False,
     )

@@ -32,7 +32,8 @@ def _cpu_list(text: str) -> list[int]:
 
 
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    from baton.config import DTYPES
+    """--dtype and --quantization: what the weights compute in."""
+    from baton.config import DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--dtype",
@@ -40,6 +41,13 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
         choices=DTYPES,
         help="compute dtype; auto: the checkpoint's where this CPU computes it natively, "
         "else float32 (a bf16 checkpoint on a CPU without native bf16)",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantization at load time (int8: symmetric per output channel); "
+        "default: the checkpoint's weights",
     )
 
 

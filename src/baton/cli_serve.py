@@ -30,6 +30,8 @@ finish before their connections are closed (a stuck one never keeps the process 
 
 def engine_options(args: argparse.Namespace) -> dict:
     options = {"dtype": args.dtype, "num_threads": args.threads}
+    if args.quantization:
+        options["quantization"] = args.quantization
     if args.small_step_threads:
         options["small_step_threads"] = args.small_step_threads
     if args.max_model_len:

@@ -348,6 +348,7 @@ def _url_host(host: str) -> str:
 def _serve_args(model: str, options: dict, served_model_name: str | None) -> list[str]:
     flags = {
         "dtype": "--dtype",
+        "quantization": "--quantization",
         "num_threads": "--threads",
         "max_model_len": "--max-model-len",
         "num_speculative_tokens": "--num-speculative-tokens",

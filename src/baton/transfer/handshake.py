@@ -72,7 +72,8 @@ def _weight_sizes(model_dir: Path, names: list[str]) -> dict[str, int]:
 
 def model_identity(model_dir: str | os.PathLike) -> dict[str, Any]:
     """The target model's identity: architecture, sha256 of ``config.json``, weight file
-    names and sizes (``model.safetensors`` or the shards of its index)."""
+    names and sizes (``model.safetensors`` or the shards of its index); ``build_hello``
+    adds the engine's weight quantization."""
     model_dir = Path(model_dir)
     config_path = model_dir / CONFIG_FILE
     if not config_path.is_file():
@@ -132,7 +133,8 @@ def build_hello(
         protocol_version=PROTOCOL_VERSION,
         worker_id=worker_id,
         role=role,
-        model=model_identity(model_dir),
+        # the weights decode computes with: quantized ones give other keys, values and tokens
+        model={**model_identity(model_dir), "quantization": config.quantization or "none"},
         draft=draft,
         speculative=SpeculativeConfig(
             enabled=draft is not None,
