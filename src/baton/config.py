@@ -218,6 +218,9 @@ class EngineConfig:
     """Weight-only quantization of every matmul (``QUANTIZATIONS``: ``int8``, symmetric per
     output channel, quantized at load time: ``baton.model.quantize``); None computes with
     the checkpoint's weights."""
+    quantize_draft: bool = True
+    """With ``quantization``: the MTP draft's own matmuls (its projection and layer) are
+    quantized too; False keeps them as loaded (the head is the target's, quantized)."""
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None

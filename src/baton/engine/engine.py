@@ -153,7 +153,7 @@ class LLMEngine:
         use_draft = config.speculative is not False
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
-            draft.fuse_projections(config.quantization)
+            draft.fuse_projections(config.quantization if config.quantize_draft else None)
         if config.speculative and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"

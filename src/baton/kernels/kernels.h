@@ -155,13 +155,18 @@ void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 int baton_threads_for(int64_t work, int64_t per_thread, int threads);
 
 /* A packed weight's format (linear.c's panels; baton/kernels/linear.py ``WEIGHT_FORMATS``):
- * fp32, bf16, or int8 (symmetric per output column: each panel's k x 16 int8 values, then
- * its 16 columns' fp32 scales; the bias of an int8 weight is fp32). */
+ * fp32, bf16, or int8 (symmetric per output column: each panel's 16 columns x k int8 values
+ * in quads of inputs, k padded to whole quads, then its 16 columns' fp32 scales; the bias of
+ * an int8 weight is fp32). */
 enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+
+/* k rounded up to whole quads of inputs (an int8 panel's and its rows' length). */
+static inline int64_t baton_int8_quads(int64_t k) { return (k + 3) / 4; }
 
 /* The bytes of one panel of `k` inputs in format `w_format`. */
 static inline int64_t baton_panel_bytes(int64_t k, int w_format) {
-    return w_format == W_INT8 ? 16 * k + 16 * (int64_t)sizeof(float) : 16 * k * (w_format ? 2 : 4);
+    if (w_format == W_INT8) return 64 * baton_int8_quads(k) + 16 * (int64_t)sizeof(float);
+    return 16 * k * (w_format ? 2 : 4);
 }
 
 /* Element i of a bias of a weight in format `w_format`, as fp32. */

@@ -59,25 +59,19 @@ enum { GROUP = 6, PANEL = 16, MACS_PER_THREAD = 32768, TASKS_PER_THREAD = 4 };
 /* The column a bf16 panel holds at position p of one i (see the layout above). */
 static inline int bf16_column(int p) { return (p & 1) * 8 + p / 2; }
 
-/* tile_R: tile_R_of with the weight format a constant in each copy. */
+/* tile_R: tile_R_of with the weight format (fp32 or bf16) a constant in each copy. */
 #define DISPATCH_TILE(R)                                                                      \
     static void tile_##R(const float *x, int k, const void *p, int w_format, float *out) {    \
         if (w_format == W_BF16)                                                               \
             tile_##R##_of(x, k, p, W_BF16, out);                                              \
-        else if (w_format == W_INT8)                                                          \
-            tile_##R##_of(x, k, p, W_INT8, out);                                              \
         else                                                                                  \
             tile_##R##_of(x, k, p, W_F32, out);                                               \
     }
 
 #if defined(HAVE_AVX512)
 /* w[16 b + c, i] for the panel's 16 columns c (already at panel b); in bf16 in the panel's
- * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores; in
- * int8 the integer (its column's scale applies after the sum). */
+ * order (lane 2 c + h holds column 8 h + c), which the tile puts right when it stores. */
 static inline __m512 load16(const void *p, int64_t i, const int w_format) {
-    if (w_format == W_INT8)
-        return _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + 16 * i))));
     if (w_format == W_BF16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -117,14 +111,9 @@ static inline __m512 load16(const void *p, int64_t i, const int w_format) {
     }                                                                                         \
     DISPATCH_TILE(R)
 #elif defined(HAVE_AVX2)
-/* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b); in int8
- * the integers (each column's scale applies after the sum). */
+/* w[16 b + c, i] for c < 8 (lo) and c >= 8 (hi) of panel `p` (already at panel b). */
 static inline void load16(const void *p, int64_t i, const int w_format, __m256 *lo, __m256 *hi) {
-    if (w_format == W_INT8) {
-        const int8_t *q = (const int8_t *)p + 16 * i;
-        *lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
-        *hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8))));
-    } else if (w_format == W_BF16) {
+    if (w_format == W_BF16) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + 16 * i));
         *lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
         *hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
@@ -173,11 +162,6 @@ static inline void load16(const void *p, int64_t i, const int w_format, __m256 *
     }                                                                                         \
     DISPATCH_TILE(R)
 #else
-/* Element j of a panel in format `w_format`, as fp32 (int8: the integer). */
-static inline float weight_at(const void *p, int64_t j, int w_format) {
-    return w_format == W_INT8 ? (float)((const int8_t *)p)[j] : to_f32(p, j, w_format == W_BF16);
-}
-
 /* Portable C, the same sums in the same order. */
 #define DEFINE_TILE(R, U)                                                                     \
     static void tile_##R(const float *x, int k, const void *p, int w_format, float *out) {    \
@@ -188,14 +172,14 @@ static inline float weight_at(const void *p, int64_t j, int w_format) {
             for (int u = 0; u < U; u++)                                                       \
                 for (int q = 0; q < 16; q++) {                                                \
                     const int c = w_format == W_BF16 ? bf16_column(q) : q;                    \
-                    const float w = weight_at(p, 16 * (int64_t)(i + u) + q, w_format);        \
+                    const float w = to_f32(p, 16 * (int64_t)(i + u) + q, w_format);        \
                     for (int r = 0; r < R; r++)                                               \
                         acc[u][r][c] = fmaf(w, x[(int64_t)r * k + i + u], acc[u][r][c]);      \
                 }                                                                             \
         for (; i < k; i++)                                                                    \
             for (int q = 0; q < 16; q++) {                                                    \
                 const int c = w_format == W_BF16 ? bf16_column(q) : q;                        \
-                const float w = weight_at(p, 16 * (int64_t)i + q, w_format);                  \
+                const float w = to_f32(p, 16 * (int64_t)i + q, w_format);                  \
                 for (int r = 0; r < R; r++)                                                   \
                     acc[0][r][c] = fmaf(w, x[(int64_t)r * k + i], acc[0][r][c]);              \
             }                                                                                 \
@@ -303,6 +287,87 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
 #define HAVE_PAIRS 0
 #endif
 
+/* int8 weights times int8 rows (W8A8): each row quantized to int8 for the call (symmetric,
+ * its own scale: max |x| / 127, round to nearest even), then exact integer sums -- where
+ * the CPU's int8 multiply-adds are 2-4x denser than fp32 FMAs and a weight is a byte. A
+ * panel holds, per quad j of inputs (k padded with zeros to whole quads), 16 columns x 4
+ * bytes: w[16 b + c, 4 j + t] at [j][c][t], so one 32-byte load is 8 columns' quads. On
+ * AVX2 (and the AVX-512 builds, which run the same 256-bit code) vpmaddubsw multiplies
+ * |x| (unsigned) by w with x's sign (vpsignb) and adds pairs into 16 bits -- at most 2 x
+ * 127 x 127, no saturation -- and vpmaddwd adds the pairs into 32 bits: a quad of inputs
+ * for 8 columns in 4 instructions, its broadcast shared by the row's two halves.
+ * out[r * 16 + c] = the sum over k of xq[r, i] w[c, i], exact (int32). */
+#define DEFINE_INT8_TILE(R)                                                                   \
+    static void int8_tile_##R(const int8_t *xq, const uint8_t *xa, int64_t stride, int quads, \
+                              const int8_t *p, int32_t *out) {                                \
+        INT8_TILE_BODY(R)                                                                     \
+    }
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#define INT8_TILE_BODY(R)                                                                     \
+    __m256i acc[R][2];                                                                        \
+    const __m256i ones = _mm256_set1_epi16(1);                                                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] =               \
+        _mm256_setzero_si256();                                                               \
+    for (int j = 0; j < quads; j++) {                                                         \
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j));        \
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j + 32));   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            int32_t sq, aq;                                                                   \
+            memcpy(&sq, xq + r * stride + 4 * (int64_t)j, 4);                                 \
+            memcpy(&aq, xa + r * stride + 4 * (int64_t)j, 4);                                 \
+            const __m256i xs = _mm256_set1_epi32(sq), xu = _mm256_set1_epi32(aq);             \
+            acc[r][0] = _mm256_add_epi32(                                                     \
+                acc[r][0],                                                                    \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w0, xs)), ones)); \
+            acc[r][1] = _mm256_add_epi32(                                                     \
+                acc[r][1],                                                                    \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w1, xs)), ones)); \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
+        _mm256_storeu_si256((__m256i *)(out + r * 16), acc[r][0]);                            \
+        _mm256_storeu_si256((__m256i *)(out + r * 16 + 8), acc[r][1]);                        \
+    }
+#else
+#define INT8_TILE_BODY(R)                                                                     \
+    (void)xa;                                                                                 \
+    for (int r = 0; r < R; r++)                                                               \
+        for (int c = 0; c < 16; c++) {                                                        \
+            int32_t sum = 0;                                                                  \
+            for (int j = 0; j < quads; j++)                                                   \
+                for (int t = 0; t < 4; t++)                                                   \
+                    sum += (int32_t)xq[r * stride + 4 * (int64_t)j + t] *                     \
+                           p[64 * (int64_t)j + 4 * c + t];                                    \
+            out[r * 16 + c] = sum;                                                            \
+        }
+#endif
+DEFINE_INT8_TILE(1)
+DEFINE_INT8_TILE(2)
+DEFINE_INT8_TILE(3)
+DEFINE_INT8_TILE(4)
+DEFINE_INT8_TILE(5)
+DEFINE_INT8_TILE(6)
+typedef void (*int8_tile_fn)(const int8_t *, const uint8_t *, int64_t, int, const int8_t *,
+                             int32_t *);
+static const int8_tile_fn INT8_TILES[GROUP + 1] = {
+    NULL, int8_tile_1, int8_tile_2, int8_tile_3, int8_tile_4, int8_tile_5, int8_tile_6};
+
+/* Row r of x (k values, bf16 or fp32) as int8: xq = round(x / scale) (ties to even), xa =
+ * |xq|, both zero-padded to kq; returns scale = max |x| / 127 (0 for a zero row). */
+static float quantize_row(const void *x, int64_t at, int k, int kq, int bf, int8_t *xq,
+                          uint8_t *xa) {
+    float amax = 0.0f;
+    for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(to_f32(x, at + i, bf)));
+    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int i = 0; i < kq; i++) {
+        const int v = i < k ? (int)nearbyintf(to_f32(x, at + i, bf) * inv) : 0;
+        const int q = v > 127 ? 127 : v < -127 ? -127 : v;
+        xq[i] = (int8_t)q;
+        xa[i] = (uint8_t)(q < 0 ? -q : q);
+    }
+    return scale;
+}
+
 /* silu(u) = u sigmoid(u), the sigmoid from e = exp(-|u|) <= 1 (fastmath.h's polynomial: no
  * overflow, and plain arithmetic, so that finish's loop vectorises -- libm's expf, one call
  * per element, took longer than the pair tiles' multiply-adds of a few rows: a 5-row gate
@@ -366,6 +431,9 @@ static void finish(const float *d, const float *scale, int j0, int count, const 
 typedef struct Job {
     const float *xf;    /* the rows in fp32, contiguous (or NULL: xb) */
     const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
+    const int8_t *xq;   /* int8 weights: the rows as int8 (kp apart: whole quads) */
+    const uint8_t *xa;  /* |xq| */
+    const float *xs;    /* each row's scale */
     int32_t m, k, kp, n, op, act_bf16, w_format;
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
@@ -380,13 +448,22 @@ typedef struct Job {
 static void some_panels(const Job *J, int blk, int count) {
     const int m = J->m, k = J->k, n = J->n;
     float block[2][GROUP * PANEL]; /* the group's rows' outputs, per panel */
-    const int64_t panel_elems = (int64_t)PANEL * k, panel_bytes = baton_panel_bytes(k, J->w_format);
-    const void *panel = (const char *)J->w + blk * panel_bytes;
+    const int64_t panel_elems = (int64_t)PANEL * k; /* the pair tiles' second panel */
+    const void *panel = (const char *)J->w + blk * baton_panel_bytes(k, J->w_format);
+    (void)panel_elems;
     /* int8: the panel's column scales follow its values (one panel: count is 1) */
-    const float *scale =
-        J->w_format == W_INT8 ? (const float *)((const char *)panel + panel_elems) : NULL;
+    const int int8 = J->w_format == W_INT8;
+    const float *scale = int8 ? (const float *)((const char *)panel + 16 * (int64_t)J->kp) : NULL;
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
+        if (int8) {
+            int32_t sums[GROUP * PANEL];
+            INT8_TILES[rows](J->xq + (int64_t)g * J->kp, J->xa + (int64_t)g * J->kp, J->kp,
+                             J->kp / 4, panel, sums);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < PANEL; c++)
+                    block[0][r * PANEL + c] = (float)sums[r * PANEL + c] * J->xs[g + r];
+        } else
 #if HAVE_PAIRS
         if (J->xb != NULL)
             PAIR_TILES[count - 1][rows](J->xb + (int64_t)g * J->kp, k, J->kp, panel,
@@ -432,13 +509,22 @@ static void some_blocks(void *ctx, int task, int worker) {
 static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     const int m = job->m, k = job->k, n = job->n;
     /* The rows every weight row is multiplied into, contiguous: in bf16 for the pair tiles
-     * (zero-padded to an even kp), else in fp32. */
-    const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_format == W_BF16, kp = k + (k & 1);
-    float *xf = pairs ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
+     * (zero-padded to an even kp), as int8 for int8 weights (kp: whole quads, each row's
+     * scale after the m rows), else in fp32. */
+    const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_format == W_BF16;
+    const int int8 = job->w_format == W_INT8;
+    const int kp = int8 ? 4 * (int)baton_int8_quads(k) : k + (k & 1);
+    float *xf = pairs || int8 ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
     uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
-    if (xf == NULL && xb == NULL) return 1;
+    int8_t *xq = int8 ? malloc((size_t)m * (size_t)kp * 2 + (size_t)m * sizeof(float)) : NULL;
+    if (xf == NULL && xb == NULL && xq == NULL) return 1;
+    uint8_t *xa = int8 ? (uint8_t *)xq + (size_t)m * kp : NULL;
+    float *xs = int8 ? (float *)((char *)xq + (size_t)m * kp * 2) : NULL;
     for (int r = 0; r < m; r++) {
-        if (pairs)
+        if (int8)
+            xs[r] = quantize_row(x, (int64_t)r * x_stride, k, kp, job->act_bf16,
+                                 xq + (int64_t)r * kp, xa + (int64_t)r * kp);
+        else if (pairs)
             memcpy(xb + (int64_t)r * kp, (const uint16_t *)x + (int64_t)r * x_stride,
                    (size_t)k * sizeof(uint16_t));
         else
@@ -451,10 +537,12 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     int per_task = panels / (TASKS_PER_THREAD * threads);
     if (per_task < 1) per_task = 1;
     for (Job *j = job; j != NULL; j = j->then) /* the same rows, the same tasks */
-        j->xf = xf, j->xb = xb, j->kp = kp, j->per_task = per_task;
+        j->xf = xf, j->xb = xb, j->xq = xq, j->xa = xa, j->xs = xs, j->kp = kp,
+        j->per_task = per_task;
     baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
+    free(xq);
     return 0;
 }
 
@@ -462,8 +550,8 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads) {
-    Job job = {NULL, NULL, m, k, 0, n, op, act_bf16, w_format, w, bias, other, other_stride,
-               y_stride, y, 0, NULL};
+    Job job = {NULL, NULL, NULL, NULL, NULL, m,     k,  0, n, op, act_bf16, w_format, w, bias,
+               other, other_stride, y_stride, y, 0, NULL};
     return run(&job, x, x_stride, num_threads);
 }
 
@@ -475,9 +563,9 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
                      int32_t w_format, int32_t num_threads) {
-    Job second = {NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias, g, n, n, u, 0,
-                  NULL};
-    Job first = {NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate, gate_bias, NULL, 0, n,
-                 g, 0, &second};
+    Job second = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias,
+                  g, n, n, u, 0, NULL};
+    Job first = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate,
+                 gate_bias, NULL, 0, n, g, 0, &second};
     return run(&first, x, x_stride, num_threads);
 }

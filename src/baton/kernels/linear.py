@@ -63,10 +63,18 @@ class PackedRows:
     @classmethod
     def quantized(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedRows:
         """An int8 weight ``q`` [n, k] whose row j means ``q[j] * scale[j]`` (fp32 [n]): each
-        panel's k x 16 integers, then its 16 columns' fp32 scales (linear.c's ``W_INT8``)."""
+        panel's integers by quads of inputs (k padded with zeros to whole quads; quad j
+        holds ``w[16 b + c, 4 j + t]`` at ``[j, c, t]``), then its 16 columns' fp32 scales
+        (linear.c's ``W_INT8``)."""
         n, k = q.shape
         assert q.dtype == torch.int8 and scale.shape == (n,) and scale.dtype == torch.float32
-        values = _panels(q.detach()).contiguous().reshape(-1, k * PANEL)
+        q = q.detach()
+        if k % 4:
+            q = torch.cat((q, q.new_zeros(n, -k % 4)), dim=1)
+        quads = q.shape[1] // 4
+        panels = _panels(q).transpose(1, 2)  # [panels, column, k]
+        values = panels.reshape(-1, PANEL, quads, 4).transpose(1, 2).contiguous()
+        values = values.reshape(-1, quads * 4 * PANEL)
         scales = _panels(scale.detach().reshape(n, 1)).contiguous().reshape(-1, PANEL)
         self = cls.__new__(cls)
         self.data = torch.cat((values.view(torch.uint8), scales.view(torch.uint8)), dim=1)
