@@ -26,6 +26,10 @@ def _engine(quantization: str | None = "int8") -> LLMEngine:
     return LLMEngine(MODEL, EngineConfig.from_kwargs(dtype="float32", quantization=quantization))
 
 
+def _hello(engine: LLMEngine, role: str):
+    return build_hello(engine, engine.model_dir, worker_id=role, role=role, backend="loopback")
+
+
 @pytest.fixture(scope="module")
 def colocated():
     return _engine()
@@ -40,10 +44,7 @@ def test_pd_with_int8_weights_equals_colocated_int8(colocated):
     expected = [done[i] for i in ids]
 
     prefill_engine, decode_engine = _engine(), _engine()
-    check_pairing(
-        build_hello(decode_engine, decode_engine.model_dir, worker_id="d", role="decode", backend="loopback"),
-        build_hello(prefill_engine, prefill_engine.model_dir, worker_id="p", role="prefill", backend="loopback"),
-    )
+    check_pairing(_hello(decode_engine, "decode"), _hello(prefill_engine, "prefill"))
     receiver = LoopbackBackend()
     regions = {
         c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
@@ -73,10 +74,7 @@ def test_pd_with_int8_weights_equals_colocated_int8(colocated):
 
 def test_a_pair_whose_quantization_differs_is_refused_by_name(colocated):
     plain = _engine(None)
-    decode = build_hello(colocated, colocated.model_dir, worker_id="d", role="decode", backend="loopback")
-    prefill = build_hello(plain, plain.model_dir, worker_id="p", role="prefill", backend="loopback")
+    decode, prefill = _hello(colocated, "decode"), _hello(plain, "prefill")
     with pytest.raises(PairingError) as info:
         check_pairing(decode, prefill)
-    assert "model identity: quantization differs (decode 'int8', prefill 'none')" in str(
-        info.value
-    )
+    assert "model identity: quantization differs (decode 'int8', prefill 'none')" in str(info.value)
