@@ -212,3 +212,19 @@ def test_int8_speculation_equals_int8_plain_greedy(int8_llm):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     lengths = [n for out in spec for n in out.metrics.accepted_lengths]
     assert lengths and sum(lengths) / len(lengths) > 1.5, lengths
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_the_prompt_path_dequantizes_in_blocks_with_the_same_values(act, monkeypatch):
+    """A weight larger than one block goes through BLAS block by block of output rows: the
+    same values as one dequantized matmul."""
+    import baton.model.quantize as quantize
+
+    g = torch.Generator().manual_seed(3)
+    qw = quantize_int8(torch.randn(50, 24, generator=g))
+    x = torch.randn(3, 70, 24, generator=g).to(act)
+    bias = torch.randn(50, generator=g).to(act)
+    want = F.linear(x, dequantize(qw, act), bias)
+    torch.testing.assert_close(quantize.dequantized_linear(x, qw, bias), want)
+    monkeypatch.setattr(quantize, "DEQUANTIZE_BLOCK", 24 * 7)  # 7 rows at a time
+    torch.testing.assert_close(quantize.dequantized_linear(x, qw, bias), want)

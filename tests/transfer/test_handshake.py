@@ -226,7 +226,7 @@ def test_identities_hash_configs_and_weight_sizes(model_dir):
 
 def test_build_hello_from_an_engine(model_dir):
     engine = SimpleNamespace(
-        registry=make_registry(), config=EngineConfig(), num_speculative_tokens=3
+        registry=make_registry(), config=EngineConfig(), num_speculative_tokens=3, quantization=None
     )
     local = build_hello(engine, model_dir, worker_id="p0", role="prefill", backend="shm")
     assert local.speculative == SpeculativeConfig(enabled=True, num_speculative_tokens=3)
@@ -234,7 +234,10 @@ def test_build_hello_from_an_engine(model_dir):
     assert msgspec.structs.asdict(decode(encode(local))) == msgspec.structs.asdict(local)
 
     engine_off = SimpleNamespace(
-        registry=make_registry(), config=EngineConfig(speculative=False), num_speculative_tokens=0
+        registry=make_registry(),
+        config=EngineConfig(speculative=False),
+        num_speculative_tokens=0,
+        quantization=None,
     )
     remote = build_hello(engine_off, model_dir, worker_id="d0", role="decode", backend="shm")
     assert remote.draft is None and not remote.speculative.enabled

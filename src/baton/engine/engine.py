@@ -100,7 +100,7 @@ class LLMEngine:
             fallback = " (native kernels unavailable: torch paths, see the warning above)"
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
-            + (f"; weights {config.quantization}" if config.quantization else "")
+            + (f"; weights {self.model.quantization}" if self.model.quantization else "")
             + (f"; --threads {config.num_threads}" if config.num_threads else "")
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
@@ -153,7 +153,7 @@ class LLMEngine:
         use_draft = config.speculative is not False
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
-            draft.fuse_projections(config.quantization if config.quantize_draft else None)
+            draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
         if config.speculative and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"
@@ -202,10 +202,16 @@ class LLMEngine:
         return proposer
 
     @property
+    def quantization(self) -> str | None:
+        """What the matmuls compute with: ``--quantization`` or a pre-quantized checkpoint's
+        (None: the checkpoint's float weights)."""
+        return self.model.quantization
+
+    @property
     def platform_info(self) -> dict:
         """``Platform.as_dict`` plus the compute dtype and the weights' quantization: what
         ``/health`` reports."""
-        info = {"dtype": self.dtype_name, "quantization": self.config.quantization or "none"}
+        info = {"dtype": self.dtype_name, "quantization": self.model.quantization or "none"}
         return {**platform.current().as_dict(), **info}
 
     # -- requests --------------------------------------------------------------------------

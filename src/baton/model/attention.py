@@ -24,7 +24,7 @@ from torch import nn
 from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from baton.model.quantize import release_weights
+from baton.model.quantize import concat_rows, linear_weight, release_weights
 from baton.model.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -243,12 +243,13 @@ class Attention(nn.Module):
         one tensor (a decode step of a small model is per-op overhead; the arithmetic is
         row by row, so the results are the same). The separate modules stay the
         parameters' owners (checkpoint names, training)."""
-        weight = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+        weight = concat_rows([linear_weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)])
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
         self._qkv = FrozenLinear(weight, bias, quantization=quantization)
-        self._o = FrozenLinear(self.o_proj.weight, self.o_proj.bias, quantization=quantization)
+        o = linear_weight(self.o_proj)
+        self._o = FrozenLinear(o, self.o_proj.bias, quantization=quantization)
         del weight  # the concatenated copy: quantized, only the int8 one stays
         if quantization is not None:
             release_weights(self.q_proj, self.k_proj, self.v_proj, self.o_proj)

@@ -18,7 +18,7 @@ from torch import nn
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import GatedMLP, RMSNorm
-from baton.model.quantize import QuantizedWeight, release_weights
+from baton.model.quantize import QuantizedWeight, linear_weight, release_weights
 from baton.model.spec import ModelSpec
 
 
@@ -109,6 +109,9 @@ class CausalLM(nn.Module):
         """The head as a ``FrozenLinear`` (``fuse_projections``), or None before."""
         self.quantization: str | None = None
         """The matmuls' quantization (``fuse_projections``), or None: as loaded."""
+        self.checkpoint_quantization: str | None = None
+        """Set by the loader of a pre-quantized checkpoint (its projections carry
+        ``quantized`` weights): the quantization the model computes with."""
 
     def forward(
         self,
@@ -133,11 +136,14 @@ class CausalLM(nn.Module):
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
         (weights are copied once). quantization (``baton.model.quantize``): every matmul's
         weight, the head's too, kept quantized and the float one dropped (a head tied to
-        the embedding keeps it: the embedding reads it)."""
+        the embedding keeps it: the embedding reads it); a pre-quantized checkpoint's
+        (``checkpoint_quantization``) is kept as it is whatever ``quantization`` says."""
+        quantization = self.checkpoint_quantization or quantization
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections(quantization)
-        self.frozen_head = FrozenLinear(self.lm_head.weight, quantization=quantization)
+        head = linear_weight(self.lm_head)
+        self.frozen_head = FrozenLinear(head, quantization=quantization)
         if quantization is not None and self.lm_head.weight is not self.model.embed_tokens.weight:
             release_weights(self.lm_head)
         self.quantization = quantization

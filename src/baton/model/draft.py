@@ -28,7 +28,7 @@ from baton.model.attention import AttentionBackend, make_rotary
 from baton.model.decoder import CausalLM, DecoderLayer
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import RMSNorm
-from baton.model.quantize import release_weights
+from baton.model.quantize import linear_weight, release_weights
 from baton.model.spec import SLIDING_ATTENTION, ModelSpec
 
 DRAFT_CONFIG_FILE = "mtp_config.json"
@@ -96,7 +96,7 @@ class MTPDraft(nn.Module):
         for module in self.modules():
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections(quantization)
-        self.frozen_eh = FrozenLinear(self.eh_proj.weight, quantization=quantization)
+        self.frozen_eh = FrozenLinear(linear_weight(self.eh_proj), quantization=quantization)
         if quantization is not None:
             release_weights(self.eh_proj)
         return self

@@ -28,7 +28,12 @@ from baton.kernels.linear import (
     PackedRows,
     linear_rows,
 )
-from baton.model.quantize import QuantizedWeight, check_quantization, dequantize, quantize_int8
+from baton.model.quantize import (
+    QuantizedWeight,
+    check_quantization,
+    dequantized_linear,
+    quantize_int8,
+)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -105,17 +110,20 @@ class FrozenLinear:
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | QuantizedWeight,
         bias: torch.Tensor | None = None,
         activation: str = "none",
         quantization: str | None = None,
     ) -> None:
-        weight = weight.detach()
         self.bias = None if bias is None else bias.detach()
         self.activation = activation
         self.quantized: QuantizedWeight | None = None
-        if check_quantization(quantization) == "int8":
+        if isinstance(weight, QuantizedWeight):  # a pre-quantized checkpoint's, as it is
+            self.quantized, weight = weight, None
+        elif check_quantization(quantization) == "int8":
             self.quantized, weight = quantize_int8(weight), None
+        else:
+            weight = weight.detach()
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if weight is not None and can_pack(weight)
@@ -215,8 +223,9 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
-        weight = self.weight if self.quantized is None else dequantize(self.quantized, x.dtype)
-        return ACT_FNS[self.activation](F.linear(x, weight, self.bias))
+        if self.quantized is not None:
+            return ACT_FNS[self.activation](dequantized_linear(x, self.quantized, self.bias))
+        return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     @property
     def effective_weight(self) -> torch.Tensor | QuantizedWeight:

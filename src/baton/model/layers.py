@@ -17,7 +17,7 @@ from torch import nn
 from baton.kernels.linear import PackedRows
 from baton.kernels.norm import rms_norm
 from baton.model.frozen_linear import ACT_FNS, FrozenLinear
-from baton.model.quantize import release_weights
+from baton.model.quantize import linear_weight, release_weights
 from baton.model.spec import RopeSpec
 
 
@@ -139,9 +139,9 @@ class GatedMLP(nn.Module):
         own, down (plus the residual) likewise: every matmul a ``FrozenLinear`` (quantized:
         see ``baton.model.quantize``)."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        self._gate = FrozenLinear(gate.weight, gate.bias, self.act_name, quantization)
-        self._up = FrozenLinear(up.weight, up.bias, quantization=quantization)
-        self._down = FrozenLinear(down.weight, down.bias, quantization=quantization)
+        self._gate = FrozenLinear(linear_weight(gate), gate.bias, self.act_name, quantization)
+        self._up = FrozenLinear(linear_weight(up), up.bias, quantization=quantization)
+        self._down = FrozenLinear(linear_weight(down), down.bias, quantization=quantization)
         if quantization is not None:
             release_weights(gate, up, down)
 

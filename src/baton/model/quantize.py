@@ -15,9 +15,11 @@ names are ``baton.config.QUANTIZATIONS``.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from baton.config import QUANTIZATIONS
@@ -61,12 +63,65 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
     return (weight.q.float() * weight.scale[:, None]).to(dtype)
 
 
+DEQUANTIZE_BLOCK = 1 << 22
+"""Elements of weight a prompt step dequantizes at once (16 MiB in fp32): a larger matrix (a
+large vocabulary's head) goes through BLAS in blocks of output rows."""
+
+_scratch = threading.local()
+
+
+def dequantized_linear(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, dequantize(weight, x.dtype), bias)`` -- the prompt path of a quantized
+    matmul -- with the weight dequantized into one reused scratch buffer per thread and
+    dtype, at most ``DEQUANTIZE_BLOCK`` elements at a time: one pass over the int8 values per
+    call and no weight-sized allocation. The same values as ``dequantize`` (the product in
+    fp32, rounded once to x's dtype)."""
+    n, k = weight.shape
+    rows = max(1, min(n, DEQUANTIZE_BLOCK // max(k, 1)))
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    buf = buffers.get(x.dtype)
+    if buf is None or buf.numel() < rows * k:
+        buf = buffers[x.dtype] = torch.empty(rows * k, dtype=x.dtype)
+    outs = []
+    for j in range(0, n, rows):
+        q = weight.q[j : j + rows]
+        w = buf[: q.numel()].view(q.shape)
+        w.copy_(q)  # |q| <= 127: exact in bf16 and fp32
+        w.mul_(weight.scale[j : j + rows, None])
+        outs.append(F.linear(x, w, None if bias is None else bias[j : j + rows]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def linear_weight(linear: nn.Linear) -> torch.Tensor | QuantizedWeight:
+    """A projection's weight as its checkpoint holds it: the int8 one a pre-quantized
+    checkpoint's loader attached (``linear.quantized``), else its float weight."""
+    quantized = getattr(linear, "quantized", None)
+    return quantized if quantized is not None else linear.weight
+
+
+def concat_rows(weights: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Weights stacked by output rows (q|k|v): float ones as ``torch.cat``; quantized ones
+    (all of them, or none) their integers and per-row scales alike."""
+    if all(isinstance(w, QuantizedWeight) for w in weights):
+        return QuantizedWeight(
+            torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights])
+        )
+    if any(isinstance(w, QuantizedWeight) for w in weights):
+        raise ValueError("q, k and v are quantized alike in a checkpoint, or not at all")
+    return torch.cat(weights)
+
+
 def release_weights(*linears: nn.Linear) -> None:
     """Drop the float weights of ``linears`` whose matmuls now run quantized: each keeps an
     empty weight of its dtype, and the memory goes back (a quantized model serves inference
     only; its fused matmuls never read these)."""
     for linear in linears:
         linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
+        linear.quantized = None
 
 
 def check_quantization(method: str | None) -> str | None:

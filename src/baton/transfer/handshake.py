@@ -53,6 +53,7 @@ class EngineLike(Protocol):
 
     registry: RegistryLike
     config: EngineConfig
+    quantization: str | None  # the weights' (``--quantization`` or the checkpoint's)
 
 
 # -- identities ------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ def build_hello(
         worker_id=worker_id,
         role=role,
         # the weights decode computes with: quantized ones give other keys, values and tokens
-        model={**model_identity(model_dir), "quantization": config.quantization or "none"},
+        model={**model_identity(model_dir), "quantization": engine.quantization or "none"},
         draft=draft,
         speculative=SpeculativeConfig(
             enabled=draft is not None,
