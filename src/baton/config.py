@@ -23,7 +23,7 @@ SLIDING_MODES = ("paged", "ring")
 DTYPES = ("auto", "float32", "bfloat16")
 """``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "int4")
 """``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 """``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
@@ -215,9 +215,9 @@ class EngineConfig:
     (offline, bf16 MTP: the 7 decode steps after a prompt step ran 1.56x the steady step
     time, 1.26x released; a next prompt step starts them again)."""
     quantization: str | None = None
-    """Weight-only quantization of every matmul (``QUANTIZATIONS``: ``int8``, symmetric per
-    output channel, quantized at load time: ``baton.model.quantize``); None computes with
-    the checkpoint's weights."""
+    """Quantized weights for every matmul (``QUANTIZATIONS``: ``int8``, symmetric per output
+    channel; ``int4``, symmetric per group of 32 inputs; quantized at load time, small steps
+    W8A8 / W4A8: ``baton.model.quantize``); None computes with the checkpoint's weights."""
     quantize_draft: bool = True
     """With ``quantization``: the MTP draft's own matmuls (its projection and layer) are
     quantized too; False keeps them as loaded (the head is the target's, quantized)."""

@@ -155,17 +155,24 @@ void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
 int baton_threads_for(int64_t work, int64_t per_thread, int threads);
 
 /* A packed weight's format (linear.c's panels; baton/kernels/linear.py ``WEIGHT_FORMATS``):
- * fp32, bf16, or int8 (symmetric per output column: each panel's 16 columns x k int8 values
- * in quads of inputs, k padded to whole quads, then its 16 columns' fp32 scales; the bias of
- * an int8 weight is fp32). */
-enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2 };
+ * fp32, bf16, int8 (symmetric per output column: each panel's 16 columns x k int8 values in
+ * quads of inputs, k padded to whole quads, then its 16 columns' fp32 scales) or int4
+ * (symmetric per column and group of INT4_GROUP inputs, k padded to whole groups: per group
+ * its 16 x 32 values in 256 bytes, two per byte, then the group's 16 column scales). The bias
+ * of an int8 or int4 weight is fp32. */
+enum { W_F32 = 0, W_BF16 = 1, W_INT8 = 2, W_INT4 = 3 };
+enum { INT4_GROUP = 32, INT4_GROUP_BYTES = 16 * INT4_GROUP / 2 + 16 * 4 };
 
 /* k rounded up to whole quads of inputs (an int8 panel's and its rows' length). */
 static inline int64_t baton_int8_quads(int64_t k) { return (k + 3) / 4; }
 
+/* k in whole int4 groups. */
+static inline int64_t baton_int4_groups(int64_t k) { return (k + INT4_GROUP - 1) / INT4_GROUP; }
+
 /* The bytes of one panel of `k` inputs in format `w_format`. */
 static inline int64_t baton_panel_bytes(int64_t k, int w_format) {
     if (w_format == W_INT8) return 64 * baton_int8_quads(k) + 16 * (int64_t)sizeof(float);
+    if (w_format == W_INT4) return INT4_GROUP_BYTES * baton_int4_groups(k);
     return 16 * k * (w_format ? 2 : 4);
 }
 

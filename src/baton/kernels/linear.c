@@ -292,14 +292,15 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
  * the CPU's int8 multiply-adds are 2-4x denser than fp32 FMAs and a weight is a byte. A
  * panel holds, per quad j of inputs (k padded with zeros to whole quads), 16 columns x 4
  * bytes: w[16 b + c, 4 j + t] at [j][c][t], so one 32-byte load is 8 columns' quads. On
- * AVX2 (and the AVX-512 builds, which run the same 256-bit code) vpmaddubsw multiplies
- * |x| (unsigned) by w with x's sign (vpsignb) and adds pairs into 16 bits -- at most 2 x
- * 127 x 127, no saturation -- and vpmaddwd adds the pairs into 32 bits: a quad of inputs
- * for 8 columns in 4 instructions, its broadcast shared by the row's two halves.
+ * AVX2 (and the AVX-512 builds, which run the same 256-bit code) vpmaddubsw multiplies |w|
+ * (unsigned, taken once per load: -128, which a checkpoint may hold, is 128) by x with w's
+ * sign (vpsignb; x is -127..127, so its negation exists) and adds pairs into 16 bits -- at
+ * most 2 x 128 x 127, no saturation -- and vpmaddwd adds the pairs into 32 bits: a quad of
+ * inputs for 8 columns in 4 instructions per row, its broadcast shared by the two halves.
  * out[r * 16 + c] = the sum over k of xq[r, i] w[c, i], exact (int32). */
 #define DEFINE_INT8_TILE(R)                                                                   \
-    static void int8_tile_##R(const int8_t *xq, const uint8_t *xa, int64_t stride, int quads, \
-                              const int8_t *p, int32_t *out) {                                \
+    static void int8_tile_##R(const int8_t *xq, int64_t stride, int quads, const int8_t *p,   \
+                              int32_t *out) {                                                 \
         INT8_TILE_BODY(R)                                                                     \
     }
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
@@ -311,17 +312,17 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
     for (int j = 0; j < quads; j++) {                                                         \
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j));        \
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j + 32));   \
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);                     \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
-            int32_t sq, aq;                                                                   \
+            int32_t sq;                                                                       \
             memcpy(&sq, xq + r * stride + 4 * (int64_t)j, 4);                                 \
-            memcpy(&aq, xa + r * stride + 4 * (int64_t)j, 4);                                 \
-            const __m256i xs = _mm256_set1_epi32(sq), xu = _mm256_set1_epi32(aq);             \
+            const __m256i xs = _mm256_set1_epi32(sq);                                         \
             acc[r][0] = _mm256_add_epi32(                                                     \
                 acc[r][0],                                                                    \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w0, xs)), ones)); \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xs, w0)), ones)); \
             acc[r][1] = _mm256_add_epi32(                                                     \
                 acc[r][1],                                                                    \
-                _mm256_madd_epi16(_mm256_maddubs_epi16(xu, _mm256_sign_epi8(w1, xs)), ones)); \
+                _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xs, w1)), ones)); \
         }                                                                                     \
     }                                                                                         \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
@@ -330,7 +331,6 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
     }
 #else
 #define INT8_TILE_BODY(R)                                                                     \
-    (void)xa;                                                                                 \
     for (int r = 0; r < R; r++)                                                               \
         for (int c = 0; c < 16; c++) {                                                        \
             int32_t sum = 0;                                                                  \
@@ -347,23 +347,111 @@ DEFINE_INT8_TILE(3)
 DEFINE_INT8_TILE(4)
 DEFINE_INT8_TILE(5)
 DEFINE_INT8_TILE(6)
-typedef void (*int8_tile_fn)(const int8_t *, const uint8_t *, int64_t, int, const int8_t *,
-                             int32_t *);
+typedef void (*int8_tile_fn)(const int8_t *, int64_t, int, const int8_t *, int32_t *);
 static const int8_tile_fn INT8_TILES[GROUP + 1] = {
     NULL, int8_tile_1, int8_tile_2, int8_tile_3, int8_tile_4, int8_tile_5, int8_tile_6};
 
-/* Row r of x (k values, bf16 or fp32) as int8: xq = round(x / scale) (ties to even), xa =
- * |xq|, both zero-padded to kq; returns scale = max |x| / 127 (0 for a zero row). */
-static float quantize_row(const void *x, int64_t at, int k, int kq, int bf, int8_t *xq,
-                          uint8_t *xa) {
+/* int4 weights times int8 rows (W4A8, as llama.cpp's q4_0 x q8_0): per group of 32 inputs
+ * the exact integer sums of the int8 tiles, then each column's sum times its group scale,
+ * added in fp32 over the groups. A group of a panel is 4 pairs of quads (2 h, 2 h + 1), each
+ * pair 2 x 32 bytes (columns 0-7, then 8-15; byte 4 c + t: w[c, 4 (2 h) + t] + 8 in its low
+ * nibble, w[c, 4 (2 h + 1) + t] + 8 in its high one), then the group's 16 fp32 scales. The
+ * values are -8..7 (a nibble less 8), multiplied as the int8 tiles do.
+ * out[r * 16 + c] = the sum over groups of (integer sum) * scale[c, group]. */
+#define DEFINE_INT4_TILE(R)                                                                   \
+    static void int4_tile_##R(const int8_t *xq, int64_t stride, int groups, const uint8_t *p,  \
+                              float *out) {                                                   \
+        INT4_TILE_BODY(R)                                                                     \
+    }
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#define INT4_TILE_BODY(R)                                                                     \
+    __m256 facc[R][2];                                                                        \
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f),                  \
+                  eight = _mm256_set1_epi8(8);                                                \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) facc[r][0] = facc[r][1] =             \
+        _mm256_setzero_ps();                                                                  \
+    for (int g = 0; g < groups; g++) {                                                        \
+        const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;                                \
+        __m256i acc[R][2];                                                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] =           \
+            _mm256_setzero_si256();                                                           \
+        _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                 \
+            __m256i w[2][2], a[2][2]; /* [quad of the pair][half]: w, |w| */                  \
+            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                    \
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(gp + 64 * h + 32 * half)); \
+                w[0][half] = _mm256_sub_epi8(_mm256_and_si256(v, low), eight);                \
+                w[1][half] =                                                                  \
+                    _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), eight);   \
+                a[0][half] = _mm256_abs_epi8(w[0][half]);                                     \
+                a[1][half] = _mm256_abs_epi8(w[1][half]);                                     \
+            }                                                                                 \
+            _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) {                             \
+                const int64_t at = 4 * ((int64_t)g * 8 + 2 * h + s);                          \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                         \
+                    int32_t sq;                                                               \
+                    memcpy(&sq, xq + r * stride + at, 4);                                     \
+                    const __m256i xs = _mm256_set1_epi32(sq);                                 \
+                    _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++)              \
+                        acc[r][half] = _mm256_add_epi32(                                      \
+                            acc[r][half],                                                     \
+                            _mm256_madd_epi16(                                                \
+                                _mm256_maddubs_epi16(a[s][half],                              \
+                                                     _mm256_sign_epi8(xs, w[s][half])),       \
+                                ones));                                                       \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        const float *sc = (const float *)(gp + 16 * INT4_GROUP / 2);                          \
+        const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            facc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), s0, facc[r][0]);      \
+            facc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), s1, facc[r][1]);      \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
+        _mm256_storeu_ps(out + r * 16, facc[r][0]);                                           \
+        _mm256_storeu_ps(out + r * 16 + 8, facc[r][1]);                                       \
+    }
+#else
+#define INT4_TILE_BODY(R)                                                                     \
+    for (int r = 0; r < R; r++)                                                               \
+        for (int c = 0; c < 16; c++) {                                                        \
+            float total = 0.0f;                                                               \
+            for (int g = 0; g < groups; g++) {                                                \
+                const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;                        \
+                int32_t sum = 0;                                                              \
+                for (int h = 0; h < 4; h++)                                                   \
+                    for (int s = 0; s < 2; s++)                                               \
+                        for (int t = 0; t < 4; t++) {                                         \
+                            const uint8_t byte = gp[64 * h + 32 * (c / 8) + 4 * (c % 8) + t]; \
+                            const int w = (s ? byte >> 4 : byte & 15) - 8;                    \
+                            sum += w * xq[r * stride + 4 * ((int64_t)g * 8 + 2 * h + s) + t]; \
+                        }                                                                     \
+                const float *sc = (const float *)(gp + 16 * INT4_GROUP / 2);                  \
+                total = fmaf((float)sum, sc[c], total);                                       \
+            }                                                                                 \
+            out[r * 16 + c] = total;                                                          \
+        }
+#endif
+DEFINE_INT4_TILE(1)
+DEFINE_INT4_TILE(2)
+DEFINE_INT4_TILE(3)
+DEFINE_INT4_TILE(4)
+DEFINE_INT4_TILE(5)
+DEFINE_INT4_TILE(6)
+typedef void (*int4_tile_fn)(const int8_t *, int64_t, int, const uint8_t *, float *);
+static const int4_tile_fn INT4_TILES[GROUP + 1] = {
+    NULL, int4_tile_1, int4_tile_2, int4_tile_3, int4_tile_4, int4_tile_5, int4_tile_6};
+
+/* Row r of x (k values, bf16 or fp32) as int8: xq = round(x * 127 / max |x|) (ties to even),
+ * zero-padded to kq; returns its scale, max |x| / 127 (0 for a zero row). */
+static float quantize_row(const void *x, int64_t at, int k, int kq, int bf, int8_t *xq) {
     float amax = 0.0f;
     for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(to_f32(x, at + i, bf)));
     const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     for (int i = 0; i < kq; i++) {
         const int v = i < k ? (int)nearbyintf(to_f32(x, at + i, bf) * inv) : 0;
-        const int q = v > 127 ? 127 : v < -127 ? -127 : v;
-        xq[i] = (int8_t)q;
-        xa[i] = (uint8_t)(q < 0 ? -q : q);
+        xq[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
     }
     return scale;
 }
@@ -431,8 +519,7 @@ static void finish(const float *d, const float *scale, int j0, int count, const 
 typedef struct Job {
     const float *xf;    /* the rows in fp32, contiguous (or NULL: xb) */
     const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
-    const int8_t *xq;   /* int8 weights: the rows as int8 (kp apart: whole quads) */
-    const uint8_t *xa;  /* |xq| */
+    const int8_t *xq;   /* int8 / int4 weights: the rows as int8 (kp apart: whole quads) */
     const float *xs;    /* each row's scale */
     int32_t m, k, kp, n, op, act_bf16, w_format;
     const void *w, *bias, *other;
@@ -452,17 +539,21 @@ static void some_panels(const Job *J, int blk, int count) {
     const void *panel = (const char *)J->w + blk * baton_panel_bytes(k, J->w_format);
     (void)panel_elems;
     /* int8: the panel's column scales follow its values (one panel: count is 1) */
-    const int int8 = J->w_format == W_INT8;
+    const int int8 = J->w_format == W_INT8, int4 = J->w_format == W_INT4;
     const float *scale = int8 ? (const float *)((const char *)panel + 16 * (int64_t)J->kp) : NULL;
     for (int g = 0; g < m; g += GROUP) {
         const int rows = m - g < GROUP ? m - g : GROUP;
         if (int8) {
             int32_t sums[GROUP * PANEL];
-            INT8_TILES[rows](J->xq + (int64_t)g * J->kp, J->xa + (int64_t)g * J->kp, J->kp,
-                             J->kp / 4, panel, sums);
+            INT8_TILES[rows](J->xq + (int64_t)g * J->kp, J->kp, J->kp / 4, panel, sums);
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < PANEL; c++)
                     block[0][r * PANEL + c] = (float)sums[r * PANEL + c] * J->xs[g + r];
+        } else if (int4) { /* the group scales are inside the panel */
+            INT4_TILES[rows](J->xq + (int64_t)g * J->kp, J->kp, J->kp / INT4_GROUP, panel,
+                             block[0]);
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < PANEL; c++) block[0][r * PANEL + c] *= J->xs[g + r];
         } else
 #if HAVE_PAIRS
         if (J->xb != NULL)
@@ -512,18 +603,19 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
      * (zero-padded to an even kp), as int8 for int8 weights (kp: whole quads, each row's
      * scale after the m rows), else in fp32. */
     const int pairs = HAVE_PAIRS && job->act_bf16 && job->w_format == W_BF16;
-    const int int8 = job->w_format == W_INT8;
-    const int kp = int8 ? 4 * (int)baton_int8_quads(k) : k + (k & 1);
+    const int int8 = job->w_format == W_INT8 || job->w_format == W_INT4; /* rows as int8 */
+    const int kp = job->w_format == W_INT4 ? INT4_GROUP * (int)baton_int4_groups(k)
+                   : int8                  ? 4 * (int)baton_int8_quads(k)
+                                           : k + (k & 1);
     float *xf = pairs || int8 ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
     uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
-    int8_t *xq = int8 ? malloc((size_t)m * (size_t)kp * 2 + (size_t)m * sizeof(float)) : NULL;
-    if (xf == NULL && xb == NULL && xq == NULL) return 1;
-    uint8_t *xa = int8 ? (uint8_t *)xq + (size_t)m * kp : NULL;
-    float *xs = int8 ? (float *)((char *)xq + (size_t)m * kp * 2) : NULL;
+    float *xs = int8 ? malloc((size_t)m * sizeof(float) + (size_t)m * (size_t)kp) : NULL;
+    if (xf == NULL && xb == NULL && xs == NULL) return 1;
+    int8_t *xq = int8 ? (int8_t *)(xs + m) : NULL;
     for (int r = 0; r < m; r++) {
         if (int8)
             xs[r] = quantize_row(x, (int64_t)r * x_stride, k, kp, job->act_bf16,
-                                 xq + (int64_t)r * kp, xa + (int64_t)r * kp);
+                                 xq + (int64_t)r * kp);
         else if (pairs)
             memcpy(xb + (int64_t)r * kp, (const uint16_t *)x + (int64_t)r * x_stride,
                    (size_t)k * sizeof(uint16_t));
@@ -537,12 +629,11 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     int per_task = panels / (TASKS_PER_THREAD * threads);
     if (per_task < 1) per_task = 1;
     for (Job *j = job; j != NULL; j = j->then) /* the same rows, the same tasks */
-        j->xf = xf, j->xb = xb, j->xq = xq, j->xa = xa, j->xs = xs, j->kp = kp,
-        j->per_task = per_task;
+        j->xf = xf, j->xb = xb, j->xq = xq, j->xs = xs, j->kp = kp, j->per_task = per_task;
     baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
-    free(xq);
+    free(xs);
     return 0;
 }
 
@@ -550,7 +641,7 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads) {
-    Job job = {NULL, NULL, NULL, NULL, NULL, m,     k,  0, n, op, act_bf16, w_format, w, bias,
+    Job job = {NULL, NULL, NULL, NULL, m,     k,        0, n, op, act_bf16, w_format, w, bias,
                other, other_stride, y_stride, y, 0, NULL};
     return run(&job, x, x_stride, num_threads);
 }
@@ -563,9 +654,9 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
                      int32_t w_format, int32_t num_threads) {
-    Job second = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias,
+    Job second = {NULL, NULL, NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias,
                   g, n, n, u, 0, NULL};
-    Job first = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate,
-                 gate_bias, NULL, 0, n, g, 0, &second};
+    Job first = {NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate, gate_bias,
+                 NULL, 0, n, g, 0, &second};
     return run(&first, x, x_stride, num_threads);
 }

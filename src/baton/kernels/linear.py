@@ -41,8 +41,12 @@ tasks and the draft's first step moved into C) 40 rows a tie at 48."""
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
 
-WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
-"""A packed weight's dtype -> linear.c's weight format (kernels.h's ``W_*``)."""
+WEIGHT_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.quint4x2: 3}
+"""A packed weight's dtype -> linear.c's weight format (kernels.h's ``W_*``); int4 weights
+are ``torch.quint4x2`` (two 4-bit values per byte), whatever their sign convention."""
+
+INT4_GROUP = 32
+"""Inputs per int4 scale (kernels.h's ``INT4_GROUP``)."""
 
 
 class PackedRows:
@@ -65,8 +69,10 @@ class PackedRows:
         """An int8 weight ``q`` [n, k] whose row j means ``q[j] * scale[j]`` (fp32 [n]): each
         panel's integers by quads of inputs (k padded with zeros to whole quads; quad j
         holds ``w[16 b + c, 4 j + t]`` at ``[j, c, t]``), then its 16 columns' fp32 scales
-        (linear.c's ``W_INT8``)."""
+        (linear.c's ``W_INT8``). A scale of [n, groups]: int4 (``_int4``)."""
         n, k = q.shape
+        if scale.dim() == 2:
+            return cls._int4(q, scale)
         assert q.dtype == torch.int8 and scale.shape == (n,) and scale.dtype == torch.float32
         q = q.detach()
         if k % 4:
@@ -81,6 +87,32 @@ class PackedRows:
         self.n, self.k, self.dtype = n, k, torch.int8
         return self
 
+    @classmethod
+    def _int4(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedRows:
+        """An int4 weight: ``q`` [n, k] int8 in -7..7 whose row j, group g of ``INT4_GROUP``
+        inputs means ``q[j, g] * scale[j, g]`` (fp32 [n, groups]), in linear.c's
+        ``W_INT4`` panels: per group 4 pairs of quads x 2 halves of 8 columns x 4 bytes,
+        quad 2 h + s of a pair in the low (s = 0) or high (s = 1) nibble, as value + 8;
+        then the group's 16 column scales."""
+        n, k = q.shape
+        groups = -(-k // INT4_GROUP)
+        assert q.dtype == torch.int8 and scale.shape == (n, groups)
+        assert scale.dtype == torch.float32 and int(q.abs().max()) <= 7
+        u = (q.detach().to(torch.int16) + 8).to(torch.uint8)
+        u = torch.cat((u, u.new_full((n, groups * INT4_GROUP - k), 8)), dim=1)  # zeros
+        u = torch.cat((u, u.new_full((-n % PANEL, u.shape[1]), 8)))
+        panels = u.shape[0] // PANEL
+        # [panel, half, c, group, h, s, t] -> [panel, group, h, half, c, t, s]
+        u = u.reshape(panels, 2, 8, groups, 4, 2, 4).permute(0, 3, 4, 1, 2, 6, 5)
+        packed = (u[..., 0] | (u[..., 1] << 4)).reshape(panels, groups, -1)
+        s = torch.cat((scale.detach(), scale.new_zeros(-n % PANEL, groups)))
+        s = s.reshape(panels, PANEL, groups).transpose(1, 2).contiguous()
+        data = torch.cat((packed, s.view(torch.uint8)), dim=2)  # [panel, group, 256 + 64]
+        self = cls.__new__(cls)
+        self.data = data.reshape(panels, -1).contiguous()
+        self.n, self.k, self.dtype = n, k, torch.quint4x2
+        return self
+
     @property
     def format(self) -> int:
         """linear.c's weight format (``WEIGHT_FORMATS``)."""
@@ -90,6 +122,11 @@ class PackedRows:
     def bias_dtype(self) -> torch.dtype:
         """The dtype linear.c reads this weight's bias in: bf16 for bf16, else fp32."""
         return torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float32
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes a pass over this weight reads."""
+        return self.data.numel() * self.data.element_size()
 
     @property
     def is_cpu(self) -> bool:

@@ -29,10 +29,10 @@ from baton.kernels.linear import (
     linear_rows,
 )
 from baton.model.quantize import (
+    QUANTIZERS,
     QuantizedWeight,
     check_quantization,
     dequantized_linear,
-    quantize_int8,
 )
 
 
@@ -104,9 +104,9 @@ class FrozenLinear:
     a 4096-token SwiGLU MLP in 13 vs 20 ms. NOTE: the packed copy is extra memory beside the
     parameter.
 
-    quantization ``int8`` (``baton.model.quantize``): the weight is kept as int8 with a scale
-    per output channel and nothing else; few rows read its int8 panels (any size: every
-    call would otherwise dequantize), more rows dequantize it once per call for BLAS."""
+    quantization ``int8`` / ``int4`` (``baton.model.quantize``): the weight is kept quantized
+    and nothing else; few rows read its packed panels (any size: every call would otherwise
+    dequantize), more rows dequantize it once per call for BLAS."""
 
     def __init__(
         self,
@@ -120,8 +120,8 @@ class FrozenLinear:
         self.quantized: QuantizedWeight | None = None
         if isinstance(weight, QuantizedWeight):  # a pre-quantized checkpoint's, as it is
             self.quantized, weight = weight, None
-        elif check_quantization(quantization) == "int8":
-            self.quantized, weight = quantize_int8(weight), None
+        elif check_quantization(quantization) is not None:
+            self.quantized, weight = QUANTIZERS[quantization](weight), None
         else:
             weight = weight.detach()
         self.packed = (

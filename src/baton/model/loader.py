@@ -3,7 +3,9 @@
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json``; optionally ``mtp_config.json`` + ``mtp.safetensors`` for
 the MTP draft. Tensors are copied by name into the modules built from the ``ModelSpec``;
-a missing or unexpected tensor is a ``ValueError`` naming it.
+a missing or unexpected tensor is a ``ValueError`` naming it. A config.json with a
+``quantization_config`` is a pre-quantized checkpoint: ``prequantized`` checks it (or
+refuses it) and takes its int8 tensors, the rest loads as for a float checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from baton import platform
 from baton.model.decoder import CausalLM
 from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
+from baton.model.prequantized import Int8Tensors, check_config
 from baton.model.registry import spec_from_config
 from baton.model.spec import ModelSpec
 
@@ -67,7 +70,11 @@ def read_json(path: Path) -> dict:
 
 
 def load_spec(model_dir: str | os.PathLike) -> ModelSpec:
-    return spec_from_config(read_json(Path(model_dir) / "config.json"))
+    """The spec of ``model_dir``'s config.json; a quantization baton cannot load is a
+    ``ValueError`` here already (``prequantized.check_config``)."""
+    config = read_json(Path(model_dir) / "config.json")
+    check_config(config, str(model_dir))
+    return spec_from_config(config)
 
 
 def _weight_files(model_dir: Path) -> list[Path]:
@@ -96,8 +103,12 @@ def _opened(path: Path) -> Iterator[Any]:
             raise ValueError(f"{path}: a tensor could not be read ({e})") from e
 
 
-def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") -> None:
-    """Copy every tensor of ``files`` into ``module``'s parameters of the same name."""
+def load_tensors_into(
+    module: nn.Module, files: list[Path], prefix: str = "", int8: Int8Tensors | None = None
+) -> None:
+    """Copy every tensor of ``files`` into ``module``'s parameters of the same name; with
+    ``int8``, a pre-quantized checkpoint's int8 tensors go to it (``Int8Tensors.take``) and
+    it fills those projections' weights at the end (``install``)."""
     params = dict(module.named_parameters())  # tied weights appear once
     loaded: set[str] = set()
     for path in files:
@@ -106,35 +117,54 @@ def load_tensors_into(module: nn.Module, files: list[Path], prefix: str = "") ->
                 name = key[len(prefix) :] if key.startswith(prefix) else None
                 if name is None or name.endswith(IGNORED_SUFFIXES):
                     continue
+                tensor = f.get_tensor(key)
+                if int8 is not None and int8.take(name, tensor):
+                    continue
                 if name not in params:
                     raise ValueError(f"{path.name}: unexpected tensor {key!r}")
-                tensor = f.get_tensor(key)
-                param = params[name]
-                if tensor.shape != param.shape:
-                    raise ValueError(
-                        f"{path.name}: tensor {key!r} has shape {tuple(tensor.shape)}, "
-                        f"the config implies {tuple(param.shape)}"
-                    )
-                with torch.no_grad():
-                    param.copy_(tensor)
+                _copy(params[name], tensor, path, key)
                 loaded.add(name)
+    if int8 is not None:
+        loaded |= int8.install()
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
+def _copy(param: nn.Parameter, tensor: torch.Tensor, path: Path, key: str) -> None:
+    if tensor.shape != param.shape:
+        raise ValueError(
+            f"{path.name}: tensor {key!r} has shape {tuple(tensor.shape)}, "
+            f"the config implies {tuple(param.shape)}"
+        )
+    if param.is_floating_point() and not tensor.is_floating_point():
+        # NOTE: copy_ would turn an int8 weight into its integers as floats, silently.
+        raise ValueError(
+            f"{path.name}: tensor {key!r} is {tensor.dtype}, not float, and config.json "
+            "declares no quantization_config"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
+
+
 def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None) -> CausalLM:
-    """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's)."""
+    """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's).
+    A pre-quantized checkpoint's projections carry their int8 weights (``quantized``; the
+    float weights hold their values) and ``checkpoint_quantization`` says ``int8``."""
     model_dir = Path(model_dir)
-    spec = load_spec(model_dir)
+    config = read_json(model_dir / "config.json")
+    quantization = check_config(config, str(model_dir))
+    spec = spec_from_config(config)
     torch_dtype = resolve_dtype(dtype, spec.dtype)
     with torch.device("meta"):
         model = CausalLM(spec)
     model = model.to_empty(device="cpu").to(torch_dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    load_tensors_into(model, _weight_files(model_dir))
+    int8 = Int8Tensors(model, str(model_dir)) if quantization == "int8" else None
+    load_tensors_into(model, _weight_files(model_dir), int8=int8)
+    model.checkpoint_quantization = quantization
     return model.eval()
 
 

@@ -3,10 +3,11 @@
 ``int8``: every projection's weight (q|k|v, o, gate, up, down, the head, the draft's
 projection) becomes symmetric int8 with one fp32 scale per output channel (row), quantized
 at load time from the checkpoint's bf16 / fp32 values: ``w[j] ~= q[j] * scale[j]``,
-``scale[j] = max|w[j]| / 127``. Embeddings, norms and biases stay as loaded. Small steps
-read the int8 panels (``linear.c``'s ``W_INT8``: a quarter of fp32's bytes, half of bf16's);
-large steps (prompt chunks) dequantize the weight once per call and run BLAS / oneDNN on
-it. The reference of both is :func:`dequantize`'s weight in a plain matmul (tests).
+``scale[j] = max|w[j]| / 127``. ``int4``: the same with values -7..7 and a scale per group
+of ``INT4_GROUP`` inputs of a row. Embeddings, norms and biases stay as loaded. Small steps
+read the packed panels (``linear.c``'s ``W_INT8`` / ``W_INT4``: a quarter / an eighth of
+fp32's bytes, plus scales), each row quantized to int8 for the call (W8A8 / W4A8); large
+steps (prompt chunks) dequantize the weight for BLAS / oneDNN (``dequantized_linear``).
 
 Pure torch; who calls it: ``frozen_linear.FrozenLinear`` (a ``QuantizedWeight`` in place of
 the float weight) and the modules' ``fuse_projections`` (``release_weights``); the methods'
@@ -24,13 +25,22 @@ from torch import nn
 
 from baton.config import QUANTIZATIONS
 
+INT4_GROUP = 32
+"""Inputs per int4 scale (``linear.INT4_GROUP``, the kernels')."""
+
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """``q`` [n, k] int8, ``scale`` [n] fp32: row j of the weight is ``q[j] * scale[j]``."""
+    """``q`` [n, k] int8 and fp32 scales: ``scale`` [n] (int8: row j of the weight is
+    ``q[j] * scale[j]``) or [n, groups] (int4: ``q`` in -7..7, input i of row j times
+    ``scale[j, i // INT4_GROUP]``)."""
 
     q: torch.Tensor
     scale: torch.Tensor
+
+    @property
+    def method(self) -> str:
+        return "int4" if self.scale.dim() == 2 else "int8"
 
     @property
     def shape(self) -> torch.Size:
@@ -40,12 +50,21 @@ class QuantizedWeight:
         return self.q.numel()
 
     def nbytes(self) -> int:
-        return self.q.numel() + 4 * self.scale.numel()
+        """What the kernels read: a byte (int8) or half of one (int4) per value, the scales."""
+        values = self.q.numel() if self.method == "int8" else (self.q.numel() + 1) // 2
+        return values + 4 * self.scale.numel()
+
+    def row_scales(self, rows: torch.Tensor | slice) -> torch.Tensor:
+        """The scale of every value of ``rows``: [rows, 1] (int8) or [rows, k] (int4)."""
+        scale = self.scale[rows]
+        if self.method == "int8":
+            return scale[:, None]
+        return scale.repeat_interleave(INT4_GROUP, dim=1)[:, : self.q.shape[1]]
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of the weight's values, fp32 (as ``Tensor.index_select(0, ...)``)."""
         assert dim == 0
-        return self.q.index_select(0, index).float() * self.scale.index_select(0, index)[:, None]
+        return self.q.index_select(0, index).float() * self.row_scales(index)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
@@ -58,9 +77,27 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q.contiguous(), scale.contiguous())
 
 
+def quantize_int4(weight: torch.Tensor) -> QuantizedWeight:
+    """Symmetric int4 of a [n, k] weight in groups of ``INT4_GROUP`` inputs per row (the last
+    group padded with zeros): scale = max |w| / 7 per group, values -7..7, round to nearest
+    even; an all-zero group gets scale 1."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = -(-k // INT4_GROUP)
+    padded = torch.cat((w, w.new_zeros(n, groups * INT4_GROUP - k)), dim=1)
+    amax = padded.reshape(n, groups, INT4_GROUP).abs().amax(dim=2)
+    scale = torch.where(amax > 0, amax / 7.0, torch.ones_like(amax))
+    q = torch.round(w / scale.repeat_interleave(INT4_GROUP, dim=1)[:, :k]).clamp_(-7, 7)
+    return QuantizedWeight(q.to(torch.int8).contiguous(), scale.contiguous())
+
+
+QUANTIZERS = {"int8": quantize_int8, "int4": quantize_int4}
+"""``--quantization`` -> the function that quantizes a float weight."""
+
+
 def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float weight ``q * scale`` (computed in fp32, then cast to ``dtype``)."""
-    return (weight.q.float() * weight.scale[:, None]).to(dtype)
+    return (weight.q.float() * weight.row_scales(slice(None))).to(dtype)
 
 
 DEQUANTIZE_BLOCK = 1 << 22
@@ -85,13 +122,14 @@ def dequantized_linear(
         buffers = _scratch.buffers = {}
     buf = buffers.get(x.dtype)
     if buf is None or buf.numel() < rows * k:
-        buf = buffers[x.dtype] = torch.empty(rows * k, dtype=x.dtype)
+        with torch.inference_mode(False):  # a normal tensor: written in and out of it
+            buf = buffers[x.dtype] = torch.empty(rows * k, dtype=x.dtype)
     outs = []
     for j in range(0, n, rows):
         q = weight.q[j : j + rows]
         w = buf[: q.numel()].view(q.shape)
         w.copy_(q)  # |q| <= 127: exact in bf16 and fp32
-        w.mul_(weight.scale[j : j + rows, None])
+        w.mul_(weight.row_scales(slice(j, j + rows)))
         outs.append(F.linear(x, w, None if bias is None else bias[j : j + rows]))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
