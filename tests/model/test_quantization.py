@@ -177,14 +177,21 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
     bias = torch.randn(96, generator=g).to(act)
     lin = FrozenLinear(w, bias, activation, quantization=method)
     assert lin.weight is None and lin.packed is None and lin._source is None
-    ref = dequantize(lin.quantized)
+    assert lin.quantization == method
+    qw = QUANTIZERS[method](w)  # deterministic: the integers lin holds
+    if library() is not None:  # the panels alone hold them
+        assert lin.quantized is None
+        torch.testing.assert_close(
+            lin.effective_weight.index_select(0, torch.arange(96)), dequantize(qw)
+        )
+    ref = dequantize(qw)
     act_fn = F.silu if activation == "silu" else (lambda t: t)
     tol = dict(rtol=1e-5, atol=2e-5) if act == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     native = library() is not None
     for rows in (1, 5, 70):
         x = torch.randn(1, rows, 64, generator=g).to(act)
         blas = F.linear(x.float(), ref, bias.float())
-        few = w8a8_reference(x, lin.quantized, bias) if native and rows <= 64 else blas
+        few = w8a8_reference(x, qw, bias) if native and rows <= 64 else blas
         torch.testing.assert_close(lin(x).float(), act_fn(few), **tol)
         with step_invariant_rows():
             torch.testing.assert_close(lin(x).float(), act_fn(blas), **tol)
@@ -225,13 +232,13 @@ def test_the_engine_says_its_quantization_and_drops_the_float_weights(quantized_
     assert engine.platform_info["quantization"] == method
     model = engine.model
     mlp = model.model.layers[0].mlp
-    assert mlp.gate_proj.weight.numel() == 0 and mlp._gate.quantized is not None
+    assert mlp.gate_proj.weight.numel() == 0 and mlp._gate.quantization == method
     attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight.numel() == 0 and attn._qkv.quantized is not None
+    assert attn.q_proj.weight.numel() == 0 and attn._qkv.quantization == method
     # a tied head keeps the embedding the lookup reads
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert model.lm_head.weight.numel() == (model.model.embed_tokens.weight.numel() if tied else 0)
-    assert model.frozen_head.quantized is not None
+    assert model.frozen_head.quantization == method
 
 
 def test_quantized_generation_stays_close_to_the_float_model(float_llm, quantized_llm):

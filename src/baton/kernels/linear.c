@@ -364,53 +364,51 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
         INT4_TILE_BODY(R)                                                                     \
     }
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+/* The fp32 totals live in `out` (updated once per group), the integer sums in registers;
+ * one quad's weights are unpacked at a time: with 16 ymm registers (AVX2) 2 rows fit. */
 #define INT4_TILE_BODY(R)                                                                     \
-    __m256 facc[R][2];                                                                        \
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f),                  \
                   eight = _mm256_set1_epi8(8);                                                \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) facc[r][0] = facc[r][1] =             \
-        _mm256_setzero_ps();                                                                  \
+    memset(out, 0, sizeof(float) * 16 * R);                                                   \
     for (int g = 0; g < groups; g++) {                                                        \
         const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;                                \
         __m256i acc[R][2];                                                                    \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] =           \
             _mm256_setzero_si256();                                                           \
-        _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                 \
-            __m256i w[2][2], a[2][2]; /* [quad of the pair][half]: w, |w| */                  \
-            _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {                    \
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(gp + 64 * h + 32 * half)); \
-                w[0][half] = _mm256_sub_epi8(_mm256_and_si256(v, low), eight);                \
-                w[1][half] =                                                                  \
-                    _mm256_sub_epi8(_mm256_and_si256(_mm256_srli_epi16(v, 4), low), eight);   \
-                a[0][half] = _mm256_abs_epi8(w[0][half]);                                     \
-                a[1][half] = _mm256_abs_epi8(w[1][half]);                                     \
-            }                                                                                 \
+        for (int h = 0; h < 4; h++) {                                                         \
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h));            \
+            const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h + 32));       \
             _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) {                             \
+                const __m256i w0 = _mm256_sub_epi8(                                           \
+                    _mm256_and_si256(s ? _mm256_srli_epi16(v0, 4) : v0, low), eight);         \
+                const __m256i w1 = _mm256_sub_epi8(                                           \
+                    _mm256_and_si256(s ? _mm256_srli_epi16(v1, 4) : v1, low), eight);         \
+                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);             \
                 const int64_t at = 4 * ((int64_t)g * 8 + 2 * h + s);                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                         \
                     int32_t sq;                                                               \
                     memcpy(&sq, xq + r * stride + at, 4);                                     \
                     const __m256i xs = _mm256_set1_epi32(sq);                                 \
-                    _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++)              \
-                        acc[r][half] = _mm256_add_epi32(                                      \
-                            acc[r][half],                                                     \
-                            _mm256_madd_epi16(                                                \
-                                _mm256_maddubs_epi16(a[s][half],                              \
-                                                     _mm256_sign_epi8(xs, w[s][half])),       \
-                                ones));                                                       \
+                    acc[r][0] = _mm256_add_epi32(                                             \
+                        acc[r][0], _mm256_madd_epi16(                                         \
+                                       _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xs, w0)),    \
+                                       ones));                                                \
+                    acc[r][1] = _mm256_add_epi32(                                             \
+                        acc[r][1], _mm256_madd_epi16(                                         \
+                                       _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xs, w1)),    \
+                                       ones));                                                \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
         const float *sc = (const float *)(gp + 16 * INT4_GROUP / 2);                          \
         const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);                  \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
-            facc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), s0, facc[r][0]);      \
-            facc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), s1, facc[r][1]);      \
+            float *o = out + r * 16;                                                          \
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), s0,            \
+                                                _mm256_loadu_ps(o)));                         \
+            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), s1,        \
+                                                    _mm256_loadu_ps(o + 8)));                 \
         }                                                                                     \
-    }                                                                                         \
-    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
-        _mm256_storeu_ps(out + r * 16, facc[r][0]);                                           \
-        _mm256_storeu_ps(out + r * 16 + 8, facc[r][1]);                                       \
     }
 #else
 #define INT4_TILE_BODY(R)                                                                     \
@@ -440,6 +438,14 @@ DEFINE_INT4_TILE(4)
 DEFINE_INT4_TILE(5)
 DEFINE_INT4_TILE(6)
 typedef void (*int4_tile_fn)(const int8_t *, int64_t, int, const uint8_t *, float *);
+
+/* Rows per call of the int8 / int4 tiles: their accumulators stay in registers (AVX2 has
+ * 16: 4 rows of int8, 2 of int4; AVX-512's 32 hold GROUP). */
+#if defined(HAVE_AVX2)
+enum { INT8_ROWS = 4, INT4_ROWS = 2 };
+#else
+enum { INT8_ROWS = GROUP, INT4_ROWS = GROUP };
+#endif
 static const int4_tile_fn INT4_TILES[GROUP + 1] = {
     NULL, int4_tile_1, int4_tile_2, int4_tile_3, int4_tile_4, int4_tile_5, int4_tile_6};
 
@@ -541,8 +547,9 @@ static void some_panels(const Job *J, int blk, int count) {
     /* int8: the panel's column scales follow its values (one panel: count is 1) */
     const int int8 = J->w_format == W_INT8, int4 = J->w_format == W_INT4;
     const float *scale = int8 ? (const float *)((const char *)panel + 16 * (int64_t)J->kp) : NULL;
-    for (int g = 0; g < m; g += GROUP) {
-        const int rows = m - g < GROUP ? m - g : GROUP;
+    const int group = int8 ? INT8_ROWS : int4 ? INT4_ROWS : GROUP;
+    for (int g = 0; g < m; g += group) {
+        const int rows = m - g < group ? m - g : group;
         if (int8) {
             int32_t sums[GROUP * PANEL];
             INT8_TILES[rows](J->xq + (int64_t)g * J->kp, J->kp, J->kp / 4, panel, sums);
@@ -659,4 +666,44 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
     Job first = {NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate, gate_bias,
                  NULL, 0, n, g, 0, &second};
     return run(&first, x, x_stride, num_threads);
+}
+
+/* Rows [row0, row0 + rows) of an int8 or int4 weight in its panels, dequantized (value times
+ * its column's, or group's, scale, in fp32, rounded once to bf16 where out_bf16) into out
+ * ([rows, k], contiguous): the prompt path's weight, read from the panels the small steps
+ * read, so the integers are kept once. Panels in parallel over OpenMP's threads. */
+void baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
+                           int32_t rows, void *out, int32_t out_bf16, int32_t num_threads) {
+    const int64_t panel_bytes = baton_panel_bytes(k, w_format);
+    const int first = row0 / PANEL, last = (row0 + rows + PANEL - 1) / PANEL;
+    PARALLEL_FOR(b, last - first, (int64_t)rows * k > 65536, {
+        const int panel = first + (int)b;
+        const uint8_t *p = (const uint8_t *)w + panel * panel_bytes;
+        for (int c = 0; c < PANEL; c++) {
+            const int64_t row = (int64_t)panel * PANEL + c - row0;
+            if (row < 0 || row >= rows) continue;
+            const int64_t at = row * k;
+            if (w_format == W_INT8) {
+                const int8_t *q = (const int8_t *)p + 4 * c;
+                const float scale = ((const float *)(p + 64 * baton_int8_quads(k)))[c];
+                for (int i = 0; i < k; i++)
+                    put(out, at + i, round_to((float)q[16 * (i & ~3) + (i & 3)] * scale, out_bf16),
+                        out_bf16);
+            } else {
+                const int lane = 32 * (c / 8) + 4 * (c % 8);
+                for (int g = 0; g * INT4_GROUP < k; g++) {
+                    const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
+                    const float scale = ((const float *)(gp + 16 * INT4_GROUP / 2))[c];
+                    for (int j = 0; j < 8; j++) /* quad j: pair j / 2, nibble j % 2 */
+                        for (int t = 0; t < 4; t++) {
+                            const int i = g * INT4_GROUP + 4 * j + t;
+                            if (i >= k) break;
+                            const uint8_t byte = gp[64 * (j / 2) + lane + t];
+                            const int v = ((j & 1) ? byte >> 4 : byte & 15) - 8;
+                            put(out, at + i, round_to((float)v * scale, out_bf16), out_bf16);
+                        }
+                }
+            }
+        }
+    });
 }

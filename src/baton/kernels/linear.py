@@ -129,6 +129,38 @@ class PackedRows:
         return self.data.numel() * self.data.element_size()
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    def dequantize_into(self, out: torch.Tensor, row0: int) -> None:
+        """An int8 / int4 weight's rows ``[row0, row0 + len(out))`` as floats into ``out``
+        ([rows, k] contiguous, fp32 or bf16; linear.c's ``baton_dequantize_rows``): value
+        times its scale in fp32, rounded once to out's dtype."""
+        lib = library()
+        assert lib is not None and self.format >= WEIGHT_FORMATS[torch.int8]
+        assert out.is_contiguous() and out.shape[1] == self.k and out.dtype in DTYPES
+        rows = out.shape[0]
+        assert row0 >= 0 and row0 + rows <= self.n
+        lib.baton_dequantize_rows(
+            self.data_ptr(),
+            self.k,
+            self.format,
+            row0,
+            rows,
+            out.data_ptr(),
+            DTYPES[out.dtype],
+            torch.get_num_threads(),
+        )
+
+    def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of a quantized weight's values, fp32 (as ``Tensor.index_select``)."""
+        assert dim == 0
+        out = torch.empty(len(index), self.k)
+        for i, row in enumerate(index.tolist()):
+            self.dequantize_into(out[i : i + 1], row)
+        return out
+
+    @property
     def is_cpu(self) -> bool:
         return self.data.is_cpu
 

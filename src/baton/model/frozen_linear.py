@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from baton import platform
+from baton.kernels import library
 from baton.kernels.layer import enabled as native_layers_enabled
 from baton.kernels.linear import (
     ACTIVATIONS,
@@ -105,8 +106,9 @@ class FrozenLinear:
     parameter.
 
     quantization ``int8`` / ``int4`` (``baton.model.quantize``): the weight is kept quantized
-    and nothing else; few rows read its packed panels (any size: every call would otherwise
-    dequantize), more rows dequantize it once per call for BLAS."""
+    and nothing else -- with the kernels, only in their packed panels (the integers once):
+    few rows read them (any size: every call would otherwise dequantize), more rows
+    dequantize them once per call for BLAS."""
 
     def __init__(
         self,
@@ -141,10 +143,15 @@ class FrozenLinear:
         self._rows: tuple[PackedRows, torch.Tensor | None] | None = None
         # Few rows through a weight this big: linear.c reads it once for all of them (BLAS
         # takes 2-4x a row's time for 2-8 rows); below it the call's fixed cost dominates.
+        self.quantization = None if self.quantized is None else self.quantized.method
+        """``int8`` / ``int4``, or None: the weight as loaded."""
         self._few_rows = native_layers_enabled() and (
-            self.quantized is not None or weight.numel() >= FEW_ROWS_MIN_WEIGHT
+            self.quantization is not None or weight.numel() >= FEW_ROWS_MIN_WEIGHT
         )
         self._max_few_rows = MAX_ROWS_BESIDE_ONEDNN if self.packed is not None else MAX_ROWS
+        if self.quantization is not None and self._few_rows and library() is not None:
+            self.rows()  # packed now: from here on the panels alone hold the integers
+            self.quantized = None
 
     @property
     def rounds_once(self) -> bool:
@@ -223,15 +230,19 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
-        if self.quantized is not None:
-            return ACT_FNS[self.activation](dequantized_linear(x, self.quantized, self.bias))
+        if self.quantization is not None:
+            source = self.quantized if self.quantized is not None else self._rows[0]
+            return ACT_FNS[self.activation](dequantized_linear(x, source, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     @property
     def effective_weight(self) -> torch.Tensor | QuantizedWeight:
-        """The weight this matmul multiplies by: the float weight, or the quantized one
-        (``QuantizedWeight.index_select`` gives rows of its values)."""
-        return self.quantized if self.quantized is not None else self._source
+        """The weight this matmul multiplies by: the float weight, or the quantized one (a
+        ``QuantizedWeight``, or the panels holding it: ``index_select(0, ids)`` gives rows
+        of its values for both)."""
+        if self.quantization is None:
+            return self._source
+        return self.quantized if self.quantized is not None else self._rows[0]
 
     def mul(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """``self(x) * other`` (no activation)."""

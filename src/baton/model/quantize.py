@@ -66,6 +66,19 @@ class QuantizedWeight:
         assert dim == 0
         return self.q.index_select(0, index).float() * self.row_scales(index)
 
+    def dequantize_into(self, out: torch.Tensor, row0: int) -> None:
+        """Rows ``[row0, row0 + len(out))`` of the weight's values into ``out`` ([rows, k],
+        out's dtype): the product in fp32, rounded once (``dequantize``'s values)."""
+        rows, k = out.shape
+        q, scale = self.q[row0 : row0 + rows], self.scale[row0 : row0 + rows]
+        out.copy_(q)  # |q| <= 127: exact in bf16 and fp32
+        if self.method == "int8":
+            out.mul_(scale[:, None])
+        elif k % INT4_GROUP == 0:  # each group times its scale, no [rows, k] of scales
+            out.view(rows, -1, INT4_GROUP).mul_(scale[:, :, None])
+        else:
+            out.mul_(self.row_scales(slice(row0, row0 + rows)))
+
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Symmetric per-row int8 of a [n, k] weight (any float dtype): round to nearest, ties
@@ -107,14 +120,14 @@ large vocabulary's head) goes through BLAS in blocks of output rows."""
 _scratch = threading.local()
 
 
-def dequantized_linear(
-    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
-) -> torch.Tensor:
+def dequantized_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """``F.linear(x, dequantize(weight, x.dtype), bias)`` -- the prompt path of a quantized
     matmul -- with the weight dequantized into one reused scratch buffer per thread and
-    dtype, at most ``DEQUANTIZE_BLOCK`` elements at a time: one pass over the int8 values per
-    call and no weight-sized allocation. The same values as ``dequantize`` (the product in
-    fp32, rounded once to x's dtype)."""
+    dtype, at most ``DEQUANTIZE_BLOCK`` elements at a time: one pass over the integers per
+    call and no weight-sized allocation. ``weight``: a ``QuantizedWeight``, or the packed
+    panels the small steps read (``linear.PackedRows``: dequantized by the C kernel, so the
+    integers are kept once) -- anything with ``shape`` and ``dequantize_into``. The same
+    values as ``dequantize`` (the product in fp32, rounded once to x's dtype)."""
     n, k = weight.shape
     rows = max(1, min(n, DEQUANTIZE_BLOCK // max(k, 1)))
     buffers = getattr(_scratch, "buffers", None)
@@ -126,10 +139,9 @@ def dequantized_linear(
             buf = buffers[x.dtype] = torch.empty(rows * k, dtype=x.dtype)
     outs = []
     for j in range(0, n, rows):
-        q = weight.q[j : j + rows]
-        w = buf[: q.numel()].view(q.shape)
-        w.copy_(q)  # |q| <= 127: exact in bf16 and fp32
-        w.mul_(weight.row_scales(slice(j, j + rows)))
+        count = min(rows, n - j)
+        w = buf[: count * k].view(count, k)
+        weight.dequantize_into(w, j)
         outs.append(F.linear(x, w, None if bias is None else bias[j : j + rows]))
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
