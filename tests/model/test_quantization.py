@@ -288,3 +288,21 @@ def test_the_prompt_path_dequantizes_in_blocks_with_the_same_values(act, method,
     torch.testing.assert_close(quantize.dequantized_linear(x, qw, bias), want)
     monkeypatch.setattr(quantize, "DEQUANTIZE_BLOCK", 24 * 7)  # 7 rows at a time
     torch.testing.assert_close(quantize.dequantized_linear(x, qw, bias), want)
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_panels_dequantize_to_the_weights_values_exactly(method, dtype):
+    """The prompt path reads the panels (the integers are kept once): any rows, from any
+    row, equal ``dequantize``'s values bit for bit, k a whole number of groups or not."""
+    for k in (64, 70):
+        qw = QUANTIZERS[method](torch.randn(45, k, generator=torch.Generator().manual_seed(k)))
+        packed = PackedRows.quantized(qw.q, qw.scale)
+        out = torch.empty(20, k, dtype=dtype)
+        packed.dequantize_into(out, 5)
+        assert torch.equal(out, dequantize(qw, dtype)[5:25])
+        assert torch.equal(
+            packed.index_select(0, torch.tensor([44, 0, 17])), dequantize(qw)[[44, 0, 17]]
+        )

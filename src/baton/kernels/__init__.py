@@ -281,7 +281,7 @@ def library_for(level: str) -> ctypes.CDLL | None:
         i32,
         i32,
     ]
-    lib.baton_dequantize_rows.restype = None
+    lib.baton_dequantize_rows.restype = ctypes.c_int
     lib.baton_dequantize_rows.argtypes = [ptr, i32, i32, i32, i32, ptr, i32, i32]
     lib.baton_gated_rows.restype = ctypes.c_int
     lib.baton_gated_rows.argtypes = [

@@ -60,8 +60,8 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
 
 /* Rows [row0, row0 + rows) of an int8 / int4 weight in linear.c's panels, dequantized into
  * out ([rows, k]: fp32, or bf16 where out_bf16). */
-void baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
-                           int32_t rows, void *out, int32_t out_bf16, int32_t num_threads);
+int baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
+                          int32_t rows, void *out, int32_t out_bf16, int32_t num_threads);
 
 /* g = act(x gate^T + gate_bias), u = mul(x up^T + up_bias, g): the two calls of
  * baton_linear_rows in one parallel region (linear.c). */

@@ -668,42 +668,68 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
     return run(&first, x, x_stride, num_threads);
 }
 
+/* One panel's 16 rows of an int8 / int4 weight as fp32 into rows[c] (k floats each; NULL:
+ * a row not wanted), reading the panel in order. */
+static void dequantize_panel(const uint8_t *p, int k, int w_format, float *const *rows) {
+    if (w_format == W_INT8) {
+        const float *scale = (const float *)(p + 64 * baton_int8_quads(k));
+        for (int j = 0; 4 * j < k; j++) {
+            const int8_t *qj = (const int8_t *)p + 64 * j;
+            const int n = k - 4 * j < 4 ? k - 4 * j : 4;
+            for (int c = 0; c < PANEL; c++)
+                if (rows[c] != NULL)
+                    for (int t = 0; t < n; t++) rows[c][4 * j + t] = (float)qj[4 * c + t] * scale[c];
+        }
+        return;
+    }
+    for (int g = 0; g * INT4_GROUP < k; g++) {
+        const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
+        const float *scale = (const float *)(gp + 16 * INT4_GROUP / 2);
+        const int base = g * INT4_GROUP;
+        for (int h = 0; h < 4; h++)
+            for (int c = 0; c < PANEL; c++) {
+                float *row = rows[c];
+                if (row == NULL) continue;
+                const uint8_t *b = gp + 64 * h + 32 * (c / 8) + 4 * (c % 8);
+                for (int t = 0; t < 4; t++) { /* quad 2 h low nibbles, quad 2 h + 1 high */
+                    const int lo = base + 8 * h + t, hi = lo + 4;
+                    if (lo < k) row[lo] = (float)((b[t] & 15) - 8) * scale[c];
+                    if (hi < k) row[hi] = (float)((b[t] >> 4) - 8) * scale[c];
+                }
+            }
+    }
+}
+
 /* Rows [row0, row0 + rows) of an int8 or int4 weight in its panels, dequantized (value times
  * its column's, or group's, scale, in fp32, rounded once to bf16 where out_bf16) into out
  * ([rows, k], contiguous): the prompt path's weight, read from the panels the small steps
- * read, so the integers are kept once. Panels in parallel over OpenMP's threads. */
-void baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
-                           int32_t rows, void *out, int32_t out_bf16, int32_t num_threads) {
+ * read, so the integers are kept once. Panels in parallel over OpenMP's threads. 0, or 1
+ * without scratch memory (bf16: nothing written). */
+int baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
+                          int32_t rows, void *out, int32_t out_bf16, int32_t num_threads) {
     const int64_t panel_bytes = baton_panel_bytes(k, w_format);
     const int first = row0 / PANEL, last = (row0 + rows + PANEL - 1) / PANEL;
+    float *scratches = out_bf16 ? malloc((size_t)(last - first) * PANEL * k * sizeof(float)) : NULL;
+    if (out_bf16 && scratches == NULL) return 1;
     PARALLEL_FOR(b, last - first, (int64_t)rows * k > 65536, {
         const int panel = first + (int)b;
-        const uint8_t *p = (const uint8_t *)w + panel * panel_bytes;
+        float *scratch = out_bf16 ? scratches + b * PANEL * (int64_t)k : NULL;
+        float *dst[PANEL];
         for (int c = 0; c < PANEL; c++) {
             const int64_t row = (int64_t)panel * PANEL + c - row0;
-            if (row < 0 || row >= rows) continue;
-            const int64_t at = row * k;
-            if (w_format == W_INT8) {
-                const int8_t *q = (const int8_t *)p + 4 * c;
-                const float scale = ((const float *)(p + 64 * baton_int8_quads(k)))[c];
-                for (int i = 0; i < k; i++)
-                    put(out, at + i, round_to((float)q[16 * (i & ~3) + (i & 3)] * scale, out_bf16),
-                        out_bf16);
-            } else {
-                const int lane = 32 * (c / 8) + 4 * (c % 8);
-                for (int g = 0; g * INT4_GROUP < k; g++) {
-                    const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
-                    const float scale = ((const float *)(gp + 16 * INT4_GROUP / 2))[c];
-                    for (int j = 0; j < 8; j++) /* quad j: pair j / 2, nibble j % 2 */
-                        for (int t = 0; t < 4; t++) {
-                            const int i = g * INT4_GROUP + 4 * j + t;
-                            if (i >= k) break;
-                            const uint8_t byte = gp[64 * (j / 2) + lane + t];
-                            const int v = ((j & 1) ? byte >> 4 : byte & 15) - 8;
-                            put(out, at + i, round_to((float)v * scale, out_bf16), out_bf16);
-                        }
-                }
-            }
+            dst[c] = row < 0 || row >= rows ? NULL
+                     : out_bf16             ? scratch + (int64_t)c * k
+                                            : (float *)out + row * k;
         }
+        dequantize_panel((const uint8_t *)w + panel * panel_bytes, k, w_format, dst);
+        if (out_bf16)
+            for (int c = 0; c < PANEL; c++) {
+                const int64_t row = (int64_t)panel * PANEL + c - row0;
+                if (dst[c] != NULL)
+                    for (int i = 0; i < k; i++)
+                        put(out, row * k + i, round_to(dst[c][i], 1), 1);
+            }
     });
+    free(scratches);
+    return 0;
 }

@@ -141,7 +141,7 @@ class PackedRows:
         assert out.is_contiguous() and out.shape[1] == self.k and out.dtype in DTYPES
         rows = out.shape[0]
         assert row0 >= 0 and row0 + rows <= self.n
-        lib.baton_dequantize_rows(
+        status = lib.baton_dequantize_rows(
             self.data_ptr(),
             self.k,
             self.format,
@@ -151,6 +151,8 @@ class PackedRows:
             DTYPES[out.dtype],
             torch.get_num_threads(),
         )
+        if status != 0:
+            raise MemoryError(f"dequantize kernel: no scratch memory for {rows} x {self.k}")
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
         """Rows ``index`` of a quantized weight's values, fp32 (as ``Tensor.index_select``)."""
