@@ -1,5 +1,5 @@
-"""Benchmark: baton's weight-only int8 (``--quantization int8``) against the unquantized model
-and against llama.cpp's q8_0 / q4_0, on this CPU (printed first), in one run.
+"""Benchmark: baton's int8 / int4 weights (``--quantization int8|int4``) against the
+unquantized model and against llama.cpp's q8_0 / q4_0, on this CPU (printed first), one run.
 
 1. Quality (the bundled model only: a random checkpoint's perplexity means nothing), baton's
    compute dtype on this CPU: perplexity on held-out code (``baton.corpus.held_out_texts``:
@@ -11,9 +11,9 @@ and against llama.cpp's q8_0 / q4_0, on this CPU (printed first), in one run.
    as loaded.
 2. Speed, same process, the configurations in turns (``rounds`` rounds; per round each
    configuration's batch-1 decode once and one ``llama-bench`` tg repetition of each GGUF):
-   decode-only tok/s at batch 1 (plain and MTP), per-round ratios int8 / unquantized and
-   int8 / llama.cpp q8_0, their medians; then 32 mixed requests (prompt 64-192 tokens, 32-96
-   new) total tok/s, and a 512-token prefill, unquantized vs int8.
+   decode-only tok/s at batch 1 (plain and MTP), per-round ratios int8 / int4 against the
+   unquantized model and against llama.cpp's GGUFs, their medians; then 32 mixed requests
+   (prompt 64-192 tokens, 32-96 new) total tok/s, and a 512-token prefill, per configuration.
 3. The weight bytes a decode step reads per configuration, and memcpy's bandwidth measured
    in the same run: the bandwidth bound of batch-1 decode.
 
