@@ -352,23 +352,25 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
     NULL, int8_tile_1, int8_tile_2, int8_tile_3, int8_tile_4, int8_tile_5, int8_tile_6};
 
 /* int4 weights times int8 rows (W4A8, as llama.cpp's q4_0 x q8_0): per group of 32 inputs
- * the exact integer sums of the int8 tiles, then each column's sum times its group scale,
- * added in fp32 over the groups. A group of a panel is 4 pairs of quads (2 h, 2 h + 1), each
+ * the exact integer sums, then each column's sum times its group scale, added in fp32 over
+ * the groups (fmaf, in order). A group of a panel is 4 pairs of quads (2 h, 2 h + 1), each
  * pair 2 x 32 bytes (columns 0-7, then 8-15; byte 4 c + t: w[c, 4 (2 h) + t] + 8 in its low
- * nibble, w[c, 4 (2 h + 1) + t] + 8 in its high one), then the group's 16 fp32 scales. The
- * values are -8..7 (a nibble less 8), multiplied as the int8 tiles do.
- * out[r * 16 + c] = the sum over groups of (integer sum) * scale[c, group]. */
+ * nibble, w[c, 4 (2 h + 1) + t] + 8 in its high one), then the group's 16 fp32 scales.
+ * out[r * 16 + c] = the sum over groups of (integer sum) * scale[c, group]. xg[r, g]: row r's
+ * sum of its int8 values over group g. */
 #define DEFINE_INT4_TILE(R)                                                                   \
-    static void int4_tile_##R(const int8_t *xq, int64_t stride, int groups, const uint8_t *p,  \
-                              float *out) {                                                   \
+    static void int4_tile_##R(const int8_t *xq, const int32_t *xg, int64_t stride, int groups, \
+                              const uint8_t *p, float *out) {                                 \
         INT4_TILE_BODY(R)                                                                     \
     }
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
-/* The fp32 totals live in `out` (updated once per group), the integer sums in registers;
- * one quad's weights are unpacked at a time: with 16 ymm registers (AVX2) 2 rows fit. */
+/* The nibble u = w + 8 (0..15) is vpmaddubsw's unsigned operand as it is: sum u x = sum w x
+ * + 8 sum x, so a group's sum is (sum u x) - 8 xg -- no sign or absolute value per row, and
+ * a pair's products are at most 2 x 15 x 127, so a group's 8 quads add in 16 bits (at most
+ * 30,480) before one vpmaddwd. The fp32 totals live in `out` (updated once per group); with
+ * 16 ymm registers (AVX2) 4 rows fit. */
 #define INT4_TILE_BODY(R)                                                                     \
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f),                  \
-                  eight = _mm256_set1_epi8(8);                                                \
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0f);                  \
     memset(out, 0, sizeof(float) * 16 * R);                                                   \
     for (int g = 0; g < groups; g++) {                                                        \
         const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;                                \
@@ -379,39 +381,33 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h));            \
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h + 32));       \
             _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) {                             \
-                const __m256i w0 = _mm256_sub_epi8(                                           \
-                    _mm256_and_si256(s ? _mm256_srli_epi16(v0, 4) : v0, low), eight);         \
-                const __m256i w1 = _mm256_sub_epi8(                                           \
-                    _mm256_and_si256(s ? _mm256_srli_epi16(v1, 4) : v1, low), eight);         \
-                const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);             \
+                const __m256i u0 = _mm256_and_si256(s ? _mm256_srli_epi16(v0, 4) : v0, low);  \
+                const __m256i u1 = _mm256_and_si256(s ? _mm256_srli_epi16(v1, 4) : v1, low);  \
                 const int64_t at = 4 * ((int64_t)g * 8 + 2 * h + s);                          \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                         \
                     int32_t sq;                                                               \
                     memcpy(&sq, xq + r * stride + at, 4);                                     \
                     const __m256i xs = _mm256_set1_epi32(sq);                                 \
-                    acc[r][0] = _mm256_add_epi32(                                             \
-                        acc[r][0], _mm256_madd_epi16(                                         \
-                                       _mm256_maddubs_epi16(a0, _mm256_sign_epi8(xs, w0)),    \
-                                       ones));                                                \
-                    acc[r][1] = _mm256_add_epi32(                                             \
-                        acc[r][1], _mm256_madd_epi16(                                         \
-                                       _mm256_maddubs_epi16(a1, _mm256_sign_epi8(xs, w1)),    \
-                                       ones));                                                \
+                    acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(u0, xs));    \
+                    acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(u1, xs));    \
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
         const float *sc = (const float *)(gp + 16 * INT4_GROUP / 2);                          \
         const __m256 s0 = _mm256_loadu_ps(sc), s1 = _mm256_loadu_ps(sc + 8);                  \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            const __m256i offset = _mm256_set1_epi32(8 * xg[(int64_t)r * groups + g]);        \
+            const __m256i i0 = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][0], ones), offset);  \
+            const __m256i i1 = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][1], ones), offset);  \
             float *o = out + r * 16;                                                          \
-            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), s0,            \
-                                                _mm256_loadu_ps(o)));                         \
-            _mm256_storeu_ps(o + 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), s1,        \
-                                                    _mm256_loadu_ps(o + 8)));                 \
+            _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), s0, _mm256_loadu_ps(o))); \
+            _mm256_storeu_ps(o + 8,                                                           \
+                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), s1, _mm256_loadu_ps(o + 8))); \
         }                                                                                     \
     }
 #else
 #define INT4_TILE_BODY(R)                                                                     \
+    (void)xg;                                                                                 \
     for (int r = 0; r < R; r++)                                                               \
         for (int c = 0; c < 16; c++) {                                                        \
             float total = 0.0f;                                                               \
@@ -437,12 +433,13 @@ DEFINE_INT4_TILE(3)
 DEFINE_INT4_TILE(4)
 DEFINE_INT4_TILE(5)
 DEFINE_INT4_TILE(6)
-typedef void (*int4_tile_fn)(const int8_t *, int64_t, int, const uint8_t *, float *);
+typedef void (*int4_tile_fn)(const int8_t *, const int32_t *, int64_t, int, const uint8_t *,
+                             float *);
 
 /* Rows per call of the int8 / int4 tiles: their accumulators stay in registers (AVX2 has
- * 16: 4 rows of int8, 2 of int4; AVX-512's 32 hold GROUP). */
+ * 16: 4 rows; AVX-512's 32 hold GROUP). */
 #if defined(HAVE_AVX2)
-enum { INT8_ROWS = 4, INT4_ROWS = 2 };
+enum { INT8_ROWS = 4, INT4_ROWS = 4 };
 #else
 enum { INT8_ROWS = GROUP, INT4_ROWS = GROUP };
 #endif
@@ -527,6 +524,7 @@ typedef struct Job {
     const uint16_t *xb; /* the pair tiles' rows: bf16, kp apart */
     const int8_t *xq;   /* int8 / int4 weights: the rows as int8 (kp apart: whole quads) */
     const float *xs;    /* each row's scale */
+    const int32_t *xg;  /* int4: each row's sums of xq per group of INT4_GROUP */
     int32_t m, k, kp, n, op, act_bf16, w_format;
     const void *w, *bias, *other;
     int64_t other_stride, y_stride;
@@ -557,8 +555,9 @@ static void some_panels(const Job *J, int blk, int count) {
                 for (int c = 0; c < PANEL; c++)
                     block[0][r * PANEL + c] = (float)sums[r * PANEL + c] * J->xs[g + r];
         } else if (int4) { /* the group scales are inside the panel */
-            INT4_TILES[rows](J->xq + (int64_t)g * J->kp, J->kp, J->kp / INT4_GROUP, panel,
-                             block[0]);
+            const int groups = J->kp / INT4_GROUP;
+            INT4_TILES[rows](J->xq + (int64_t)g * J->kp, J->xg + (int64_t)g * groups, J->kp,
+                             groups, panel, block[0]);
             for (int r = 0; r < rows; r++)
                 for (int c = 0; c < PANEL; c++) block[0][r * PANEL + c] *= J->xs[g + r];
         } else
@@ -616,13 +615,21 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
                                            : k + (k & 1);
     float *xf = pairs || int8 ? NULL : malloc((size_t)m * (size_t)k * sizeof(float));
     uint16_t *xb = pairs ? calloc((size_t)m * (size_t)kp, sizeof(uint16_t)) : NULL;
-    float *xs = int8 ? malloc((size_t)m * sizeof(float) + (size_t)m * (size_t)kp) : NULL;
+    const int groups = job->w_format == W_INT4 ? kp / INT4_GROUP : 0;
+    float *xs = int8 ? malloc((size_t)m * (sizeof(float) + groups * sizeof(int32_t) + kp)) : NULL;
     if (xf == NULL && xb == NULL && xs == NULL) return 1;
-    int8_t *xq = int8 ? (int8_t *)(xs + m) : NULL;
+    int32_t *xg = int8 ? (int32_t *)(xs + m) : NULL;
+    int8_t *xq = int8 ? (int8_t *)(xg + (int64_t)m * groups) : NULL;
     for (int r = 0; r < m; r++) {
-        if (int8)
+        if (int8) {
             xs[r] = quantize_row(x, (int64_t)r * x_stride, k, kp, job->act_bf16,
                                  xq + (int64_t)r * kp);
+            for (int q = 0; q < groups; q++) {
+                int32_t sum = 0;
+                for (int i = 0; i < INT4_GROUP; i++) sum += xq[(int64_t)r * kp + q * INT4_GROUP + i];
+                xg[(int64_t)r * groups + q] = sum;
+            }
+        }
         else if (pairs)
             memcpy(xb + (int64_t)r * kp, (const uint16_t *)x + (int64_t)r * x_stride,
                    (size_t)k * sizeof(uint16_t));
@@ -636,7 +643,8 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     int per_task = panels / (TASKS_PER_THREAD * threads);
     if (per_task < 1) per_task = 1;
     for (Job *j = job; j != NULL; j = j->then) /* the same rows, the same tasks */
-        j->xf = xf, j->xb = xb, j->xq = xq, j->xs = xs, j->kp = kp, j->per_task = per_task;
+        j->xf = xf, j->xb = xb, j->xq = xq, j->xs = xs, j->xg = xg, j->kp = kp,
+        j->per_task = per_task;
     baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
@@ -648,7 +656,7 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t n, const void *bias, const void *other, int64_t other_stride,
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads) {
-    Job job = {NULL, NULL, NULL, NULL, m,     k,        0, n, op, act_bf16, w_format, w, bias,
+    Job job = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, op, act_bf16, w_format, w, bias,
                other, other_stride, y_stride, y, 0, NULL};
     return run(&job, x, x_stride, num_threads);
 }
@@ -661,10 +669,10 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
                      const void *gate_bias, int32_t act, void *g, const void *up,
                      const void *up_bias, int32_t mul, void *u, int32_t n, int32_t act_bf16,
                      int32_t w_format, int32_t num_threads) {
-    Job second = {NULL, NULL, NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up, up_bias,
-                  g, n, n, u, 0, NULL};
-    Job first = {NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate, gate_bias,
-                 NULL, 0, n, g, 0, &second};
+    Job second = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, mul, act_bf16, w_format, up,
+                  up_bias, g, n, n, u, 0, NULL};
+    Job first = {NULL, NULL, NULL, NULL, NULL, m, k, 0, n, act, act_bf16, w_format, gate,
+                 gate_bias, NULL, 0, n, g, 0, &second};
     return run(&first, x, x_stride, num_threads);
 }
 

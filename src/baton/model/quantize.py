@@ -1,7 +1,7 @@
-"""Weight-only quantization: what ``--quantization`` does to a loaded model's matmuls.
+"""Quantized weights: what ``--quantization`` does to a loaded model's matmuls.
 
 ``int8``: every projection's weight (q|k|v, o, gate, up, down, the head, the draft's
-projection) becomes symmetric int8 with one fp32 scale per output channel (row), quantized
+projection and layer) becomes symmetric int8 with one fp32 scale per output channel (row), quantized
 at load time from the checkpoint's bf16 / fp32 values: ``w[j] ~= q[j] * scale[j]``,
 ``scale[j] = max|w[j]| / 127``. ``int4``: the same with values -7..7 and a scale per group
 of ``INT4_GROUP`` inputs of a row. Embeddings, norms and biases stay as loaded. Small steps
