@@ -179,7 +179,7 @@ def weight_bytes(llm: LLM) -> int:
                 if lin is None:
                     continue
                 rows = lin.rows()
-                total += rows[0].data.numel() * rows[0].data.element_size() if rows else 0
+                total += rows[0].nbytes if rows else 0
     return total
 
 

@@ -306,3 +306,16 @@ def test_the_panels_dequantize_to_the_weights_values_exactly(method, dtype):
         assert torch.equal(
             packed.index_select(0, torch.tensor([44, 0, 17])), dequantize(qw)[[44, 0, 17]]
         )
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_fused_layer_takes_quantized_matrices_under_either_activation_dtype(method, dtype):
+    """A quantized model's layers run as one native call in fp32 and in bf16 (the default
+    dtype on AVX-512-BF16 CPUs): only fp32 matrices under bf16 activations are declined."""
+    from baton.model.executor import native_layer
+    from baton.model.loader import load_model
+
+    model = load_model(BUNDLED, dtype).fuse_projections(method)
+    assert all(native_layer(layer) is not None for layer in model.model.layers)

@@ -235,8 +235,8 @@ class NativeLayer:
         first = present["qkv"]
         if first.dtype not in WEIGHT_FORMATS or not biases <= {first.bias_dtype}:
             return None
-        if first.dtype != torch.int8 and matrices != norms and norms != {torch.float32}:
-            return None  # bf16 activations read bf16 (or int8) matrices
+        if first.dtype == torch.float32 and norms != {torch.float32}:
+            return None  # bf16 activations read bf16, int8 or int4 matrices, not fp32
         if hidden > MAX_DIM:
             return None
         if head_dim % 2 or head_dim > MAX_DIM or any(not w.is_cpu for w in present.values()):

@@ -231,8 +231,7 @@ class FrozenLinear:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
         if self.quantization is not None:
-            source = self.quantized if self.quantized is not None else self._rows[0]
-            return ACT_FNS[self.activation](dequantized_linear(x, source, self.bias))
+            return ACT_FNS[self.activation](dequantized_linear(x, self.effective_weight, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     @property

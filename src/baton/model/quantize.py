@@ -9,9 +9,10 @@ read the packed panels (``linear.c``'s ``W_INT8`` / ``W_INT4``: a quarter / an e
 fp32's bytes, plus scales), each row quantized to int8 for the call (W8A8 / W4A8); large
 steps (prompt chunks) dequantize the weight for BLAS / oneDNN (``dequantized_linear``).
 
-Pure torch; who calls it: ``frozen_linear.FrozenLinear`` (a ``QuantizedWeight`` in place of
-the float weight) and the modules' ``fuse_projections`` (``release_weights``); the methods'
-names are ``baton.config.QUANTIZATIONS``.
+Pure torch (the int4 group is the kernels' ``linear.INT4_GROUP``); who calls it:
+``frozen_linear.FrozenLinear`` (a ``QuantizedWeight`` in place of the float weight) and the
+modules' ``fuse_projections`` (``release_weights``); the methods' names are
+``baton.config.QUANTIZATIONS``.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.config import QUANTIZATIONS
-
-INT4_GROUP = 32
-"""Inputs per int4 scale (``linear.INT4_GROUP``, the kernels')."""
+from baton.kernels.linear import INT4_GROUP
 
 
 @dataclass(frozen=True)
@@ -45,9 +44,6 @@ class QuantizedWeight:
     @property
     def shape(self) -> torch.Size:
         return self.q.shape
-
-    def numel(self) -> int:
-        return self.q.numel()
 
     def nbytes(self) -> int:
         """What the kernels read: a byte (int8) or half of one (int4) per value, the scales."""
