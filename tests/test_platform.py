@@ -23,8 +23,9 @@ AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512dq", "avx512vl"}
         (AVX2, "x86_64", "avx2"),
         (AVX2 | {"avx512f"}, "x86_64", "avx2"),  # AVX-512 F alone is not enough
         (AVX512, "x86_64", "avx512"),
-        (AVX512 | {"avx512_bf16"}, "x86_64", "avx512_bf16"),
-        (AVX512 | {"avx512_bf16", "amx_bf16"}, "x86_64", "avx512_bf16"),
+        (AVX512 | {"avx512_bf16", "avx512_vnni"}, "x86_64", "avx512_bf16"),
+        (AVX512 | {"avx512_bf16", "avx512_vnni", "amx_bf16"}, "x86_64", "avx512_bf16"),
+        (AVX512 | {"avx512_bf16"}, "x86_64", "avx512"),  # the level's int8 kernels need VNNI
         (frozenset({"fp", "asimd", "bf16"}), "aarch64", "baseline"),
     ],
 )

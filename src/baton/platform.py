@@ -12,7 +12,8 @@ Levels, lowest first::
     baseline     portable C: what any x86-64 (SSE2) or ARM machine builds, no intrinsics
     avx2         AVX2 + FMA (x86-64-v3: Haswell and later, AMD Zen 1-3)
     avx512       AVX-512 F/BW/DQ/VL (x86-64-v4: Skylake-SP and later, AMD Zen 4)
-    avx512_bf16  avx512 + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4): bf16 dot products
+    avx512_bf16  avx512 + AVX512_BF16 + AVX512_VNNI (Cooper Lake, Sapphire Rapids, Zen 4): bf16
+                 and int8 dot products
 
 ``BATON_CPU_ISA`` (read by ``config.RuntimeEnv``) caps the level below the detected one, so
 one machine runs the paths of the others: forcing ``avx2`` or ``baseline`` also turns native
@@ -41,7 +42,7 @@ _AVX512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl
 REQUIRED_FLAGS = {
     "avx2": frozenset({"avx2", "fma"}),
     "avx512": _AVX512,
-    "avx512_bf16": _AVX512 | {"avx512_bf16"},
+    "avx512_bf16": _AVX512 | {"avx512_bf16", "avx512_vnni"},
 }
 """The /proc/cpuinfo flags each level above ``baseline`` needs (x86-64 only)."""
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from baton import platform
 from baton.config import EngineConfig
 from baton.engine.llm import LLM
 from baton.kernels import library
@@ -144,6 +145,30 @@ def test_minus_128_weights_from_a_checkpoint_multiply_exactly():
     x[0, 1] = -x[0, 1].abs()  # a row of negative activations only
     got = linear_rows(x, PackedRows.quantized(qw.q, qw.scale), None)
     torch.testing.assert_close(got, w8a8_reference(x, qw, None), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_every_level_computes_the_same_bits(method, act, monkeypatch):
+    """The integer sums are exact at every level -- AVX-512 VNNI's vpdpbusd, AVX2's
+    vpmaddubsw, portable C -- and the scalings the same operations in the same order: one
+    matmul gives the same bits whichever build runs it (rows 1 to 13: every tile size)."""
+    import baton.kernels
+
+    g = torch.Generator().manual_seed(11)
+    qw = QUANTIZERS[method](torch.randn(70, 200, generator=g) / 14)
+    packed = PackedRows.quantized(qw.q, qw.scale)
+    x = torch.randn(1, 13, 200, generator=g).to(act)
+    results = {}
+    for level in platform.current().runnable_levels():
+        monkeypatch.setattr(baton.kernels, "active_level", lambda level=level: level)
+        if baton.kernels.library() is not None:
+            results[level] = [linear_rows(x[:, :m], packed, None) for m in range(1, 14)]
+    first, *others = results
+    for level in others:
+        for m, (a, b) in enumerate(zip(results[first], results[level], strict=True), 1):
+            assert torch.equal(a, b), f"{level} differs from {first} at {m} rows"
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)

@@ -5,7 +5,8 @@ strides in, plain C out), so a build is one ``cc`` call of about a second instea
 minute against torch's headers. One library per instruction-set level (``LEVEL_FLAGS``):
 the same sources compiled for ``baseline`` (portable C, no intrinsics: what an ARM machine
 builds), ``avx2`` (x86-64-v3, loops vectorised for AVX2 + FMA), ``avx512`` (x86-64-v4) and
-``avx512_bf16`` (adds the AVX-512 BF16 intrinsics path of the attention kernel). The level
+``avx512_bf16`` (adds the AVX-512 BF16 intrinsics of the attention kernel and the AVX-512 VNNI
+int8 multiply-adds of the quantized matmuls). The level
 in use is ``baton.platform``'s (``BATON_CPU_ISA`` caps it); tests load every level the
 machine executes. Libraries are cached under ``$BATON_KERNEL_CACHE`` (default
 ``~/.cache/baton/kernels``), keyed by the sources, the compiler and the level's flags. They
@@ -54,7 +55,7 @@ LEVEL_FLAGS = {
     "baseline": (),
     "avx2": ("-march=x86-64-v3",),
     "avx512": ("-march=x86-64-v4",),
-    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+    "avx512_bf16": ("-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"),
 }
 """Compiler flags of each ``baton.platform`` level (x86-64; off it only ``baseline``, built
 for the compiler's default target). NOTE: ``-mtune`` is left at the default so a cached

@@ -303,7 +303,30 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
                               int32_t *out) {                                                 \
         INT8_TILE_BODY(R)                                                                     \
     }
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI (Cascade Lake and later, Zen 4): a panel's quad j is one 64-byte register,
+ * 16 columns x 4 inputs, and vpdpbusd adds each column's 4 products |w| x (x with w's
+ * sign) into its 32-bit sum in one instruction -- exact, no 16-bit stage. AVX-512 has no
+ * vpsignb: x is negated under the mask of w's sign bits (w = 0 multiplies |w| = 0), taken
+ * once per load; 32 zmm registers hold GROUP rows' sums. */
+#define INT8_TILE_BODY(R)                                                                     \
+    __m512i acc[R];                                                                           \
+    const __m512i zero = _mm512_setzero_si512();                                              \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = zero;                        \
+    for (int j = 0; j < quads; j++) {                                                         \
+        const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)j));            \
+        const __m512i a = _mm512_abs_epi8(w);                                                 \
+        const __mmask64 negative = _mm512_movepi8_mask(w);                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            int32_t sq;                                                                       \
+            memcpy(&sq, xq + r * stride + 4 * (int64_t)j, 4);                                 \
+            const __m512i xs = _mm512_set1_epi32(sq);                                         \
+            acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_mask_sub_epi8(xs, negative, zero, xs)); \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                       \
+        _mm512_storeu_si512((void *)(out + r * 16), acc[r]);
+#elif defined(HAVE_AVX512) || defined(HAVE_AVX2)
 #define INT8_TILE_BODY(R)                                                                     \
     __m256i acc[R][2];                                                                        \
     const __m256i ones = _mm256_set1_epi16(1);                                                \
@@ -363,7 +386,41 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
                               const uint8_t *p, float *out) {                                 \
         INT4_TILE_BODY(R)                                                                     \
     }
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+#if defined(HAVE_AVX512) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI: a quad pair of a group is one 64-byte register (lane c: column c's 4
+ * bytes), its low and high nibbles the two quads' u = w + 8; vpdpbusd adds u x (u unsigned,
+ * x signed) into each column's 32-bit sum directly, then (sum - 8 xg) x scale as on AVX2:
+ * the same integers, the same fmaf order over the groups. */
+#define INT4_TILE_BODY(R)                                                                     \
+    const __m512i low = _mm512_set1_epi8(0x0f);                                               \
+    __m512 total[R];                                                                          \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) total[r] = _mm512_setzero_ps();       \
+    for (int g = 0; g < groups; g++) {                                                        \
+        const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;                                \
+        __m512i acc[R];                                                                       \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();  \
+        _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                 \
+            const __m512i v = _mm512_loadu_si512((const void *)(gp + 64 * h));                \
+            const __m512i u0 = _mm512_and_si512(v, low);                                      \
+            const __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                \
+            const int64_t at = 4 * ((int64_t)g * 8 + 2 * h);                                  \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                             \
+                int32_t s0, s1;                                                               \
+                memcpy(&s0, xq + r * stride + at, 4);                                         \
+                memcpy(&s1, xq + r * stride + at + 4, 4);                                     \
+                acc[r] = _mm512_dpbusd_epi32(acc[r], u0, _mm512_set1_epi32(s0));              \
+                acc[r] = _mm512_dpbusd_epi32(acc[r], u1, _mm512_set1_epi32(s1));              \
+            }                                                                                 \
+        }                                                                                     \
+        const __m512 sc = _mm512_loadu_ps((const float *)(gp + 16 * INT4_GROUP / 2));         \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
+            const __m512i offset = _mm512_set1_epi32(8 * xg[(int64_t)r * groups + g]);        \
+            const __m512 i = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], offset));            \
+            total[r] = _mm512_fmadd_ps(i, sc, total[r]);                                      \
+        }                                                                                     \
+    }                                                                                         \
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) _mm512_storeu_ps(out + r * 16, total[r]);
+#elif defined(HAVE_AVX512) || defined(HAVE_AVX2)
 /* The nibble u = w + 8 (0..15) is vpmaddubsw's unsigned operand as it is: sum u x = sum w x
  * + 8 sum x, so a group's sum is (sum u x) - 8 xg -- no sign or absolute value per row, and
  * a pair's products are at most 2 x 15 x 127, so a group's 8 quads add in 16 bits (at most
