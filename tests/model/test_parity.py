@@ -9,9 +9,10 @@ import torch
 
 from baton.model import DenseAttention, load_model
 from baton.model.reference import greedy_generate
-from tests.hf_tiny import ARCHS, SLIDING_ARCHS, VOCAB, WINDOW
+from tests.hf_tiny import ARCHS, HYBRID_ARCHS, SLIDING_ARCHS, VOCAB, WINDOW
 
 PROMPT_LEN = 5 * WINDOW + 3  # several windows, not a multiple of anything
+HYBRID_PROMPT_LEN = 150  # a linear layer's chunked scan (64-token chunks) crosses chunks
 
 
 def _prompt(batch: int = 2, length: int = PROMPT_LEN) -> torch.Tensor:
@@ -25,11 +26,11 @@ def _baton_logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model.compute_logits(model(ids, positions, DenseAttention()))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 def test_fp32_logits_match_transformers(arch, hf_checkpoint):
     directory, hf = hf_checkpoint(arch)
     ours = load_model(directory, "float32")
-    ids = _prompt()
+    ids = _prompt(length=HYBRID_PROMPT_LEN if arch in HYBRID_ARCHS else PROMPT_LEN)
     with torch.no_grad():
         expected = hf(ids).logits.float()
     got = _baton_logits(ours, ids)
@@ -49,17 +50,17 @@ def test_prompt_is_long_enough_for_the_window_to_matter(arch, hf_checkpoint):
     assert (_baton_logits(ours, _prompt()) - expected).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 def test_greedy_continuation_matches_transformers_generate(arch, hf_checkpoint):
     directory, hf = hf_checkpoint(arch)
     ours = load_model(directory, "float32")
-    ids = _prompt(batch=1)
+    ids = _prompt(batch=1, length=HYBRID_PROMPT_LEN if arch in HYBRID_ARCHS else PROMPT_LEN)
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1] :]
     assert greedy_generate(ours, ids[0].tolist(), 32) == expected.tolist()
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "qwen3_5"])
 def test_bf16_logits_close_to_transformers_bf16(arch, hf_checkpoint):
     directory, hf = hf_checkpoint(arch)
     ours = load_model(directory, "bfloat16")
@@ -94,7 +95,7 @@ def test_tied_embeddings_share_storage(hf_checkpoint):
     assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + HYBRID_ARCHS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rows_give_those_rows_of_the_full_forward(arch, dtype, hf_checkpoint):
     """``rows``: the last layer's projections, MLP and the final norm for those tokens only

@@ -14,15 +14,19 @@ from typing import Protocol
 
 
 class AttentionKind(StrEnum):
-    """The attention of one layer: every past token, or a sliding window of them."""
+    """The token mixer of one layer: attention over every past token or a sliding window of
+    them, or linear attention (a gated delta net: a fixed-size recurrent state per request,
+    no K/V; no pool holds it yet -- the engine refuses such models, issue 45)."""
 
     FULL = "full_attention"
     SLIDING = "sliding_attention"
+    LINEAR = "linear_attention"
 
 
 # Plain ``str`` values (equal to the members): the specs built from these keep plain strings.
 FULL_ATTENTION: str = AttentionKind.FULL.value
 SLIDING_ATTENTION: str = AttentionKind.SLIDING.value
+LINEAR_ATTENTION: str = AttentionKind.LINEAR.value
 
 
 class CacheLayout(Protocol):

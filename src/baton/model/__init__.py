@@ -11,11 +11,12 @@ from baton.model.decoder import CausalLM
 from baton.model.draft import DraftSpec, MTPDraft
 from baton.model.loader import load_draft, load_model, load_spec
 from baton.model.registry import ARCHITECTURES, spec_from_config
-from baton.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec
+from baton.model.spec import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, ModelSpec
 
 __all__ = [
     "ARCHITECTURES",
     "FULL_ATTENTION",
+    "LINEAR_ATTENTION",
     "SLIDING_ATTENTION",
     "CausalLM",
     "DenseAttention",

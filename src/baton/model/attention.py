@@ -4,7 +4,9 @@
 stores keys and values itself: each forward receives an ``AttentionBackend`` that decides
 where K/V live (nowhere, a contiguous cache, or -- in the engine -- paged pools) and
 computes softmax(q k^T) v for one layer. Backends receive the layer's window, so the
-attention kind of a layer stays data.
+attention kind of a layer stays data. In a hybrid model (Qwen3.5) the same backend object
+is also the linear layers' ``RecurrentBackend`` (``baton.model.linear_attention``):
+``DenseAttention`` starts every row from the zero state, ``StaticKVCache`` keeps the rows.
 
 Window semantics follow Hugging Face: a sliding layer with window W lets the token at
 position p see keys at positions p-W+1 .. p (W tokens, itself included)::
@@ -24,6 +26,7 @@ from torch import nn
 from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from baton.model.linear_attention import RecurrentState
 from baton.model.quantize import concat_rows, linear_weight, release_weights
 from baton.model.spec import ModelSpec
 
@@ -139,7 +142,8 @@ def masked_attention(
 class DenseAttention(AttentionBackend):
     """No cache: every row of the batch is one whole sequence at positions 0..T-1.
 
-    Used for training and for full-sequence logits.
+    Used for training and for full-sequence logits. Linear layers start from the zero state
+    and their final state is dropped.
     """
 
     def __init__(self) -> None:
@@ -162,9 +166,16 @@ class DenseAttention(AttentionBackend):
         )
         return masked_attention(q, k, v, mask, scale, softcap).transpose(1, 2)
 
+    def recurrent_state(self, layer_id: int) -> RecurrentState | None:  # noqa: ARG002
+        return None
+
+    def store_recurrent_state(self, layer_id: int, state: RecurrentState) -> None:
+        pass
+
 
 class StaticKVCache:
-    """A contiguous K/V cache per layer for a batch of equal-length sequences.
+    """A contiguous K/V cache per layer for a batch of equal-length sequences, and the
+    linear layers' recurrent state (hybrid models).
 
     The slow, obviously-correct reference that the paged engine is compared against. Every
     layer keeps all positions (a sliding layer simply masks the old ones).
@@ -178,14 +189,32 @@ class StaticKVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        recurrent: dict[int, RecurrentState] | None = None,
     ) -> None:
+        """``recurrent``: each linear layer's initial (zero) state, by layer id."""
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.max_len = max_len
-        self.seq_len = 0
+        self.recurrent = dict(recurrent or {})
+        """Each linear layer's state after the ``seq_len`` tokens written, by layer id."""
+        self._seq_len = 0
+
+    @property
+    def seq_len(self) -> int:
         """Positions already written (the next forward starts here); the caller advances it
-        after each forward (``reference.forward_step``), so a rollback is one assignment."""
+        after each forward (``reference.forward_step``), so a rollback is one assignment --
+        refused where linear layers hold state (it covers every token it saw)."""
+        return self._seq_len
+
+    @seq_len.setter
+    def seq_len(self, value: int) -> None:
+        if value < self._seq_len and self.recurrent:
+            raise ValueError(
+                f"cannot roll back from {self._seq_len} to {value} tokens: a linear-attention "
+                "layer's recurrent state keeps no history"
+            )
+        self._seq_len = value
 
     def step(self) -> _CacheStep:
         """The backend for one forward that continues at ``seq_len``."""
@@ -213,9 +242,24 @@ class _CacheStep(AttentionBackend):
         out = masked_attention(q.transpose(1, 2), keys, values, mask, scale, softcap)
         return out.transpose(1, 2)
 
+    def recurrent_state(self, layer_id: int) -> RecurrentState | None:
+        if layer_id not in self.cache.recurrent:
+            raise ValueError(
+                f"layer {layer_id} is a linear-attention layer and the cache holds no state "
+                "for it: build the cache with reference.new_cache"
+            )
+        return self.cache.recurrent[layer_id]
+
+    def store_recurrent_state(self, layer_id: int, state: RecurrentState) -> None:
+        self.cache.recurrent[layer_id] = state
+
 
 class Attention(nn.Module):
-    """Projections + rotary for one layer; K/V storage is the backend's business."""
+    """Projections + rotary for one layer; K/V storage is the backend's business.
+
+    Qwen3.5's gated attention is this module with ``has_output_gate`` (q_proj yields
+    ``[q_h | gate_h]`` per head h; the output is multiplied by sigmoid(gate) before o_proj)
+    and partial rotary (``RotaryEmbedding`` of the rotating dims only: ``apply_rotary``)."""
 
     def __init__(self, spec: ModelSpec, window: int | None) -> None:
         super().__init__()
@@ -224,14 +268,17 @@ class Attention(nn.Module):
         self.window = window
         self.scale = spec.softmax_scale
         self.softcap = spec.attn_logit_softcap
+        self.has_output_gate = spec.attn_output_gate
+        self.is_partial_rotary = spec.rotary_dim < spec.head_dim
         q_dim, kv_dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.q_proj = nn.Linear(spec.hidden_size, q_dim, bias=spec.qkv_bias)
+        q_rows = 2 * q_dim if self.has_output_gate else q_dim
+        self.q_proj = nn.Linear(spec.hidden_size, q_rows, bias=spec.qkv_bias)
         self.k_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(spec.hidden_size, kv_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(q_dim, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.norm_offset)
         else:
             self.q_norm = self.k_norm = None
         self._qkv: FrozenLinear | None = None
@@ -265,9 +312,11 @@ class Attention(nn.Module):
 
     def native_weights(self) -> dict[str, object] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v and o
-        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, native
-        layers off)."""
+        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, an
+        output gate or partial rotary: the kernel has neither, native layers off)."""
         if self._qkv is None or self._qk_norm is None:
+            return None
+        if self.has_output_gate or self.is_partial_rotary:
             return None
         qkv, o = self._qkv.rows(), self._o.rows()
         if qkv is None or o is None:
@@ -294,14 +343,17 @@ class Attention(nn.Module):
         are still computed and handed to the backend."""
         lead = x.shape[:-1]
         if self._qkv is not None:
-            q, k, v = self._fused_qkv(x, rotary)
+            q, k, v, gate = self._fused_qkv(x, rotary)
         else:
-            q, k, v = self._qkv_rotated(x, rotary)
+            q, k, v, gate = self._qkv_rotated(x, rotary)
         out = attn.attend(layer_id, q, k, v, self.window, self.scale, self.softcap)
         out = out.reshape(*lead, self.num_heads * self.head_dim)
         if rows is not None:
             out = out[:, rows]
             residual = residual[:, rows] if residual is not None else None
+            gate = gate[:, rows] if gate is not None else None
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
         if self._o is not None:
             return self._o(out) if residual is None else self._o.add(out, residual)
         out = self.o_proj(out)
@@ -312,15 +364,20 @@ class Attention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, T, hidden] (normed) -> k, v: [B, T, kv_heads, D], rotated: what ``forward``
         would hand its backend to store, without attending."""
-        _, k, v = (
+        _, k, v, _ = (
             self._fused_qkv(x, rotary) if self._qkv is not None else self._qkv_rotated(x, rotary)
         )
         return k, v
 
     def _fused_qkv(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
-        """q, k, v from one matmul; q and k normed (Qwen3) and rotated together."""
+        """q, k, v (and the output gate [..., heads * D], or None) from one matmul; q and k
+        normed (Qwen3) and rotated together."""
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self._qkv(x)
+        if self.has_output_gate:
+            q, gate = self._split_gate(qkv[..., : 2 * heads * d])
+            k, v = qkv[..., 2 * heads * d :].unflatten(-1, (2 * kv_heads, d)).chunk(2, dim=-2)
+            return *self._normed_rotated(q, k, rotary), v, gate
         qk = qkv[..., : (heads + kv_heads) * d].unflatten(-1, (heads + kv_heads, d))
         v = qkv[..., (heads + kv_heads) * d :].unflatten(-1, (kv_heads, d))
         if self._qk_norm is not None:
@@ -328,26 +385,39 @@ class Attention(nn.Module):
             fused = rms_norm_rotary(qk, weight, eps, *rotary)  # one pass, where it can
             if fused is not None:
                 q, k = fused.split((heads, kv_heads), dim=-2)
-                return q, k, v
+                return q, k, v, None
             qk = weight * F.rms_norm(qk.float(), (d,), eps=eps).to(qk.dtype)
         elif self.q_norm is not None:
             q, k = qk.split((heads, kv_heads), dim=-2)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-2)
         q, k = apply_rotary(qk, *rotary).split((heads, kv_heads), dim=-2)
-        return q, k, v
+        return q, k, v, None
 
     def _qkv_rotated(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]):
         """The unfused path (training, reference): three projections, q and k apart."""
         lead = x.shape[:-1]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.has_output_gate:
+            q, gate = self._split_gate(q)
         q = q.reshape(*lead, self.num_heads, self.head_dim)
         k = k.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v.reshape(*lead, self.num_kv_heads, self.head_dim)
+        return *self._normed_rotated(q, k, rotary), v, gate
+
+    def _split_gate(self, q_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q_proj's output [..., heads * 2D], ``[q_h | gate_h]`` per head h -> q [..., heads,
+        D] and the gate [..., heads * D] (HF's ``view(..., -1, 2D)`` then ``chunk``)."""
+        q, gate = q_rows.unflatten(-1, (self.num_heads, 2 * self.head_dim)).chunk(2, dim=-1)
+        return q, gate.flatten(-2)
+
+    def _normed_rotated(self, q, k, rotary: tuple[torch.Tensor, torch.Tensor]):
+        """q [..., heads, D], k [..., kv_heads, D] -> q/k-normed where the model says, rotated."""
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rotary
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def make_rotary(spec: ModelSpec) -> RotaryEmbedding:
-    return RotaryEmbedding(spec.rope, spec.head_dim)
+    return RotaryEmbedding(spec.rope, spec.rotary_dim)

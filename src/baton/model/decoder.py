@@ -3,8 +3,13 @@
 Module tree and parameter names match Hugging Face checkpoints
 (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ``model.norm``, ``lm_head``),
 so ``loader.py`` copies tensors by name. Differences between families (Gemma's sandwich
-norms and soft-capping, Qwen3's q/k norms, per-layer sliding windows) come from the
-``ModelSpec``; there is no per-family subclass.
+norms and soft-capping, Qwen3's q/k norms, per-layer sliding windows, Qwen3.5's linear
+layers and gated attention) come from the ``ModelSpec``; there is no per-family subclass.
+
+A layer's token mixer is its ``layer_types`` entry: ``Attention`` for full and sliding
+layers, ``GatedDeltaNet`` (HF's ``linear_attn``) for ``linear_attention`` ones. Both take
+the one backend object the forward is given: its ``AttentionBackend`` half stores K/V, its
+``RecurrentBackend`` half the linear layers' state (``baton.model.linear_attention``).
 
 Who calls it: the engine's runner (with paged attention backends), the training script and
 the reference generator (with ``DenseAttention`` / ``StaticKVCache``).
@@ -18,19 +23,27 @@ from torch import nn
 from baton.model.attention import Attention, AttentionBackend, make_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import GatedMLP, RMSNorm
+from baton.model.linear_attention import GatedDeltaNet
 from baton.model.quantize import QuantizedWeight, linear_weight, release_weights
-from baton.model.spec import ModelSpec
+from baton.model.spec import LINEAR_ATTENTION, ModelSpec
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block; Gemma2 adds post-norms on both branches."""
+    """Pre-norm token mixer (attention, or a gated delta net) + MLP block; Gemma2 adds
+    post-norms on both branches."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, window: int | None) -> None:
         super().__init__()
         self.layer_id = layer_id
         eps, offset = spec.rms_norm_eps, spec.norm_offset
         self.input_layernorm = RMSNorm(spec.hidden_size, eps, offset)
-        self.self_attn = Attention(spec, window)
+        # Exactly one of the two is set, under HF's name for it.
+        self.self_attn: Attention | None = None
+        self.linear_attn: GatedDeltaNet | None = None
+        if spec.layer_types[layer_id] == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(spec)
+        else:
+            self.self_attn = Attention(spec, window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps, offset)
         self.mlp = GatedMLP(
             spec.hidden_size, spec.intermediate_size, spec.hidden_act, spec.mlp_bias
@@ -48,23 +61,31 @@ class DecoderLayer(nn.Module):
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x: [B, T, hidden] -> [B, T, hidden]; with ``rows`` (indices into T), only those
-        tokens go on past attention: [B, len(rows), hidden] (all tokens' K/V are stored)."""
+        tokens go on past the token mixer: [B, len(rows), hidden] (all tokens' K/V are
+        stored, a linear layer's state advances by all of them). ``attn`` is the backend of
+        the step (a ``RecurrentBackend`` too where the model has linear layers)."""
         if self.sandwich_norm:
-            h = self.self_attn(self.layer_id, self.input_layernorm(x), rotary, attn, rows=rows)
+            h = self._mix(self.input_layernorm(x), rotary, attn, None, rows)
             x = (x if rows is None else x[:, rows]) + self.post_attention_layernorm(h)
             h = self.mlp(self.pre_feedforward_layernorm(x))
             return x + self.post_feedforward_layernorm(h)
         # The residual adds happen inside the output matmuls (one rounding, no extra pass).
-        x = self.self_attn(
-            self.layer_id, self.input_layernorm(x), rotary, attn, residual=x, rows=rows
-        )
+        x = self._mix(self.input_layernorm(x), rotary, attn, x, rows)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
+
+    def _mix(self, h, rotary, attn, residual, rows) -> torch.Tensor:
+        """The token mixer on the normed input ``h`` (plus ``residual`` when given)."""
+        if self.linear_attn is not None:
+            return self.linear_attn(self.layer_id, h, attn, residual=residual, rows=rows)
+        return self.self_attn(self.layer_id, h, rotary, attn, residual=residual, rows=rows)
 
     @property
     def attention_spec(self) -> tuple[int, int | None, int, int, float, float | None]:
         """What a backend's ``native_args`` asks of a layer: (layer id, window, heads,
-        head_dim, scale, softcap) -- the executor's native calls read it."""
+        head_dim, scale, softcap) -- the executor's native calls read it; attention layers
+        only."""
         a = self.self_attn
+        assert a is not None, "a linear-attention layer has no attention spec"
         return self.layer_id, a.window, a.num_heads, a.head_dim, a.scale, a.softcap
 
     def keys_values(

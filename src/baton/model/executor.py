@@ -39,7 +39,10 @@ def native_layer(layer: DecoderLayer) -> NativeLayer | None:
     """After ``fuse_projections``: the whole layer as one native call for small steps
     (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
     q/k norms; bf16 or fp32 (bf16 weights oneDNN packs for large steps are read from
-    linear.c's panels here too); else None."""
+    linear.c's panels here too); else None (a linear-attention layer, Qwen3.5's gated
+    attention: the kernel has no recurrence, output gate or partial rotary)."""
+    if layer.self_attn is None:
+        return None
     attn, mlp = layer.self_attn.native_weights(), layer.mlp.native_weights()
     if layer.sandwich_norm or attn is None or mlp is None:
         return None
@@ -96,7 +99,6 @@ class NativeExecutor:
 
     def __init__(self, model: CausalLM) -> None:
         self.model = model
-        self.attention_specs = [layer.attention_spec for layer in model.model.layers]
         self.layers = [native_layer(layer) for layer in model.model.layers]
         """Each layer's native call (``native_layer``), or None where it has none."""
         self.stack: NativeStack | None = None
@@ -105,6 +107,10 @@ class NativeExecutor:
         if model.model.embed_scale == 1.0:
             embed = model.model.embed_tokens.weight
             self.stack = NativeStack.build(self.layers, embed, norm.weight, norm.eps, norm.offset)
+        # The stack's attention arguments; with a stack every layer is an attention layer.
+        self.attention_specs = (
+            [layer.attention_spec for layer in model.model.layers] if self.stack is not None else []
+        )
 
     def forward(
         self,

@@ -68,16 +68,17 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """cos/sin of given positions, looked up in tables computed once per dtype (and grown
-    when a position beyond them shows up)."""
+    when a position beyond them shows up); ``rotary_dim`` is the head_dim, or its rotating
+    share under partial rotary."""
 
-    def __init__(self, rope: RopeSpec, head_dim: int) -> None:
+    def __init__(self, rope: RopeSpec, rotary_dim: int) -> None:
         super().__init__()
         # NOTE: a plain attribute, not a buffer: ``module.to(bfloat16)`` must not round it.
-        self.inv_freq = rope_inv_freq(rope, head_dim)
+        self.inv_freq = rope_inv_freq(rope, rotary_dim)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin: [n >= num_positions, head_dim] by position, computed in fp32 and cast to
+        """cos, sin: [n >= num_positions, rotary_dim] by position, computed in fp32 and cast to
         ``dtype`` -- the activations' dtype -- as transformers does (elementwise: a row is
         what the position alone would give); native kernels look rows up themselves."""
         table = self._tables.get(dtype)
@@ -91,7 +92,7 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [...] int -> cos, sin: [..., 1, head_dim] (the 1 broadcasts over
+        """positions: [...] int -> cos, sin: [..., 1, rotary_dim] (the 1 broadcasts over
         heads), once per forward instead of once per layer."""
         cos, sin = self.tables(int(positions.max()) + 1 if positions.numel() else 0, dtype)
         return cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)
@@ -114,7 +115,12 @@ def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [..., T, heads, head_dim]; cos/sin: [..., T, 1, head_dim] in x's dtype."""
+    """x: [..., T, heads, head_dim]; cos/sin: [..., T, 1, rotary_dim] in x's dtype. Partial
+    rotary (rotary_dim < head_dim, Qwen3.5): the first rotary_dim dims rotate, the rest pass."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

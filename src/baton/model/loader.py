@@ -34,6 +34,15 @@ from baton.model.spec import ModelSpec
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Buffers some exporters write that carry no information for us.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Tensors a family's checkpoints hold beside the model that baton does not load: Qwen3.5 ships
+# its MTP head as mtp.* in model.safetensors (not yet: issue 45, phase 3 loads it as the
+# draft), and its published checkpoints a vision tower (baton serves text only).
+IGNORED_PREFIXES = {
+    "Qwen3_5ForCausalLM": ("mtp.",),
+    "Qwen3_5ForConditionalGeneration": ("mtp.", "model.visual."),
+}
+# Checkpoint name prefixes that differ from the module tree's: (the checkpoint's, ours).
+RENAMED_PREFIXES = {"Qwen3_5ForConditionalGeneration": (("model.language_model.", "model."),)}
 log = logging.getLogger(__name__)
 
 
@@ -104,11 +113,18 @@ def _opened(path: Path) -> Iterator[Any]:
 
 
 def load_tensors_into(
-    module: nn.Module, files: list[Path], prefix: str = "", int8: Int8Tensors | None = None
+    module: nn.Module,
+    files: list[Path],
+    prefix: str = "",
+    int8: Int8Tensors | None = None,
+    ignored_prefixes: tuple[str, ...] = (),
+    renamed_prefixes: tuple[tuple[str, str], ...] = (),
 ) -> None:
-    """Copy every tensor of ``files`` into ``module``'s parameters of the same name; with
-    ``int8``, a pre-quantized checkpoint's int8 tensors go to it (``Int8Tensors.take``) and
-    it fills those projections' weights at the end (``install``)."""
+    """Copy every tensor of ``files`` into ``module``'s parameters of the same name (those
+    whose name starts with one of ``ignored_prefixes`` skipped, ``renamed_prefixes``'
+    (checkpoint's, ours) applied); with ``int8``, a pre-quantized checkpoint's int8 tensors
+    go to it (``Int8Tensors.take``) and it fills those projections' weights at the end
+    (``install``)."""
     params = dict(module.named_parameters())  # tied weights appear once
     loaded: set[str] = set()
     for path in files:
@@ -117,6 +133,11 @@ def load_tensors_into(
                 name = key[len(prefix) :] if key.startswith(prefix) else None
                 if name is None or name.endswith(IGNORED_SUFFIXES):
                     continue
+                if name.startswith(ignored_prefixes):
+                    continue
+                for theirs, ours in renamed_prefixes:
+                    if name.startswith(theirs):
+                        name = ours + name[len(theirs) :]
                 tensor = f.get_tensor(key)
                 if int8 is not None and int8.take(name, tensor):
                     continue
@@ -163,7 +184,13 @@ def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = N
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     int8 = Int8Tensors(model, str(model_dir)) if quantization == "int8" else None
-    load_tensors_into(model, _weight_files(model_dir), int8=int8)
+    load_tensors_into(
+        model,
+        _weight_files(model_dir),
+        int8=int8,
+        ignored_prefixes=IGNORED_PREFIXES.get(spec.architecture, ()),
+        renamed_prefixes=RENAMED_PREFIXES.get(spec.architecture, ()),
+    )
     model.checkpoint_quantization = quantization
     return model.eval()
 

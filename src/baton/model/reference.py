@@ -1,7 +1,9 @@
 """Slow, obviously-correct generation helpers over a contiguous K/V cache.
 
 The reference the paged engine and the speculative decoder are compared against, and the
-loop the training script uses to measure the draft. Batch rows advance in lockstep.
+loop the training script uses to measure the draft. Batch rows advance in lockstep. A
+hybrid model's linear layers carry their recurrent state in the same cache
+(``StaticKVCache.recurrent``), so the prompt's state is what the first decode step reads.
 """
 
 from __future__ import annotations
@@ -10,13 +12,20 @@ import torch
 
 from baton.model.attention import StaticKVCache
 from baton.model.decoder import CausalLM
+from baton.model.linear_attention import RecurrentState, state_shapes
+from baton.model.spec import LINEAR_ATTENTION
 
 
 def new_cache(model: CausalLM, batch_size: int, max_len: int) -> StaticKVCache:
     spec = model.spec
     dtype = model.model.embed_tokens.weight.dtype
+    recurrent = {
+        i: RecurrentState.zeros(state_shapes(spec), batch_size)
+        for i, kind in enumerate(spec.layer_types)
+        if kind == LINEAR_ATTENTION
+    }
     return StaticKVCache(
-        spec.num_layers, batch_size, max_len, spec.num_kv_heads, spec.head_dim, dtype
+        spec.num_layers, batch_size, max_len, spec.num_kv_heads, spec.head_dim, dtype, recurrent
     )
 
 

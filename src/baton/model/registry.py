@@ -8,11 +8,18 @@ names it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
 
-from baton.model.spec import FULL_ATTENTION, SLIDING_ATTENTION, ModelSpec, RopeSpec
+from baton.model.spec import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    SLIDING_ATTENTION,
+    ModelSpec,
+    RopeSpec,
+)
 
 Config = dict[str, Any]
 
@@ -158,12 +165,68 @@ def _gemma2(cfg: Config, arch: str) -> ModelSpec:
     return ModelSpec(**spec)
 
 
+QWEN3_5_LINEAR_FIELDS = (
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+)
+
+
+def _qwen3_5(cfg: Config, arch: str) -> ModelSpec:
+    """Qwen3.5's text model: gated delta net layers between gated full-attention layers,
+    every RMSNorm zero-centred (``x * (1 + w)``) except the delta net's gated one."""
+    if cfg.get("num_experts"):
+        raise ValueError(f"{arch}: mixture-of-experts layers (num_experts) are not supported")
+    if cfg.get("attention_bias"):
+        raise ValueError(f"{arch}: attention_bias=true is not supported")
+    if cfg.get("attn_output_gate") is False:
+        raise ValueError(f"{arch}: attn_output_gate=false is not supported")
+    spec = _common(cfg, arch)
+    # NOTE: transformers' default head_dim is 256 here, not hidden_size // heads: never guess.
+    spec["head_dim"] = _require(cfg, "head_dim", arch)
+    if cfg.get("layer_types") is None:  # transformers' default: every 4th layer is full
+        interval = cfg.get("full_attention_interval", 4)
+        spec["layer_types"] = tuple(
+            FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+            for i in range(cfg["num_hidden_layers"])
+        )
+    _check_num_layers(spec, cfg, arch)
+    params = cfg.get("rope_parameters") or {}
+    # NOTE: mrope_section / mrope_interleaved only matter for image and video positions; with
+    # text positions (equal on every axis) the rotary is plain rotary over the first
+    # rotary_dim dims (tests/model/test_qwen3_5.py checks transformers' table).
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25))
+    spec["rope"] = dataclasses.replace(spec["rope"], partial_rotary_factor=float(partial))
+    spec.update({name: _require(cfg, name, arch) for name in QWEN3_5_LINEAR_FIELDS})
+    spec.update(
+        qk_norm=True,
+        attn_output_gate=True,
+        norm_offset=1.0,
+        hidden_act=cfg.get("hidden_act", "silu"),
+    )
+    return ModelSpec(**spec)
+
+
+def _qwen3_5_multimodal(cfg: Config, arch: str) -> ModelSpec:
+    """The published Qwen3.5 checkpoints: the text model of a vision-language one (its
+    ``text_config``; the loader skips the vision tower, baton serves text only)."""
+    text = dict(_require(cfg, "text_config", arch))
+    for key in ("tie_word_embeddings", "torch_dtype", "dtype"):  # the checkpoint's: top level
+        if cfg.get(key) is not None:
+            text[key] = cfg[key]
+    return _qwen3_5(text, arch)
+
+
 ARCHITECTURES: dict[str, Callable[[Config, str], ModelSpec]] = {
     "LlamaForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "MistralForCausalLM": _mistral,
     "Gemma2ForCausalLM": _gemma2,
+    "Qwen3_5ForCausalLM": _qwen3_5,
+    "Qwen3_5ForConditionalGeneration": _qwen3_5_multimodal,
 }
 
 

@@ -3,8 +3,8 @@
 Hugging Face configs disagree on names and defaults (``rope_theta`` vs ``rope_parameters``,
 ``use_sliding_window`` + ``max_window_layers`` vs ``layer_types``, Gemma's norm offset).
 ``registry.py`` turns each supported ``config.json`` into a ``ModelSpec``; everything below
-the loader reads only the spec. The attention kind of every layer is data
-(``layer_types``), never layer-index arithmetic.
+the loader reads only the spec. The token mixer of every layer is data (``layer_types``:
+full or sliding attention, or Qwen3.5's linear attention), never layer-index arithmetic.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 # The attention kinds live with the memory that sizes pools by them (memory never imports
 # the model); re-exported here for the registry and the draft.
-from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION
+from baton.memory.layout import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION
 
-LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION, LINEAR_ATTENTION)
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -36,6 +36,9 @@ class RopeSpec:
     """``llama3`` only."""
     original_max_position_embeddings: int = 8192
     """``llama3`` only."""
+    partial_rotary_factor: float = 1.0
+    """The share of each head's dims that rotate (Qwen3.5: 0.25, the first ones); the rest
+    pass through."""
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -44,6 +47,10 @@ class RopeSpec:
             )
         if self.theta <= 0:
             raise ValueError(f"rope theta must be positive, got {self.theta}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(
+                f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}"
+            )
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,8 @@ class ModelSpec:
     num_kv_heads: int
     head_dim: int
     layer_types: tuple[str, ...]
-    """Attention kind of each layer: ``full_attention`` or ``sliding_attention``."""
+    """Token mixer of each layer: ``full_attention``, ``sliding_attention`` or
+    ``linear_attention`` (a gated delta net, ``baton.model.linear_attention``)."""
     sliding_window: int | None = None
     """Tokens a sliding layer sees, the current one included (HF semantics)."""
     max_position_embeddings: int = 2048
@@ -70,10 +78,13 @@ class ModelSpec:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
-    """Qwen3: RMSNorm over each head of q and k before rotary."""
+    """Qwen3: RMSNorm over each head of q and k before rotary (with ``norm_offset``)."""
+    attn_output_gate: bool = False
+    """Qwen3.5: q_proj also yields a gate per head (``[q_h | gate_h]`` per head h); the
+    attention output is multiplied by its sigmoid before o_proj."""
     hidden_act: str = "silu"
     norm_offset: float = 0.0
-    """Gemma: RMSNorm multiplies by ``(offset + weight)``."""
+    """Gemma, Qwen3.5: RMSNorm multiplies by ``(offset + weight)`` (q/k norms too)."""
     sandwich_norm: bool = False
     """Gemma2: extra post-attention, pre- and post-feedforward norms."""
     embed_scale: float = 1.0
@@ -86,6 +97,15 @@ class ModelSpec:
     """Checkpoint dtype: ``float32``, ``bfloat16`` or ``float16``."""
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    linear_num_key_heads: int = 0
+    """Gated delta net (``linear_attention`` layers): q and k heads."""
+    linear_num_value_heads: int = 0
+    """Gated delta net: v heads (each q/k head serves a group of them) and state heads."""
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    """Gated delta net: taps of the causal depthwise conv over q|k|v (its state keeps the
+    last ``kernel - 1`` inputs)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_heads", "head_dim"):
@@ -112,10 +132,47 @@ class ModelSpec:
             )
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.rotary_dim % 2:
+            raise ValueError(
+                f"head_dim {self.head_dim} x partial_rotary_factor "
+                f"{self.rope.partial_rotary_factor} gives an odd rotary dim {self.rotary_dim}"
+            )
+        if LINEAR_ATTENTION in self.layer_types:
+            self._check_linear_attention()
+
+    def _check_linear_attention(self) -> None:
+        for name in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"layer_types has linear_attention layers but {name} is unset")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.linear_num_value_heads}) must be a multiple "
+                f"of linear_num_key_heads ({self.linear_num_key_heads})"
+            )
+        if self.linear_conv_kernel_dim < 2:
+            raise ValueError(
+                f"linear_conv_kernel_dim must be at least 2, got {self.linear_conv_kernel_dim}"
+            )
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_types)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each q/k head that rotate (all of them without partial rotary)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a gated delta net's conv (q|k|v): its state is [conv_dim, kernel - 1]."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
     def softmax_scale(self) -> float:
