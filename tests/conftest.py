@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.hf_tiny import hf_checkpoint  # noqa: F401  (a fixture, registered by import)
+from tests.hf_tiny import (  # noqa: F401  (fixtures, registered by import)
+    hf_checkpoint,
+    hybrid_mtp_checkpoint,
+)
 
 # NOTE: property tests run with a fixed seed so a CI run is reproducible; explore new
 # examples locally with `pytest --hypothesis-seed=random`.

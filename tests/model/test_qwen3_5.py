@@ -4,6 +4,7 @@ the refusals (registry, engine)."""
 
 from __future__ import annotations
 
+import itertools
 import shutil
 
 import pytest
@@ -11,14 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from baton.model import DenseAttention, StaticKVCache, attention, load_model, spec_from_config
+from baton.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from baton.model.executor import NativeExecutor, native_layer
 from baton.model.layers import RotaryEmbedding
-from baton.model.linear_attention import (
-    RecurrentState,
-    chunked_delta_rule,
-    l2_normalize,
-    recurrent_delta_rule,
-)
+from baton.model.linear_attention import RecurrentSpan, RecurrentState, whole_rows
 from baton.model.reference import forward_step, greedy_generate, new_cache
 from baton.model.spec import LINEAR_ATTENTION, RopeSpec
 from tests.hf_tiny import VOCAB, _configs, _lengthen_memory, _randomise_norms
@@ -57,11 +54,14 @@ class _Rows:
     def __init__(self) -> None:
         self.states: dict[int, RecurrentState] = {}
 
-    def recurrent_state(self, layer_id):
-        return self.states.get(layer_id)
+    def recurrent_spans(self, layer_id, batch, num_tokens):
+        held = self.states.get(layer_id)
+        return [
+            RecurrentSpan(b, 0, num_tokens, None if held is None else held[b]) for b in range(batch)
+        ]
 
-    def store_recurrent_state(self, layer_id, state):
-        self.states[layer_id] = state
+    def store_recurrent_states(self, layer_id, span, states):
+        self.states.setdefault(layer_id, {})[span.row] = states[-1]
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -82,8 +82,8 @@ def test_a_layer_continued_step_by_step_equals_one_step(hf_checkpoint, fused):
             outs.append(layer(0, x[:, start : start + n], steps))
             start += n
     torch.testing.assert_close(torch.cat(outs, dim=1), want, atol=1e-5, rtol=1e-5)
-    for name in ("conv", "recurrent"):
-        got, expected = getattr(steps.states[0], name), getattr(whole.states[0], name)
+    for name, row in itertools.product(("conv", "recurrent"), (0, 1)):
+        got, expected = getattr(steps.states[0][row], name), getattr(whole.states[0][row], name)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -112,7 +112,9 @@ def test_decode_reads_the_state_the_prompt_left(hf_checkpoint, monkeypatch):
         for reset in ("conv", "recurrent"):
             assert (decode_after_prompt(reset) - want).abs().max().item() > 1e-2, reset
     carried = greedy_generate(model, ids[0].tolist(), 16)
-    monkeypatch.setattr(attention._CacheStep, "recurrent_state", lambda self, layer_id: None)
+    monkeypatch.setattr(
+        attention._CacheStep, "recurrent_spans", lambda self, _, b, n: whole_rows(b, n, None)
+    )
     assert greedy_generate(model, ids[0].tolist(), 16) != carried
 
 
@@ -268,11 +270,3 @@ def test_published_multimodal_checkpoint_loads_its_text_model(tmp_path):
         want = hf(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(150).expand_as(ids), DenseAttention()))
     assert (got - want).abs().max().item() < 1e-4
-
-
-def test_engine_refuses_linear_attention_at_start(hf_checkpoint):
-    from baton import LLM
-
-    directory, _ = hf_checkpoint(ARCH)
-    with pytest.raises(ValueError, match="Qwen3_5ForCausalLM: linear_attention layers"):
-        LLM(str(directory), dtype="float32")

@@ -37,11 +37,9 @@ from baton.kernels import openmp
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
-from baton.memory.layout import LINEAR_ATTENTION
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry
-from baton.model.loader import load_draft, load_model, load_spec, resolve_dtype
-from baton.model.spec import ModelSpec
+from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
@@ -66,16 +64,6 @@ Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03
 tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
-def refuse_unserved(spec: ModelSpec) -> None:
-    """A ValueError, before any weight is loaded, for a model whose state no pool holds."""
-    if LINEAR_ATTENTION in spec.layer_types:
-        # No pool holds a linear layer's recurrent state yet (issue 45, phase 2).
-        raise ValueError(
-            f"{spec.architecture}: linear_attention layers (gated delta net) are not served by the "
-            "engine yet; the model runs in baton.model.reference"
-        )
-
-
 class LLMEngine:
     is_disaggregated = False
     """Colocated: requests take no PD route (``EngineCore``)."""
@@ -97,7 +85,6 @@ class LLMEngine:
         if config.num_threads or not RuntimeEnv.from_environ().omp_threads_set:
             torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
-        refuse_unserved(load_spec(model_dir))
         self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).

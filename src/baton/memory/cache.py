@@ -1,8 +1,9 @@
 """ModelCache: the pools of one model (target or draft); StateGroup: the scheduler's memory.
 
 ``ModelCache`` creates one pool per attention kind present in ``layer_types`` --
-``<prefix>.full`` for full layers, ``<prefix>.swa`` for sliding layers (paged or ring) --
-each of which registers its own state component, declaring the token range a handoff
+``<prefix>.full`` for full layers, ``<prefix>.swa`` for sliding layers (paged or ring),
+``<prefix>.linear`` for linear layers' recurrent state (``RecurrentPool``) -- each of which
+registers its own state component, declaring the token range a handoff
 covers (``token_lag``) and when it is pushed. It maps a model layer id to (pool, pool-local
 layer index) for the runner. ``StateGroup`` applies the scheduler's decisions to every
 registered component that holds computed state (not the handoff record), by iterating the
@@ -22,10 +23,11 @@ from baton.config import (
     SchedulerConfig,
 )
 from baton.memory.allocator import StorageAllocator
-from baton.memory.layout import FULL_ATTENTION, SLIDING_ATTENTION, CacheLayout
+from baton.memory.layout import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.paged_pool import PagedPool
 from baton.memory.pools import StatePool
 from baton.memory.prefix_cache import PrefixCache
+from baton.memory.recurrent_pool import RecurrentPool
 from baton.memory.ring_pool import RingPool
 from baton.memory.state import PushPhase, StateRegistry, UnitOwner
 from baton.platform import available_memory_bytes
@@ -67,8 +69,11 @@ class ModelCache:
         positions by one (``StateComponent.token_lag``). The target's full-attention pages are
         final as soon as computed (pushed while the prompt is computed); a trailing model's
         are final only after the last chunk."""
-        self.pools: list[StatePool] = []
+        self.pools: list[StatePool | RecurrentPool] = []
         self.layer_map: dict[int, tuple[StatePool, int]] = {}
+        """Attention layer id -> (its pool, the layer's index there)."""
+        self.recurrent: RecurrentPool | None = None
+        """The linear layers' state, or None without such layers."""
         self.stack_plans: dict = {}
         """``baton.model.paged_attention``'s per-model plan layouts for the native stack
         (``PagedAttention.stack_plans``), by the layer list it is asked with."""
@@ -123,6 +128,20 @@ class ModelCache:
                     store_all=store_all,
                 )
             self._add(pool)
+        linear = tuple(i for i, t in enumerate(spec.layer_types) if t == LINEAR_ATTENTION)
+        if linear:
+            # A verify step of ``slack - 1`` draft tokens writes a state after each of its
+            # ``slack`` tokens: any of them may be where the engine rolls back to.
+            self.recurrent = RecurrentPool(
+                f"{prefix}.linear",
+                linear,
+                scheduler_config.max_num_seqs,
+                spec.linear_state_shapes,
+                registry,
+                slots=max(1, slack),
+                allocator=allocator,
+            )
+            self.pools.append(self.recurrent)
 
     def _add(self, pool: StatePool) -> None:
         self.pools.append(pool)

@@ -16,7 +16,7 @@ from typing import Protocol
 class AttentionKind(StrEnum):
     """The token mixer of one layer: attention over every past token or a sliding window of
     them, or linear attention (a gated delta net: a fixed-size recurrent state per request,
-    no K/V; no pool holds it yet -- the engine refuses such models, issue 45)."""
+    no K/V, held by ``recurrent_pool.RecurrentPool``)."""
 
     FULL = "full_attention"
     SLIDING = "sliding_attention"
@@ -42,6 +42,12 @@ class CacheLayout(Protocol):
 
     @property
     def head_dim(self) -> int: ...
+
+    @property
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One request's state in one linear layer: conv [channels, kernel - 1] and
+        recurrent [heads, key dim, value dim], fp32 (read only where such layers exist)."""
+        ...
 
     @property
     def sliding_window(self) -> int | None:

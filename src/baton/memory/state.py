@@ -37,7 +37,10 @@ class ComponentKind(StrEnum):
     RING = "ring"
     """Sliding window in one ring of rows per request: row = position % rows."""
     ROW = "row"
-    """One fixed-size row per request (the aux record; a recurrent state)."""
+    """One fixed-size row per request (the aux record)."""
+    RECURRENT = "recurrent"
+    """A linear layer's state per request (``recurrent_pool``): fixed-size whatever the
+    length, the state after the last positions -- one row per request."""
 
 
 class UnitKind(StrEnum):

@@ -26,7 +26,7 @@ from torch import nn
 from baton.kernels.norm import rms_norm_rotary
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
-from baton.model.linear_attention import RecurrentState
+from baton.model.linear_attention import RecurrentSpan, RecurrentState, whole_rows
 from baton.model.quantize import concat_rows, linear_weight, release_weights
 from baton.model.spec import ModelSpec
 
@@ -166,10 +166,12 @@ class DenseAttention(AttentionBackend):
         )
         return masked_attention(q, k, v, mask, scale, softcap).transpose(1, 2)
 
-    def recurrent_state(self, layer_id: int) -> RecurrentState | None:  # noqa: ARG002
-        return None
+    def recurrent_spans(self, layer_id: int, batch: int, num_tokens: int) -> list[RecurrentSpan]:  # noqa: ARG002
+        return whole_rows(batch, num_tokens, None)
 
-    def store_recurrent_state(self, layer_id: int, state: RecurrentState) -> None:
+    def store_recurrent_states(
+        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+    ) -> None:
         pass
 
 
@@ -242,16 +244,19 @@ class _CacheStep(AttentionBackend):
         out = masked_attention(q.transpose(1, 2), keys, values, mask, scale, softcap)
         return out.transpose(1, 2)
 
-    def recurrent_state(self, layer_id: int) -> RecurrentState | None:
+    def recurrent_spans(self, layer_id: int, batch: int, num_tokens: int) -> list[RecurrentSpan]:
         if layer_id not in self.cache.recurrent:
             raise ValueError(
                 f"layer {layer_id} is a linear-attention layer and the cache holds no state "
                 "for it: build the cache with reference.new_cache"
             )
-        return self.cache.recurrent[layer_id]
+        return whole_rows(batch, num_tokens, self.cache.recurrent[layer_id])
 
-    def store_recurrent_state(self, layer_id: int, state: RecurrentState) -> None:
-        self.cache.recurrent[layer_id] = state
+    def store_recurrent_states(
+        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+    ) -> None:
+        held = self.cache.recurrent[layer_id]
+        held.conv[span.row], held.recurrent[span.row] = states[-1].conv[0], states[-1].recurrent[0]
 
 
 class Attention(nn.Module):

@@ -10,15 +10,20 @@ A ``linear_attention`` layer keeps no K/V. Per request it carries a fixed-size s
       S_t = exp(g_t) S_{t-1} + k_t delta_t^T,   delta_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t)
       o_t = S_t^T q_t                           (q, k L2-normed; q scaled by key_head_dim^-0.5)
 
-The module never holds that state: each forward reads it from a ``RecurrentBackend`` and
-hands it back after its last token, as ``Attention`` hands K/V to an ``AttentionBackend``
-(the same backend object serves both in a hybrid model). The recurrence runs two ways,
-both from a given state: ``recurrent_delta_rule`` token by token (one-token steps, and the
-reference) and ``chunked_delta_rule`` (longer steps: chunks of tokens as matmuls).
+The module never holds that state: a ``RecurrentBackend`` cuts each forward's input into
+sequences (``RecurrentSpan``: a batch row of a whole sequence in the reference, a segment
+of the engine's flattened step), each with the state before it, and takes back the states
+after its last tokens -- as ``Attention`` hands K/V to an ``AttentionBackend`` (the same
+backend object serves both in a hybrid model; in the engine the states live in
+``memory.recurrent_pool.RecurrentPool``). The recurrence runs two ways, both from a given
+state: ``recurrent_delta_rule`` token by token (one-token steps, the reference, and the
+engine's every span: the same bits however a prompt is cut into steps) and
+``chunked_delta_rule`` (whole sequences: chunks of tokens as matmuls).
 
 Numerics follow transformers' ``Qwen3_5GatedDeltaNet`` (the oracle in the tests): the
 projections and the conv in the model's dtype, the delta rule, g and the state in fp32,
-the gated norm's product in fp32. Who calls it: ``decoder.DecoderLayer``.
+the gated norm's product in fp32 (the arithmetic: ``delta_rule``). Who calls it:
+``decoder.DecoderLayer``.
 """
 
 from __future__ import annotations
@@ -30,14 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.model.frozen_linear import ACT_FNS, FrozenLinear
+from baton.model.delta_rule import causal_conv, chunked_delta_rule, delta_rule_steps, l2_normalize
+from baton.model.frozen_linear import FrozenLinear
 from baton.model.quantize import concat_rows, linear_weight, release_weights
 from baton.model.spec import ModelSpec
-
-Tensor = torch.Tensor
-CHUNK_SIZE = 64
-"""Tokens per chunk of ``chunked_delta_rule`` (transformers' and FLA's default)."""
-
 
 StateShapes = tuple[tuple[int, int], tuple[int, int, int]]
 
@@ -45,9 +46,7 @@ StateShapes = tuple[tuple[int, int], tuple[int, int, int]]
 def state_shapes(spec: ModelSpec) -> StateShapes:
     """One request's state in one linear layer: conv [conv_dim, kernel - 1] and recurrent
     [num_value_heads, key_head_dim, value_head_dim], both fp32 (a pool row, phase 2)."""
-    conv = (spec.linear_conv_dim, spec.linear_conv_kernel_dim - 1)
-    recurrent = (spec.linear_num_value_heads, spec.linear_key_head_dim, spec.linear_value_head_dim)
-    return conv, recurrent
+    return spec.linear_state_shapes
 
 
 @dataclass
@@ -67,102 +66,59 @@ class RecurrentState:
         return cls(torch.zeros(batch_size, *conv), torch.zeros(batch_size, *recurrent))
 
 
+@dataclass
+class RecurrentSpan:
+    """One sequence's tokens in a step's input, as a linear layer runs them."""
+
+    row: int
+    """The batch row of the step's input."""
+    start: int
+    stop: int
+    """Its tokens: [start, stop) of that row."""
+    state: RecurrentState | None
+    """The state before them (a batch of one); None: the sequence starts here (zeros)."""
+    keep: int = 1
+    """States handed back: after each of the span's last ``keep`` tokens (a rollback may
+    land on any of them)."""
+    stepwise: bool = False
+    """Token by token whatever the length: the same bits however a sequence is cut into
+    steps (the engine's chunked prompts, prefix hits, PD); else longer spans take the
+    chunked scan."""
+
+
 class RecurrentBackend(Protocol):
     """Holds the linear layers' per-request state across a model's forwards.
 
-    Contract: ``recurrent_state(layer)`` is the state after the tokens before this step
-    (rows as the step's batch rows), or None when every row starts a sequence (zeros);
-    the layer then calls ``store_recurrent_state(layer, state)`` once with the state after
-    the step's last token. A state cannot be rolled back: it covers every token it saw.
+    Contract: ``recurrent_spans(layer, batch, num_tokens)`` cuts the step's input [batch,
+    num_tokens] into its sequences, each with the state after the tokens before it; the
+    layer runs each from that state and calls ``store_recurrent_states(layer, span,
+    states)`` once per span with the states after its last ``span.keep`` tokens, oldest
+    first.
     """
 
-    def recurrent_state(self, layer_id: int) -> RecurrentState | None: ...
+    def recurrent_spans(
+        self, layer_id: int, batch: int, num_tokens: int
+    ) -> list[RecurrentSpan]: ...
 
-    def store_recurrent_state(self, layer_id: int, state: RecurrentState) -> None: ...
-
-
-def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, activation: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv1d continuing from ``state``. x: [B, T, C]; state: [B, C, K-1];
-    weight: [C, 1, K] -> act(conv) [B, T, C] in x's dtype, and the new state."""
-    window = torch.cat((state.to(x.dtype), x.transpose(1, 2)), dim=-1)  # [B, C, K-1+T]
-    out = F.conv1d(window.to(weight.dtype), weight, groups=weight.shape[0])  # [B, C, T]
-    new_state = window[..., -state.shape[-1] :]
-    out = ACT_FNS[activation](out).to(x.dtype).transpose(1, 2)
-    return out, new_state.to(torch.float32, memory_format=torch.contiguous_format)
+    def store_recurrent_states(
+        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+    ) -> None: ...
 
 
-def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (FLA's and transformers' l2norm)."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def recurrent_delta_rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
-) -> tuple[Tensor, Tensor]:
-    """The recurrence token by token: the obviously-correct path, and the one-token step.
-
-    q, k: [B, H, T, dk]; v: [B, H, T, dv]; g, beta: [B, H, T]; state: [B, H, dk, dv]; all
-    fp32 -> (o [B, H, T, dv], the state after the last token)."""
-    outputs = []
-    for t in range(q.shape[2]):
-        state = state * g[:, :, t, None, None].exp()
-        predicted = (state * k[:, :, t, :, None]).sum(dim=-2)  # S^T k: [B, H, dv]
-        delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
-        state = state + k[:, :, t, :, None] * delta[:, :, None, :]
-        outputs.append((state * q[:, :, t, :, None]).sum(dim=-2))
-    return torch.stack(outputs, dim=2), state
-
-
-def chunked_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    state: Tensor,
-    chunk_size: int = CHUNK_SIZE,
-) -> tuple[Tensor, Tensor]:
-    """``recurrent_delta_rule``'s result, ``chunk_size`` tokens at a time as matmuls."""
-    outputs = []
-    for start in range(0, q.shape[2], chunk_size):
-        chunk = slice(start, start + chunk_size)
-        out, state = _delta_rule_chunk(
-            q[:, :, chunk], k[:, :, chunk], v[:, :, chunk], g[:, :, chunk], beta[:, :, chunk], state
+def whole_rows(batch: int, num_tokens: int, state: RecurrentState | None) -> list[RecurrentSpan]:
+    """The spans of a step whose every batch row is one sequence continuing from row b of
+    ``state`` (None: every row starts there)."""
+    return [
+        RecurrentSpan(
+            b,
+            0,
+            num_tokens,
+            None
+            if state is None
+            else RecurrentState(state.conv[b : b + 1], state.recurrent[b : b + 1]),
         )
-        outputs.append(out)
-    return torch.cat(outputs, dim=2), state
-
-
-def _delta_rule_chunk(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor
-) -> tuple[Tensor, Tensor]:
-    """n tokens of the recurrence at once from the state S0 before them.
-
-    With D_i = exp(g_1 + .. + g_i) and P[i, j] = D_i / D_j (j <= i; 0 above the diagonal),
-    unrolling gives S_i = D_i S0 + sum_{j<=i} P[i, j] k_j delta_j^T, so the deltas solve one
-    unit lower-triangular system and the outputs and final state are matmuls::
-
-        delta_i + sum_{j<i} beta_i P[i, j] (k_i . k_j) delta_j = beta_i (v_i - D_i S0^T k_i)
-        o_i = D_i S0^T q_i + sum_{j<=i} P[i, j] (q_i . k_j) delta_j
-        S_n = D_n S0 + sum_j (D_n / D_j) k_j delta_j^T
-    """
-    n = q.shape[2]
-    log_decay = g.cumsum(dim=-1)  # [B, H, n]: log D_i
-    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-    # In log space, masked before exp: log D_i - log D_j > 0 above the diagonal could overflow.
-    pair = (log_decay[..., :, None] - log_decay[..., None, :]).masked_fill(~causal, -torch.inf)
-    pair = pair.exp()  # P: [B, H, n, n]
-    decay = log_decay.exp()[..., None]  # D: [B, H, n, 1]
-    k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * pair  # its diagonal is read as ones
-    rhs = v * beta[..., None] - (k_beta * decay) @ state
-    delta = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-    out = (q * decay) @ state + ((q @ k.transpose(-1, -2)) * pair) @ delta
-    to_end = (log_decay[..., -1:] - log_decay).exp()[..., None]  # D_n / D_j: [B, H, n, 1]
-    state = state * decay[..., -1:, :] + (k * to_end).transpose(-1, -2) @ delta
-    return out, state
+        for b in range(batch)
+    ]
 
 
 class GatedRMSNorm(nn.Module):
@@ -228,20 +184,19 @@ class GatedDeltaNet(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, hidden] (normed) -> the output [B, T, hidden], plus ``residual`` when
         given; with ``rows`` (indices into T) only those tokens' (every token still advances
-        the state). Continues from ``backend``'s state and stores the state after x."""
+        the state). Each of the backend's spans continues from its state and stores the
+        states after its last tokens."""
         batch, num_tokens, _ = x.shape
         qkv, z, b, a = self._projections(x)
-        state = backend.recurrent_state(layer_id)
-        if state is None:
-            state = RecurrentState.zeros(self.state_shapes, batch)
-        mixed, conv_state = causal_conv(qkv, state.conv, self.conv1d.weight, self.activation)
-        q, k, v = self._heads(mixed)
-        beta = b.sigmoid().float().transpose(1, 2)  # [B, H, T]
+        beta = b.sigmoid().float()  # [B, T, H]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        rule = recurrent_delta_rule if num_tokens == 1 else chunked_delta_rule
-        out, recurrent = rule(q, k, v, g.transpose(1, 2), beta, state.recurrent)
-        backend.store_recurrent_state(layer_id, RecurrentState(conv_state, recurrent))
-        out = out.transpose(1, 2).to(x.dtype)  # [B, T, H, dv]
+        out = torch.zeros(batch, num_tokens, self.num_v_heads, self.head_v_dim)
+        for span in backend.recurrent_spans(layer_id, batch, num_tokens):
+            row, tokens = slice(span.row, span.row + 1), slice(span.start, span.stop)
+            o, states = self._sequence(qkv[row, tokens], g[row, tokens], beta[row, tokens], span)
+            out[row, tokens] = o
+            backend.store_recurrent_states(layer_id, span, states)
+        out = out.to(x.dtype)  # [B, T, H, dv]
         z = z.unflatten(-1, (self.num_v_heads, self.head_v_dim))
         if rows is not None:
             out, z = out[:, rows], z[:, rows]
@@ -251,6 +206,44 @@ class GatedDeltaNet(nn.Module):
             return self._out(out) if residual is None else self._out.add(out, residual)
         out = self.out_proj(out)
         return out if residual is None else residual + out
+
+    def _sequence(
+        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, span: RecurrentSpan
+    ) -> tuple[torch.Tensor, list[RecurrentState]]:
+        """One sequence's tokens (q|k|v projections [1, n, conv_dim], g and beta [1, n, H])
+        from ``span.state`` -> (outputs [1, n, H, dv] fp32, the states after its last
+        ``span.keep`` tokens)."""
+        num_tokens = qkv.shape[1]
+        state = span.state or RecurrentState.zeros(self.state_shapes, 1)
+        mixed, window = causal_conv(qkv, state.conv, self.conv1d.weight, self.activation)
+        q, k, v = self._heads(mixed)
+        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [1, H, n]
+        keep = min(span.keep, num_tokens)
+        # The chunked scan for what no kept state follows (not stepwise), then token by token.
+        scanned = 0 if span.stepwise or num_tokens == 1 else num_tokens - max(keep, 1)
+        recurrent, outs = state.recurrent, []
+        if keep == 1 and scanned == num_tokens - 1 and num_tokens > 1:
+            scanned = num_tokens  # the final state alone: the scan gives it
+        if scanned:
+            o, recurrent = chunked_delta_rule(
+                *(t[:, :, :scanned] for t in (q, k, v, g, beta)), recurrent
+            )
+            outs.append(o)
+        kept = [recurrent] if scanned == num_tokens else []
+        if scanned < num_tokens:
+            o, kept = delta_rule_steps(
+                *(t[:, :, scanned:] for t in (q, k, v, g, beta)), recurrent, keep
+            )
+            outs.append(o)
+        out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+        # The conv's state after token i is the window's K - 1 inputs ending at i.
+        width = state.conv.shape[-1]
+        convs = [
+            window[..., i + 1 : i + 1 + width].contiguous()
+            for i in range(num_tokens - len(kept), num_tokens)
+        ]
+        states = [RecurrentState(c, r) for c, r in zip(convs, kept, strict=True)]
+        return out.transpose(1, 2), states
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [B, T, hidden] -> q|k|v [B, T, conv_dim], z [B, T, value_dim], b, a [B, T, H]."""

@@ -18,6 +18,10 @@ step can see (``StatePool.keeps_visible``: a ring keeps ``window + slack`` rows)
 segments (prefill chunks) take the per-segment path, which reads the cached context
 *before* writing, so a chunk longer than a ring still works. The slot indices of a pool
 are computed once per forward and shared by all of its layers.
+
+A hybrid model's linear layers read and write their recurrent state through the same
+object (``RecurrentBackend``): each segment continues from its request's state after the
+position before it, in the model cache's ``RecurrentPool``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from baton.model.attention_plans import (
     group_by_pool,
     plan_lists,
 )
+from baton.model.linear_attention import RecurrentSpan, RecurrentState
 
 BATCHED_MAX_TOKENS = 8
 """Segments up to this many tokens are attended together (padded)."""
@@ -67,6 +72,7 @@ class PagedAttention(AttentionBackend):
         self.one_at_a_time = one_at_a_time
         self._plans: dict[str, tuple[BatchPlan | None, list[Segment]]] = {}
         self._one: dict[tuple[str, Segment], tuple] = {}
+        self._by_offset: dict[int, Segment] = {}
 
     @staticmethod
     def _is_batched(pool: StatePool, seg: Segment, window: int | None) -> bool:
@@ -322,3 +328,31 @@ class PagedAttention(AttentionBackend):
         pool.storage[write_units, local, 0, write_rows] = k_seg[skip:]
         pool.storage[write_units, local, 1, write_rows] = v_seg[skip:]
         pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
+
+    # -- the linear layers' state (``RecurrentBackend``) --------------------------------------
+    def recurrent_spans(self, layer_id: int, batch: int, num_tokens: int) -> list[RecurrentSpan]:
+        """Each segment continues from its request's state after the position before it
+        (``RecurrentPool``; none at position 0), token by token: a prompt's states come out
+        the same however it is cut into chunks, hit in the prefix cache or handed off."""
+        pool = self.cache.recurrent
+        assert pool is not None and batch == 1, f"layer {layer_id}: no recurrent pool"
+        spans = []
+        for seg in self.segments:
+            state = None
+            if seg.start > 0:
+                state = RecurrentState(*pool.state_after(seg.request_id, layer_id, seg.start - 1))
+            end = seg.offset + seg.num_tokens
+            keep = min(seg.num_tokens, pool.slots)
+            spans.append(RecurrentSpan(0, seg.offset, end, state, keep, stepwise=True))
+        return spans
+
+    def store_recurrent_states(
+        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+    ) -> None:
+        seg = self._by_offset.get(span.start)
+        if seg is None:
+            self._by_offset.update((s.offset, s) for s in self.segments)
+            seg = self._by_offset[span.start]
+        first = seg.start + seg.num_tokens - len(states)
+        pool = self.cache.recurrent
+        pool.write_states(seg.request_id, layer_id, first, [(s.conv, s.recurrent) for s in states])

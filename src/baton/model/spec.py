@@ -175,6 +175,15 @@ class ModelSpec:
         return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
 
     @property
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One request's state in one ``linear_attention`` layer (``CacheLayout``): the
+        conv's [conv_dim, kernel - 1] last inputs and the delta rule's [value heads,
+        key_head_dim, value_head_dim] memory, both fp32."""
+        conv = (self.linear_conv_dim, self.linear_conv_kernel_dim - 1)
+        heads = self.linear_num_value_heads
+        return conv, (heads, self.linear_key_head_dim, self.linear_value_head_dim)
+
+    @property
     def softmax_scale(self) -> float:
         return self.attn_scale or self.head_dim**-0.5
 

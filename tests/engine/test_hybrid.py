@@ -1,0 +1,122 @@
+"""The engine serving a hybrid model (Qwen3.5: gated delta net layers + gated attention):
+the linear layers' state in its declared pool (``target.linear``), continued across chunked
+prompts, decode steps, speculative rollback and PD handoffs.
+
+Oracles: the reference generator (``greedy_generate``, whose parity with transformers
+``tests/model/test_qwen3_5.py`` checks), a colocated engine for PD, plain greedy for
+speculative greedy, and the same prompt cut into other chunks for the state's exactness.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.config import EngineConfig
+from baton.engine.engine import LLMEngine
+from baton.memory.state import ComponentKind
+from baton.model import load_model
+from baton.model.reference import greedy_generate
+from baton.request import SamplingParams
+from tests.hf_tiny import VOCAB
+
+ARCH = "qwen3_5"
+LENGTHS = [1, 5, 37, 90, 64]  # one token, short, chunked (40 per step), past a scan chunk
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(hf_checkpoint):
+    directory, _ = hf_checkpoint(ARCH)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def hybrid_mtp_dir(hybrid_mtp_checkpoint):
+    return hybrid_mtp_checkpoint
+
+
+def _prompts(lengths=LENGTHS, seed: int = 4) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _config(**kw) -> EngineConfig:
+    return EngineConfig.from_kwargs(
+        dtype="float32", page_size=8, **{"max_num_batched_tokens": 40, **kw}
+    )
+
+
+def run(directory, prompts, params, **kw) -> list:
+    engine = LLMEngine(directory, _config(**kw))
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert all(n == 0 for n in engine.units_in_use().values()), engine.units_in_use()
+    return [done[i] for i in ids]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def test_the_engine_declares_the_linear_layers_state(hybrid_dir):
+    engine = LLMEngine(hybrid_dir, _config())
+    component = engine.registry.get("target.linear")
+    linear = [i for i, t in enumerate(engine.model.spec.layer_types) if t == "linear_attention"]
+    conv, recurrent = engine.model.spec.linear_state_shapes
+    assert component.kind is ComponentKind.RECURRENT
+    assert component.layer_ids == tuple(linear)
+    per_layer = conv[0] * conv[1] + recurrent[0] * recurrent[1] * recurrent[2]
+    assert component.unit_shape == (1, len(linear), per_layer)  # no draft: one slot
+    assert component.unit_bytes == 4 * len(linear) * per_layer
+    assert "target.full" in engine.registry  # the gated attention layers' pages
+
+
+def test_greedy_equals_the_reference_with_chunked_prompts_and_a_batch(hybrid_dir):
+    model = load_model(hybrid_dir, "float32")
+    prompts = _prompts()
+    want = [greedy_generate(model, p, GREEDY.max_tokens) for p in prompts]
+    outs = run(hybrid_dir, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_the_state_is_the_same_bits_however_the_prompt_is_chunked(hybrid_dir):
+    """Chunks of 40 tokens, of 7, or the whole prompt in one step: the same tokens and
+    the same log-probabilities, bit for bit (the engine's recurrence runs token by token;
+    one request at a time, so that the decode steps' batches are the same)."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    for prompt in _prompts([90, 37]):
+        runs = [run(hybrid_dir, [prompt], params, max_num_batched_tokens=n) for n in (40, 7, 256)]
+        assert len({str(r[0].outputs[0].token_ids) for r in runs}) == 1
+        assert len({str(r[0].outputs[0].logprobs) for r in runs}) == 1
+
+
+def test_a_missing_state_changes_the_output(hybrid_dir, monkeypatch):
+    """Guards the tests above: a pool that hands back zeros instead of the state after the
+    last position makes the engine generate other tokens."""
+    from baton.memory.recurrent_pool import RecurrentPool
+
+    prompts = _prompts([37, 90])
+    good = run(hybrid_dir, prompts, GREEDY)
+    real = RecurrentPool.state_after
+
+    def forgetful(self, request_id, layer_id, position):
+        conv, recurrent = real(self, request_id, layer_id, position)
+        return torch.zeros_like(conv), torch.zeros_like(recurrent)
+
+    monkeypatch.setattr(RecurrentPool, "state_after", forgetful)
+    bad = run(hybrid_dir, prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in bad] != [o.outputs[0].token_ids for o in good]
+
+
+def test_speculative_greedy_equals_plain_greedy_and_rolls_the_state_back(hybrid_mtp_dir):
+    """Verify steps write the state after each of their tokens (``slots``: lookahead + 1);
+    a rejection continues from the slot of the last accepted token."""
+    prompts = _prompts()
+    plain = run(hybrid_mtp_dir, prompts, GREEDY, speculative=False)
+    spec = run(hybrid_mtp_dir, prompts, GREEDY, num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    accepted = [n for o in spec for n in o.metrics.accepted_lengths]
+    assert 1 in accepted and max(accepted) > 1  # rejections and acceptances both happened
+    engine = LLMEngine(hybrid_mtp_dir, _config(num_speculative_tokens=3))
+    assert engine.registry.get("target.linear").unit_shape[0] == 4
