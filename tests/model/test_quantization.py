@@ -195,8 +195,9 @@ def test_a_bias_in_the_weights_dtype_is_not_taken_for_int8():
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
-    """Few rows (the int8 panels: W8A8) and a prompt step (dequantized for BLAS, in row
-    blocks) give their references' values; the float weight is not kept."""
+    """Few rows (the panels: W8A8 / W4A8) and a prompt step (int8: W8A8 through
+    ``torch._int_mm``; int4: dequantized for BLAS, in row blocks) give their references'
+    values; the float weight is not kept."""
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(96, 64, generator=g) / 8).to(act)
     bias = torch.randn(96, generator=g).to(act)
@@ -216,6 +217,8 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
     for rows in (1, 5, 70):
         x = torch.randn(1, rows, 64, generator=g).to(act)
         blas = F.linear(x.float(), ref, bias.float())
+        if method == "int8":  # every path W8A8
+            blas = w8a8_reference(x, qw, bias)
         few = w8a8_reference(x, qw, bias) if native and rows <= 64 else blas
         torch.testing.assert_close(lin(x).float(), act_fn(few), **tol)
         with step_invariant_rows():

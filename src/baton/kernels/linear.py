@@ -132,6 +132,19 @@ class PackedRows:
     def shape(self) -> tuple[int, int]:
         return (self.n, self.k)
 
+    def int8_rows(self, row0: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 weight's rows ``[row0, row0 + rows)`` (``row0`` a multiple of ``PANEL``)
+        out of the panels: (q [rows, k padded to whole quads] int8, their scales [rows]
+        fp32) -- one pass over those integers, no arithmetic."""
+        assert self.dtype == torch.int8 and row0 % PANEL == 0
+        quads = -(-self.k // 4)
+        first, last = row0 // PANEL, -(-(row0 + rows) // PANEL)
+        panels = self.data[first:last]
+        values = panels[:, : quads * 4 * PANEL].view(torch.int8)
+        values = values.reshape(-1, quads, PANEL, 4).transpose(1, 2).reshape(-1, quads * 4)
+        scales = panels[:, quads * 4 * PANEL :].contiguous().view(torch.float32).reshape(-1)
+        return values[:rows], scales[:rows]
+
     def dequantize_into(self, out: torch.Tensor, row0: int) -> None:
         """An int8 / int4 weight's rows ``[row0, row0 + len(out))`` as floats into ``out``
         ([rows, k] contiguous, fp32 or bf16; linear.c's ``baton_dequantize_rows``): value

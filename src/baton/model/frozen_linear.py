@@ -34,6 +34,7 @@ from baton.model.quantize import (
     QuantizedWeight,
     check_quantization,
     dequantized_linear,
+    int8_linear,
 )
 
 
@@ -230,6 +231,8 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
+        if self.quantization == "int8":
+            return ACT_FNS[self.activation](int8_linear(x, self.effective_weight, self.bias))
         if self.quantization is not None:
             return ACT_FNS[self.activation](dequantized_linear(x, self.effective_weight, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
