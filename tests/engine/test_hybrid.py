@@ -120,3 +120,65 @@ def test_speculative_greedy_equals_plain_greedy_and_rolls_the_state_back(hybrid_
     assert 1 in accepted and max(accepted) > 1  # rejections and acceptances both happened
     engine = LLMEngine(hybrid_mtp_dir, _config(num_speculative_tokens=3))
     assert engine.registry.get("target.linear").unit_shape[0] == 4
+
+
+def _one_after_another(directory, prompts, params, engine=None, **kw):
+    engine = engine or LLMEngine(directory, _config(**kw))
+    outs = []
+    for prompt in prompts:
+        engine.add_request({"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            outs += [o for o in engine.step() if o.finished]
+    return outs, engine
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_prefix_hit_restores_the_state_snapshot_and_equals_a_cold_run(
+    hybrid_mtp_dir, speculative
+):
+    """The second prompt shares 70 tokens with the first: the state was copied at 32 and 64
+    (every 4 pages of 8), so it hits 64 tokens -- the full-attention pages, the draft's
+    window and the recurrent snapshot -- and its tokens, log-probabilities and acceptance
+    lengths equal a cold run's."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(0, VOCAB, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
+    kw = {} if speculative else {"speculative": False}
+    outs, engine = _one_after_another(hybrid_mtp_dir, prompts, params, **kw)
+    cold, _ = _one_after_another(hybrid_mtp_dir, prompts[1:], params, **kw)
+    assert outs[1].metrics.num_cached_tokens == 64
+    assert engine.prefix_cache.num_cached_units()["target.linear"] >= 2
+    for key in ("token_ids", "logprobs"):
+        assert getattr(outs[1].outputs[0], key) == getattr(cold[0].outputs[0], key)
+    assert outs[1].metrics.accepted_lengths == cold[0].metrics.accepted_lengths
+    assert all(n == 0 for n in engine.units_in_use().values())
+
+
+def test_a_hit_without_the_state_snapshot_is_caught(hybrid_dir):
+    """Guards the test above: the same hit with the recurrent state left out (the prefix
+    cache's debug skip) starts the linear layers from zeros at 64 -- other tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(0, VOCAB, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
+    engine = LLMEngine(hybrid_dir, _config())
+    engine.prefix_cache.skip = frozenset({"target.linear"})
+    outs, _ = _one_after_another(hybrid_dir, prompts, params, engine=engine)
+    cold, _ = _one_after_another(hybrid_dir, prompts[1:], params)
+    assert outs[1].metrics.num_cached_tokens == 64
+    assert outs[1].outputs[0].token_ids != cold[0].outputs[0].token_ids
+
+
+def test_no_hit_falls_between_two_snapshots(hybrid_dir):
+    """A shared prefix of 40 tokens: pages up to 40 are cached, but the state only at 32 --
+    the hit is 32, not 40; without prefix caching nothing is copied at all."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    g = torch.Generator().manual_seed(5)
+    shared = torch.randint(0, VOCAB, (41,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (3, 4)]
+    outs, _ = _one_after_another(hybrid_dir, prompts, params)
+    assert outs[1].metrics.num_cached_tokens == 32
+    engine = LLMEngine(hybrid_dir, _config(enable_prefix_caching=False))
+    assert engine.cache.recurrent.snapshot_tokens == 0
+    assert engine.registry.get("target.linear").caching == "none"

@@ -9,6 +9,7 @@ component alike: ``test_real_backends.py``, ``test_pd_processes.py``).
 from __future__ import annotations
 
 import pytest
+import torch
 
 from baton.engine.engine import LLMEngine
 from baton.request import SamplingParams
@@ -17,6 +18,7 @@ from baton.transfer.checksums import component_checksums
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.sender import Sender
 from tests.engine.test_hybrid import _config, _prompts, run
+from tests.hf_tiny import VOCAB
 from tests.transfer.inprocess import InProcessDecode
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -100,3 +102,45 @@ def test_the_handshake_names_a_missing_recurrent_component(hybrid_mtp_checkpoint
                 prefill_engine, hybrid_mtp_checkpoint, worker_id="p", role="prefill", **hello
             ),
         )
+
+
+def test_prefill_and_decode_prefix_hits_keep_pd_exact(hybrid_mtp_checkpoint):
+    """Both workers cache: the second prompt hits 64 tokens on prefill (its recurrent
+    snapshot restored there, the rest computed) and on decode (which needs no snapshot: the
+    handoff brings the state after the last prompt token). Tokens and acceptance lengths
+    equal cold colocated runs; every checksum matches."""
+    directory = hybrid_mtp_checkpoint
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(0, VOCAB, (70,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 5)]
+    expected = [run(directory, [p], PARAMS, num_speculative_tokens=3)[0] for p in prompts]
+    prefill_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
+    decode_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
+    receiver = LoopbackBackend()
+    regions = {
+        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
+    }
+    prefill = Sender(prefill_engine, LoopbackBackend())
+    prefill.keep_checksums = True
+    prefill.connect(regions)
+    decode = InProcessDecode(decode_engine)
+    outs, computed = [], []
+    for room, prompt in enumerate(prompts):
+        before = prefill_engine.runner.num_computed_prompt_tokens
+        msg = decode.reserve(room, prompt, PARAMS)
+        assert prefill.on_reserve(msg) is None
+        while prefill.outgoing or decode_engine.has_unfinished_requests():
+            for reply in prefill.step():
+                got = component_checksums(decode_engine, msg.request_id)
+                assert got == prefill.checksums[reply.room]
+                decode.on_done(reply)
+            outs += [o for o in decode_engine.step() if o.finished]
+        computed.append(prefill_engine.runner.num_computed_prompt_tokens - before)
+    assert computed == [len(prompts[0]), len(prompts[1]) - 64]
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.metrics.accepted_lengths for o in outs] == [
+        o.metrics.accepted_lengths for o in expected
+    ]
+    assert decode_engine.runner.num_computed_prompt_tokens == 0
+    for engine in (prefill_engine, decode_engine):
+        assert all(n == 0 for n in engine.units_in_use().values()), engine.units_in_use()

@@ -32,6 +32,13 @@ from baton.memory.ring_pool import RingPool
 from baton.memory.state import PushPhase, StateRegistry, UnitOwner
 from baton.platform import available_memory_bytes
 
+SNAPSHOT_PAGES = 4
+"""With prefix caching, a hybrid model's recurrent state is copied every this many pages
+(``RecurrentPool``): a hit is a multiple of it (64 tokens at the default page size)."""
+SNAPSHOTS_PER_SEQ = 4
+"""Snapshots the prefix cache keeps per ``max_num_seqs`` (each one slot of a recurrent
+unit: ``RecurrentPool.snapshot_bytes``)."""
+
 
 def full_pool_pages(
     memory_mb: int | None,
@@ -132,6 +139,7 @@ class ModelCache:
         if linear:
             # A verify step of ``slack - 1`` draft tokens writes a state after each of its
             # ``slack`` tokens: any of them may be where the engine rolls back to.
+            caching = cache_config.enable_prefix_caching
             self.recurrent = RecurrentPool(
                 f"{prefix}.linear",
                 linear,
@@ -140,6 +148,9 @@ class ModelCache:
                 registry,
                 slots=max(1, slack),
                 allocator=allocator,
+                page_size=page_size,
+                snapshot_tokens=SNAPSHOT_PAGES * page_size if caching else 0,
+                num_snapshots=SNAPSHOTS_PER_SEQ * scheduler_config.max_num_seqs,
             )
             self.pools.append(self.recurrent)
 

@@ -16,8 +16,11 @@ component, the page-floored window of a sliding one, and the draft's slots [0, S
 its window -- which a cold run has computed too, since slot S-1's token (S) is a prompt
 token. So nothing is recomputed at the boundary: the draft's next pairs start at slot S,
 like the target's positions. The hit is the longest S for which *every* component is
-restorable; a component that cannot be (``Caching.NONE``: a ring, a recurrent row) makes
-every hit 0 -- prefix caching in ring mode gives no hit, by this rule.
+restorable; a component that cannot be (``Caching.NONE``: a ring) makes every hit 0 --
+prefix caching in ring mode gives no hit, by this rule. A ``Caching.SNAPSHOTS`` component
+(a hybrid model's recurrent state, ``recurrent_pool``) answers the same questions with
+copies of its state taken at every few pages, keyed like the page ending there: the
+longest hit is then one where a snapshot exists.
 
 Complete pages are offered to the cache after every step (``register``); a page nobody
 holds stays cached, evictable least recently released first, when an allocation needs it

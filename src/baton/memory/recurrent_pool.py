@@ -15,12 +15,23 @@ position 0: zeros) and writes the states after its last ``min(end - start, slots
 positions. With speculative decoding ``slots`` is the draft's lookahead plus one: a verify
 step writes the state after each of its tokens, and the engine's rollback to ``n`` computed
 tokens needs no copy -- the next step reads slot ``(n - 1) % slots`` (``trim`` only moves
-the end). A state cannot be recomputed from the unit's other slots or cut back past them,
-so a prefix-cache hit cannot restore it (``Caching.NONE``: no hit while this is
-registered). The component's token range is "after its last position": a PD handoff of a
+the end). The component's token range is "after its last position": a PD handoff of a
 P-token prompt moves the unit whose slot ``(P - 1) % slots`` decode continues from, pushed
 once the prompt is computed (``PushPhase.FINAL``). Units are zeroed when allocated, so a
 slot nothing wrote reads as zeros on both sides of a handoff.
+
+Prefix caching (``Caching.SNAPSHOTS``, with ``snapshot_tokens``): a state cannot be cut
+back, so the pool keeps copies. A step that computes position B - 1, B a multiple of
+``snapshot_tokens`` (itself a multiple of the page size), also hands back the state after
+it, copied into a snapshot (``snapshot_at`` / ``write_states``); once the tokens up to B
+are committed the engine's ``register`` keys it like the page that ends at B, and it waits
+in an evictable cache (``BlockPool``, least recently used first) of ``num_snapshots``
+copies -- the cost: each is one slot's bytes (``snapshot_bytes``). A hit of S (the prefix
+cache asks ``prefix_pages(S)``: the page ending at S, found only where S is a boundary)
+holds the snapshot (``share``) and copies it into slot ``(S - 1) % slots`` when the
+request's unit is allocated (``grow``); a rejected draft token's state never becomes one
+(``trim`` drops snapshots past the committed end). A PD decode needs none: the handoff
+brings the state (``first_kept_page``).
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import torch
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
 from baton.memory.state import (
+    Caching,
     ComponentKind,
     PushPhase,
     StateComponent,
@@ -56,10 +68,16 @@ class RecurrentPool:
         slots: int = 1,
         *,
         allocator: StorageAllocator | None = None,
+        page_size: int = 16,
+        snapshot_tokens: int = 0,
+        num_snapshots: int = 0,
     ) -> None:
         """``layer_ids``: the model's linear layers; ``shapes``: one layer's conv and
         recurrent state (``CacheLayout.linear_state_shapes``); ``slots``: states kept per
-        request (1 + the lookahead a rollback may undo)."""
+        request (1 + the lookahead a rollback may undo); ``snapshot_tokens`` (a multiple of
+        ``page_size``; 0: no prefix caching) and ``num_snapshots``: the prefix cache's
+        copies."""
+        assert snapshot_tokens % page_size == 0, (snapshot_tokens, page_size)
         self.name = name
         self.layer_ids = layer_ids
         self.local = {layer: i for i, layer in enumerate(layer_ids)}
@@ -75,6 +93,20 @@ class RecurrentPool:
         self.units: dict[str, int] = {}
         self.num_tokens: dict[str, int] = {}
         """Per request: one past the last position whose state was written."""
+        self.page_size, self.snapshot_tokens = page_size, snapshot_tokens
+        caching = Caching.SNAPSHOTS if snapshot_tokens and num_snapshots else Caching.NONE
+        self.snapshots = torch.zeros(max(1, num_snapshots), *unit_shape[1:])
+        """The prefix cache's copies: [num_snapshots, layers, floats], one slot each."""
+        self.snapshot_blocks = BlockPool(max(1, num_snapshots))
+        self.cached: dict[bytes, int] = {}
+        """Prefix cache: the key of the page ending at a boundary -> its snapshot."""
+        self.snapshot_key: dict[int, bytes] = {}
+        self.pending: dict[str, dict[int, int]] = {}
+        """request -> {boundary B: snapshot of the state after B - 1}, not yet keyed."""
+        self.restoring: dict[str, tuple[int, int]] = {}
+        """request -> (snapshot held, hit length S): copied in by ``grow``."""
+        self.snapshot_blocks.is_cached = self.snapshot_key.__contains__
+        self.snapshot_blocks.on_evict = self._evict
         self.component = StateComponent(
             name=name,
             kind=ComponentKind.RECURRENT,
@@ -86,6 +118,7 @@ class RecurrentPool:
             unit_shape=unit_shape,
             storage=self.storage,
             push=PushPhase.FINAL,
+            caching=caching,
             index=self.index,
             owner=self,
         )
@@ -105,17 +138,27 @@ class RecurrentPool:
             self.storage[unit].zero_()
             self.units[request_id] = unit
             self.num_tokens[request_id] = start
+            if request_id in self.restoring:  # a prefix-cache hit: its snapshot
+                snapshot, hit = self.restoring.pop(request_id)
+                self.storage[unit, (hit - 1) % self.slots] = self.snapshots[snapshot]
+                self.snapshot_blocks.free([snapshot])
 
     def trim(self, request_id: str, num_computed: int) -> None:
         # The slots hold the states after each of the last positions: rolling back is
         # reading an earlier slot next time.
         if request_id in self.num_tokens:
             self.num_tokens[request_id] = min(self.num_tokens[request_id], num_computed)
+        pending = self.pending.get(request_id, {})
+        for boundary in [b for b in pending if b > num_computed]:  # a rejected token's
+            self.snapshot_blocks.free([pending.pop(boundary)])
 
     def free(self, request_id: str) -> None:
         if request_id in self.units:
             self.blocks.free([self.units.pop(request_id)])
         self.num_tokens.pop(request_id, None)
+        self.snapshot_blocks.free(list(self.pending.pop(request_id, {}).values()))
+        if request_id in self.restoring:
+            self.snapshot_blocks.free([self.restoring.pop(request_id)[0]])
 
     def peak_units(self, num_tokens: int) -> int:
         return 1
@@ -124,7 +167,59 @@ class RecurrentPool:
         return self.index(request_id).unit_ids
 
     def num_leading_cached(self, end: int, num_cached: int) -> int:
-        return 0
+        return 0  # a handoff moves the state after its last position, whatever decode holds
+
+    # -- prefix caching: snapshots (``PrefixCache``) ----------------------------------------
+    @property
+    def snapshot_bytes(self) -> int:
+        """What one snapshot costs (one slot of a unit)."""
+        return self.snapshots[0].numel() * self.snapshots.element_size()
+
+    def snapshot_at(self, start: int, end: int) -> list[int]:
+        """The positions of [start, end) whose states become snapshots: B - 1 for each
+        boundary B in (start, end]."""
+        every = self.snapshot_tokens
+        if not every:
+            return []
+        return [b - 1 for b in range(-(-(start + 1) // every) * every, end + 1, every)]
+
+    def prefix_pages(self, num_tokens: int) -> range:
+        """A hit of ``num_tokens`` needs the snapshot keyed like the page ending there
+        (cached at boundaries only)."""
+        last = num_tokens // self.page_size - 1
+        return range(last, last + 1)
+
+    def first_kept_page(self, num_computed: int) -> int:
+        return num_computed // self.page_size + 1  # nothing: the handoff brings the state
+
+    def share(self, request_id: str, pages: dict[int, int], num_tokens: int) -> None:
+        """Hold the hit's snapshot for the request (copied in by ``grow``)."""
+        for snapshot in pages.values():
+            self.snapshot_blocks.share(snapshot)
+            self.restoring[request_id] = (snapshot, num_tokens)
+
+    def has_news(self, request_id: str) -> bool:
+        return bool(self.pending.get(request_id))
+
+    def register(self, request_id: str, key_of) -> None:
+        """Key the request's new snapshots like the pages ending at their boundaries; a
+        key cached already keeps its snapshot (this one is freed)."""
+        pending = self.pending.get(request_id, {})
+        for boundary in sorted(pending):
+            key = key_of(boundary // self.page_size - 1)
+            if key is None:
+                break  # a token it depends on is not known yet
+            snapshot = pending.pop(boundary)
+            if key not in self.cached:
+                self.cached[key] = snapshot
+                self.snapshot_key[snapshot] = key
+            self.snapshot_blocks.free([snapshot])  # evictable, or free if not cached
+
+    def distrust_below(self, request_id: str, position: int) -> None:
+        pass  # snapshots are taken of computed steps only
+
+    def _evict(self, snapshot: int) -> None:
+        del self.cached[self.snapshot_key.pop(snapshot)]
 
     def index(self, request_id: str) -> UnitRange:
         if request_id not in self.units:
@@ -152,15 +247,29 @@ class RecurrentPool:
         self,
         request_id: str,
         layer_id: int,
-        first: int,
-        states: list[tuple[torch.Tensor, torch.Tensor]],
+        states: dict[int, tuple[torch.Tensor, torch.Tensor]],
+        end: int,
     ) -> None:
-        """The states after positions ``first``, ``first + 1``, ... (conv, recurrent) of
-        layer ``layer_id``; at most ``slots`` of them (the last ones of a step)."""
-        assert len(states) <= self.slots, f"{self.name}: {len(states)} states > {self.slots}"
-        for i, (conv, recurrent) in enumerate(states):
-            row = self._slot(request_id, first + i, layer_id)
-            row[: self.conv_floats] = conv.reshape(-1)
-            row[self.conv_floats :] = recurrent.reshape(-1)
-        end = first + len(states)
+        """Layer ``layer_id``'s states (conv, recurrent) after the given positions of a step
+        that computed up to ``end``: those of its last ``slots`` positions into the slots,
+        those ``snapshot_at`` names into snapshots (taken once, by the first linear layer;
+        none where every snapshot is held)."""
+        local = self.local[layer_id]
+        for position, (conv, recurrent) in states.items():
+            rows = []
+            if position >= end - self.slots:
+                rows.append(self._slot(request_id, position, layer_id))
+            if self.snapshot_tokens and (position + 1) % self.snapshot_tokens == 0:
+                snapshot = self._snapshot_for(request_id, position + 1, local)
+                if snapshot is not None:
+                    rows.append(self.snapshots[snapshot, local])
+            for row in rows:
+                row[: self.conv_floats] = conv.reshape(-1)
+                row[self.conv_floats :] = recurrent.reshape(-1)
         self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), end)
+
+    def _snapshot_for(self, request_id: str, boundary: int, local: int) -> int | None:
+        pending = self.pending.setdefault(request_id, {})
+        if boundary not in pending and local == 0 and self.snapshot_blocks.num_free:
+            pending[boundary] = self.snapshot_blocks.allocate(1)[0]
+        return pending.get(boundary)

@@ -67,9 +67,13 @@ class Caching(StrEnum):
     PAGES = "pages"
     """Every complete page stays cached, keyed by the tokens its content depends on: a hit
     of S restores the pages a cold run holds after computing [0, S)."""
+    SNAPSHOTS = "snapshots"
+    """A copy of the state at every snapshot boundary (a multiple of the page size), keyed
+    like the page ending there: a hit of S restores the snapshot after position S - 1, so
+    hits are multiples of the boundary (a recurrent state: ``recurrent_pool``)."""
     NONE = "none"
-    """Nothing restorable (a ring overwritten in place, a recurrent row): with such a
-    component registered, no request gets a hit."""
+    """Nothing restorable (a ring overwritten in place; a recurrent state without
+    snapshots): with such a component registered, no request gets a hit."""
 
 
 class UnitOwner(Protocol):

@@ -170,7 +170,7 @@ class DenseAttention(AttentionBackend):
         return whole_rows(batch, num_tokens, None)
 
     def store_recurrent_states(
-        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+        self, layer_id: int, span: RecurrentSpan, states: dict[int, RecurrentState]
     ) -> None:
         pass
 
@@ -253,10 +253,10 @@ class _CacheStep(AttentionBackend):
         return whole_rows(batch, num_tokens, self.cache.recurrent[layer_id])
 
     def store_recurrent_states(
-        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+        self, layer_id: int, span: RecurrentSpan, states: dict[int, RecurrentState]
     ) -> None:
-        held = self.cache.recurrent[layer_id]
-        held.conv[span.row], held.recurrent[span.row] = states[-1].conv[0], states[-1].recurrent[0]
+        held, last = self.cache.recurrent[layer_id], states[max(states)]
+        held.conv[span.row], held.recurrent[span.row] = last.conv[0], last.recurrent[0]
 
 
 class Attention(nn.Module):

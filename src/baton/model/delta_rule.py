@@ -14,6 +14,8 @@ sequences). Pure torch, fp32 state.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from baton.model.frozen_linear import ACT_FNS
@@ -55,25 +57,25 @@ def recurrent_delta_rule(
 
     q, k: [B, H, T, dk]; v: [B, H, T, dv]; g, beta: [B, H, T]; state: [B, H, dk, dv]; all
     fp32 -> (o [B, H, T, dv], the state after the last token)."""
-    out, states = delta_rule_steps(q, k, v, g, beta, state, keep=1)
-    return out, states[-1]
+    last = q.shape[2] - 1
+    out, states = delta_rule_steps(q, k, v, g, beta, state, (last,))
+    return out, states.get(last, state)
 
 
 def delta_rule_steps(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, keep: int
-) -> tuple[Tensor, list[Tensor]]:
-    """``recurrent_delta_rule``, handing back the states after each of the last ``keep``
-    tokens (oldest first; the state given where there are no tokens)."""
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, at: Collection[int]
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """``recurrent_delta_rule``, handing back the state after each token t in ``at``."""
     num_tokens = q.shape[2]
-    outputs, kept = [], [state] if num_tokens == 0 else []
+    outputs, kept = [], {}
     for t in range(num_tokens):
         state = state * g[:, :, t, None, None].exp()
         predicted = (state * k[:, :, t, :, None]).sum(dim=-2)  # S^T k: [B, H, dv]
         delta = (v[:, :, t] - predicted) * beta[:, :, t, None]
         state = state + k[:, :, t, :, None] * delta[:, :, None, :]
         outputs.append((state * q[:, :, t, :, None]).sum(dim=-2))
-        if t >= num_tokens - keep:
-            kept.append(state)
+        if t in at:
+            kept[t] = state
     out = torch.stack(outputs, dim=2) if outputs else v.new_zeros(v.shape)
     return out, kept
 

@@ -79,7 +79,9 @@ class RecurrentSpan:
     """The state before them (a batch of one); None: the sequence starts here (zeros)."""
     keep: int = 1
     """States handed back: after each of the span's last ``keep`` tokens (a rollback may
-    land on any of them)."""
+    land on any of them)..."""
+    also: tuple[int, ...] = ()
+    """... and after these tokens (offsets in the span: prefix-cache snapshots)."""
     stepwise: bool = False
     """Token by token whatever the length: the same bits however a sequence is cut into
     steps (the engine's chunked prompts, prefix hits, PD); else longer spans take the
@@ -92,8 +94,8 @@ class RecurrentBackend(Protocol):
     Contract: ``recurrent_spans(layer, batch, num_tokens)`` cuts the step's input [batch,
     num_tokens] into its sequences, each with the state after the tokens before it; the
     layer runs each from that state and calls ``store_recurrent_states(layer, span,
-    states)`` once per span with the states after its last ``span.keep`` tokens, oldest
-    first.
+    states)`` once per span with the states after its last ``span.keep`` tokens and those
+    ``span.also`` names, by offset in the span.
     """
 
     def recurrent_spans(
@@ -101,7 +103,7 @@ class RecurrentBackend(Protocol):
     ) -> list[RecurrentSpan]: ...
 
     def store_recurrent_states(
-        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+        self, layer_id: int, span: RecurrentSpan, states: dict[int, RecurrentState]
     ) -> None: ...
 
 
@@ -209,40 +211,43 @@ class GatedDeltaNet(nn.Module):
 
     def _sequence(
         self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, span: RecurrentSpan
-    ) -> tuple[torch.Tensor, list[RecurrentState]]:
+    ) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
         """One sequence's tokens (q|k|v projections [1, n, conv_dim], g and beta [1, n, H])
-        from ``span.state`` -> (outputs [1, n, H, dv] fp32, the states after its last
-        ``span.keep`` tokens)."""
+        from ``span.state`` -> (outputs [1, n, H, dv] fp32, {offset in the span: the state
+        after that token} for its last ``span.keep`` tokens and ``span.also``)."""
         num_tokens = qkv.shape[1]
         state = span.state or RecurrentState.zeros(self.state_shapes, 1)
         mixed, window = causal_conv(qkv, state.conv, self.conv1d.weight, self.activation)
         q, k, v = self._heads(mixed)
         g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [1, H, n]
-        keep = min(span.keep, num_tokens)
-        # The chunked scan for what no kept state follows (not stepwise), then token by token.
-        scanned = 0 if span.stepwise or num_tokens == 1 else num_tokens - max(keep, 1)
-        recurrent, outs = state.recurrent, []
-        if keep == 1 and scanned == num_tokens - 1 and num_tokens > 1:
-            scanned = num_tokens  # the final state alone: the scan gives it
+        last = range(num_tokens - min(span.keep, num_tokens), num_tokens)
+        wanted = sorted({*last, *span.also})
+        # Not stepwise: the chunked scan up to the first state wanted (through the last
+        # token where that is the only one), then token by token.
+        scanned = 0
+        if not span.stepwise and num_tokens > 1:
+            scanned = num_tokens if wanted == [num_tokens - 1] else wanted[0]
+        recurrent, outs, kept = state.recurrent, [], {}
         if scanned:
             o, recurrent = chunked_delta_rule(
                 *(t[:, :, :scanned] for t in (q, k, v, g, beta)), recurrent
             )
             outs.append(o)
-        kept = [recurrent] if scanned == num_tokens else []
+            kept = {scanned - 1: recurrent} if scanned == num_tokens else {}
         if scanned < num_tokens:
-            o, kept = delta_rule_steps(
-                *(t[:, :, scanned:] for t in (q, k, v, g, beta)), recurrent, keep
+            at = [i - scanned for i in wanted if i >= scanned]
+            o, steps = delta_rule_steps(
+                *(t[:, :, scanned:] for t in (q, k, v, g, beta)), recurrent, at
             )
+            kept.update({scanned + t: s for t, s in steps.items()})
             outs.append(o)
         out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
         # The conv's state after token i is the window's K - 1 inputs ending at i.
         width = state.conv.shape[-1]
-        convs = [
-            window[..., i + 1 : i + 1 + width].contiguous()
-            for i in range(num_tokens - len(kept), num_tokens)
-        ]
-        states = [RecurrentState(c, r) for c, r in zip(convs, kept, strict=True)]
+        states = {
+            i: RecurrentState(window[..., i + 1 : i + 1 + width].contiguous(), s)
+            for i, s in kept.items()
+        }
         return out.transpose(1, 2), states
 
     def _projections(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -333,7 +333,8 @@ class PagedAttention(AttentionBackend):
     def recurrent_spans(self, layer_id: int, batch: int, num_tokens: int) -> list[RecurrentSpan]:
         """Each segment continues from its request's state after the position before it
         (``RecurrentPool``; none at position 0), token by token: a prompt's states come out
-        the same however it is cut into chunks, hit in the prefix cache or handed off."""
+        the same however it is cut into chunks, hit in the prefix cache or handed off. The
+        states wanted back: its last ``slots`` positions' and the pool's snapshots'."""
         pool = self.cache.recurrent
         assert pool is not None and batch == 1, f"layer {layer_id}: no recurrent pool"
         spans = []
@@ -341,18 +342,23 @@ class PagedAttention(AttentionBackend):
             state = None
             if seg.start > 0:
                 state = RecurrentState(*pool.state_after(seg.request_id, layer_id, seg.start - 1))
-            end = seg.offset + seg.num_tokens
+            end = seg.start + seg.num_tokens
             keep = min(seg.num_tokens, pool.slots)
-            spans.append(RecurrentSpan(0, seg.offset, end, state, keep, stepwise=True))
+            also = tuple(p - seg.start for p in pool.snapshot_at(seg.start, end))
+            spans.append(
+                RecurrentSpan(
+                    0, seg.offset, seg.offset + seg.num_tokens, state, keep, also, stepwise=True
+                )
+            )
         return spans
 
     def store_recurrent_states(
-        self, layer_id: int, span: RecurrentSpan, states: list[RecurrentState]
+        self, layer_id: int, span: RecurrentSpan, states: dict[int, RecurrentState]
     ) -> None:
         seg = self._by_offset.get(span.start)
         if seg is None:
             self._by_offset.update((s.offset, s) for s in self.segments)
             seg = self._by_offset[span.start]
-        first = seg.start + seg.num_tokens - len(states)
-        pool = self.cache.recurrent
-        pool.write_states(seg.request_id, layer_id, first, [(s.conv, s.recurrent) for s in states])
+        positions = {seg.start + i: (s.conv, s.recurrent) for i, s in states.items()}
+        end = seg.start + seg.num_tokens
+        self.cache.recurrent.write_states(seg.request_id, layer_id, positions, end)
