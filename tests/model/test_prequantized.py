@@ -193,13 +193,11 @@ def test_prompt_logits_match_transformers_decompressed_model(checkpoint, decompr
     assert model.quantization == "int8"
     attn = model.model.layers[0].self_attn
     assert attn._qkv.quantization == "int8" and attn.q_proj.weight.numel() == 0
-    # FrozenLinear: W8A8 -- the checkpoint's own scheme (int8 activations per token, as
-    # vLLM runs it); transformers' decompression multiplies float activations, so the two
-    # differ by the activations' rounding (a half step of 127 per row), not more.
+    # FrozenLinear: weights this small are dequantized per call for a prompt (larger ones
+    # compute W8A8, the checkpoint's own scheme: test_quantization.py)
     fused = _baton_logits(model, ids)
     assert fused.shape == expected.shape
-    assert (fused - expected).abs().max().item() < 2e-2
-    assert (fused.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.95
+    assert (fused - expected).abs().max().item() < 1e-4
 
 
 def test_the_engine_serves_a_prequantized_checkpoint(checkpoint):

@@ -21,7 +21,7 @@ from baton.config import EngineConfig
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.linear import Epilogue, PackedRows, linear_rows
-from baton.model.frozen_linear import FrozenLinear, step_invariant_rows
+from baton.model.frozen_linear import INT8_MATMUL_MIN_WEIGHT, FrozenLinear, step_invariant_rows
 from baton.model.quantize import (
     QUANTIZERS,
     QuantizedWeight,
@@ -195,9 +195,9 @@ def test_a_bias_in_the_weights_dtype_is_not_taken_for_int8():
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
-    """Few rows (the panels: W8A8 / W4A8) and a prompt step (int8: W8A8 through
-    ``torch._int_mm``; int4: dequantized for BLAS, in row blocks) give their references'
-    values; the float weight is not kept."""
+    """Few rows (the panels: W8A8 / W4A8) and a prompt step (a weight this small:
+    dequantized for BLAS, in row blocks) give their references' values; the float weight is
+    not kept."""
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(96, 64, generator=g) / 8).to(act)
     bias = torch.randn(96, generator=g).to(act)
@@ -217,8 +217,6 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
     for rows in (1, 5, 70):
         x = torch.randn(1, rows, 64, generator=g).to(act)
         blas = F.linear(x.float(), ref, bias.float())
-        if method == "int8":  # every path W8A8
-            blas = w8a8_reference(x, qw, bias)
         few = w8a8_reference(x, qw, bias) if native and rows <= 64 else blas
         torch.testing.assert_close(lin(x).float(), act_fn(few), **tol)
         with step_invariant_rows():
@@ -227,6 +225,27 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
         if activation == "none":
             want = few + other.float()
             torch.testing.assert_close(lin.add(x, other).float(), want, **tol)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_a_large_int8_weights_prompt_steps_are_w8a8_and_step_invariant(act):
+    """An int8 weight of ``INT8_MATMUL_MIN_WEIGHT`` values or more computes many rows as its
+    few rows: W8A8 (oneDNN's int8 matmul), the reference's values; a row's bits do not
+    depend on the rows beside it in the call (a prefix-cache hit's prompt chunk equals a
+    cold run's)."""
+    g = torch.Generator().manual_seed(8)
+    n, k = 1024, INT8_MATMUL_MIN_WEIGHT // 1024
+    w = (torch.randn(n, k, generator=g) / 30).to(act)
+    bias = torch.randn(n, generator=g).to(act)
+    lin = FrozenLinear(w, bias, quantization="int8")
+    qw = QUANTIZERS["int8"](w)
+    x = torch.randn(1, 80, k, generator=g).to(act)
+    tol = dict(rtol=1e-5, atol=2e-5) if act == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    with step_invariant_rows():
+        whole = lin(x)
+        torch.testing.assert_close(whole.float(), w8a8_reference(x, qw, bias), **tol)
+        for a, b in ((0, 13), (13, 29), (29, 80)):
+            assert torch.equal(lin(x[:, a:b]), whole[:, a:b])
 
 
 PROMPTS = [
