@@ -171,21 +171,26 @@ def train_draft(target, draft, steps: int = 150) -> None:
         opt.step()
 
 
-@pytest.fixture(scope="session")
-def hybrid_mtp_checkpoint(hf_checkpoint, tmp_path_factory):
-    """The tiny Qwen3.5 with a distilled MTP draft (baton's format: a gated-attention
-    sliding layer over the target's embedding and head)."""
+def with_distilled_draft(hf, directory, steps: int = 150):
+    """``hf`` saved into ``directory`` with an MTP draft (sliding window 8) distilled on its
+    own greedy text (``train_draft``), in baton's format beside it."""
     from baton.model import DraftSpec, MTPDraft, load_model
     from baton.model.loader import save_draft
 
-    _, hf = hf_checkpoint("qwen3_5")
-    directory = tmp_path_factory.mktemp("qwen3_5-mtp")
     hf.save_pretrained(directory)
     target = load_model(directory, "float32")
     for p in target.parameters():
         p.requires_grad_(False)
     torch.manual_seed(0)
     draft = MTPDraft(target.spec, DraftSpec(sliding_window=8))
-    train_draft(target, draft, steps=60)
+    train_draft(target, draft, steps)
     save_draft(directory, draft, torch.float32)
     return directory
+
+
+@pytest.fixture(scope="session")
+def hybrid_mtp_checkpoint(hf_checkpoint, tmp_path_factory):
+    """The tiny Qwen3.5 with a distilled MTP draft (baton's format: a gated-attention
+    sliding layer over the target's embedding and head)."""
+    _, hf = hf_checkpoint("qwen3_5")
+    return with_distilled_draft(hf, tmp_path_factory.mktemp("qwen3_5-mtp"), steps=60)

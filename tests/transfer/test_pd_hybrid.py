@@ -13,18 +13,15 @@ import torch
 
 from baton.engine.engine import LLMEngine
 from baton.request import SamplingParams
-from baton.transfer.backends.loopback import LoopbackBackend
-from baton.transfer.checksums import component_checksums
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
-from baton.transfer.sender import Sender
 from tests.engine.test_hybrid import _config, _prompts, run
 from tests.hf_tiny import VOCAB
-from tests.transfer.inprocess import InProcessDecode
+from tests.transfer.inprocess import loopback_pair, run_handoffs
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
-def _pd(directory, skip: frozenset[str] = frozenset()):
+def _pd(directory, skip: frozenset[str] = frozenset(), prompts=None):
     prefill_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
     decode_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
     hello = dict(backend="loopback")
@@ -32,27 +29,8 @@ def _pd(directory, skip: frozenset[str] = frozenset()):
         build_hello(decode_engine, directory, worker_id="d", role="decode", **hello),
         build_hello(prefill_engine, directory, worker_id="p", role="prefill", **hello),
     )
-    receiver = LoopbackBackend()
-    regions = {
-        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
-    }
-    prefill = Sender(prefill_engine, LoopbackBackend())
-    prefill.keep_checksums = True
-    prefill.debug_skip_components = skip
-    prefill.connect(regions)
-    decode = InProcessDecode(decode_engine)
-    rooms, arrived, done = {}, {}, {}
-    for room, prompt in enumerate(_prompts(), start=100):
-        msg = decode.reserve(room, prompt, PARAMS)
-        rooms[room] = msg.request_id
-        assert prefill.on_reserve(msg) is None
-    while prefill.outgoing or decode_engine.has_unfinished_requests():
-        for reply in prefill.step():
-            assert not hasattr(reply, "reason"), reply
-            arrived[reply.room] = component_checksums(decode_engine, rooms[reply.room])
-            decode.on_done(reply)
-        done.update({o.request_id: o for o in decode_engine.step() if o.finished})
-    outs = [done[rooms[r]] for r in sorted(rooms)]
+    prefill, decode = loopback_pair(prefill_engine, decode_engine, skip)
+    outs, arrived = run_handoffs(prefill, decode, prompts or _prompts(), PARAMS)
     return outs, prefill, decode, arrived, (prefill_engine, decode_engine)
 
 
@@ -116,25 +94,13 @@ def test_prefill_and_decode_prefix_hits_keep_pd_exact(hybrid_mtp_checkpoint):
     expected = [run(directory, [p], PARAMS, num_speculative_tokens=3)[0] for p in prompts]
     prefill_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
     decode_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
-    receiver = LoopbackBackend()
-    regions = {
-        c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
-    }
-    prefill = Sender(prefill_engine, LoopbackBackend())
-    prefill.keep_checksums = True
-    prefill.connect(regions)
-    decode = InProcessDecode(decode_engine)
+    prefill, decode = loopback_pair(prefill_engine, decode_engine)
     outs, computed = [], []
-    for room, prompt in enumerate(prompts):
+    for prompt in prompts:  # one after the other: the second one hits on both sides
         before = prefill_engine.runner.num_computed_prompt_tokens
-        msg = decode.reserve(room, prompt, PARAMS)
-        assert prefill.on_reserve(msg) is None
-        while prefill.outgoing or decode_engine.has_unfinished_requests():
-            for reply in prefill.step():
-                got = component_checksums(decode_engine, msg.request_id)
-                assert got == prefill.checksums[reply.room]
-                decode.on_done(reply)
-            outs += [o for o in decode_engine.step() if o.finished]
+        done, arrived = run_handoffs(prefill, decode, [prompt], PARAMS)
+        outs += done
+        assert arrived[0] == prefill.checksums[0]
         computed.append(prefill_engine.runner.num_computed_prompt_tokens - before)
     assert computed == [len(prompts[0]), len(prompts[1]) - 64]
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
