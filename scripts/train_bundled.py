@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from baton.corpus import is_held_out, read_sources, stdlib_files
-from baton.model.attention import DenseAttention
 from baton.model.decoder import CausalLM
+from baton.model.dense_backends import DenseAttention
 from baton.model.draft import DraftSpec, MTPDraft
 from baton.model.loader import save_draft
 from baton.model.reference import greedy_generate, speculative_greedy

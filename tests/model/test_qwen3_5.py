@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from baton.model import DenseAttention, StaticKVCache, attention, load_model, spec_from_config
+from baton.model import DenseAttention, StaticKVCache, dense_backends, load_model, spec_from_config
 from baton.model.delta_rule import chunked_delta_rule, l2_normalize, recurrent_delta_rule
 from baton.model.executor import NativeExecutor, native_layer
 from baton.model.layers import RotaryEmbedding
@@ -113,7 +113,7 @@ def test_decode_reads_the_state_the_prompt_left(hf_checkpoint, monkeypatch):
             assert (decode_after_prompt(reset) - want).abs().max().item() > 1e-2, reset
     carried = greedy_generate(model, ids[0].tolist(), 16)
     monkeypatch.setattr(
-        attention._CacheStep, "recurrent_spans", lambda self, _, b, n: whole_rows(b, n, None)
+        dense_backends._CacheStep, "recurrent_spans", lambda self, _, b, n: whole_rows(b, n, None)
     )
     assert greedy_generate(model, ids[0].tolist(), 16) != carried
 

@@ -6,8 +6,8 @@ Imports only ``kernels``, ``memory`` and the base modules; never the sampler, sp
 engine, transfer or server packages.
 """
 
-from baton.model.attention import DenseAttention, StaticKVCache
 from baton.model.decoder import CausalLM
+from baton.model.dense_backends import DenseAttention, StaticKVCache
 from baton.model.draft import DraftSpec, MTPDraft
 from baton.model.loader import load_draft, load_model, load_spec
 from baton.model.registry import ARCHITECTURES, spec_from_config

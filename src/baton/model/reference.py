@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from baton.model.attention import StaticKVCache
 from baton.model.decoder import CausalLM
+from baton.model.dense_backends import StaticKVCache
 from baton.model.linear_attention import RecurrentState, state_shapes
 from baton.model.spec import LINEAR_ATTENTION
 
