@@ -182,3 +182,20 @@ def test_no_hit_falls_between_two_snapshots(hybrid_dir):
     engine = LLMEngine(hybrid_dir, _config(enable_prefix_caching=False))
     assert engine.cache.recurrent.snapshot_tokens == 0
     assert engine.registry.get("target.linear").caching == "none"
+
+
+def test_a_pool_that_does_not_declare_its_state_stops_the_engine_at_start(hybrid_dir, monkeypatch):
+    """The start-up coverage check: the recurrent pool built but its component not
+    registered (the bug class of other engines: state no handoff moves) -- the engine
+    refuses to start, naming it."""
+    from baton.memory.state import StateRegistry
+
+    real = StateRegistry.register
+
+    def forgetful(self, component):
+        if component.name != "target.linear":
+            real(self, component)
+
+    monkeypatch.setattr(StateRegistry, "register", forgetful)
+    with pytest.raises(RuntimeError, match="not declared as a component: target.linear"):
+        LLMEngine(hybrid_dir, _config())

@@ -38,7 +38,7 @@ from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.prefix_cache import PrefixCache
-from baton.memory.state import StateRegistry
+from baton.memory.state import StateRegistry, check_declared
 from baton.model.loader import load_draft, load_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.grammar import GrammarCompiler
@@ -114,6 +114,7 @@ class LLMEngine:
         proposer = self.proposer
         for factory in extra_state:
             factory(self.registry, config, allocator)
+        check_declared(self.registry, [p for c in self.caches for p in c.pools] + [self.aux])
         self.held: dict[str, HeldRequest] = {}
         """PD prefill: requests computed to their first token, units kept (``HELD``)."""
         self.quarantined: set[str] = set()

@@ -219,6 +219,17 @@ def num_held_cached(component: StateComponent, num_prompt_tokens: int, num_cache
     return component.owner.num_leading_cached(end, num_cached)
 
 
+def check_declared(registry: StateRegistry, owners: list[object]) -> None:
+    """The start-up coverage check: every pool that holds per-request state (``owners``:
+    the engine's pools, whatever model they serve) owns a registered component -- a pool
+    built but not declared would hold state no handoff moves, no reservation sizes and no
+    checksum sees. A RuntimeError naming the undeclared pools."""
+    declared = {id(c.owner) for c in registry}
+    missing = [getattr(o, "name", type(o).__name__) for o in owners if id(o) not in declared]
+    if missing:
+        raise RuntimeError(f"per-request state not declared as a component: {', '.join(missing)}")
+
+
 class StateRegistry:
     """All per-request state components of one worker, in registration order."""
 
