@@ -539,6 +539,27 @@ def test_pd_processes_bundled_model(tmp_path, backend, mode):
         prefill.stop()
 
 
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_hybrid_model(tmp_path, hybrid_mtp_checkpoint, backend):
+    """A hybrid model (Qwen3.5: gated delta net + gated attention, a distilled MTP draft)
+    across two processes: its recurrent state (``target.linear``) moves with the pages and
+    the draft's window by every backend; tokens and acceptance lengths equal colocated."""
+    require_backend(backend)
+    directory = hybrid_mtp_checkpoint
+    prefill = start_prefill(directory, tmp_path / "prefill.log", "--backend", backend)
+    try:
+        expected = _colocated(directory)
+        with _client(directory, prefill.endpoint, backend=backend) as client:
+            rooms = [client.add_request(p, params) for p, params in _requests()]
+            done = _run(client, timeout_s=60.0)
+            outs = [done[room] for room in rooms]
+            _assert_same_tokens_and_acceptance(outs, expected)
+            assert client.engine.runner.num_computed_prompt_tokens == 0
+            assert client.inbox.transfer_bytes.get("target.linear", 0) > 0
+    finally:
+        prefill.stop()
+
+
 def test_a_prefill_restarted_on_the_same_port_is_a_new_peer_at_once(pd_dir, spawn_prefill):
     """Issue 46: a prefill restarted on its control port stalled the next request for
     ``peer_silence_s`` (the old session reconnected silently and was refused). The decode
