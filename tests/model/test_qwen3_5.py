@@ -270,3 +270,53 @@ def test_published_multimodal_checkpoint_loads_its_text_model(tmp_path):
         want = hf(input_ids=ids).logits
         got = ours.compute_logits(ours(ids, torch.arange(150).expand_as(ids), DenseAttention()))
     assert (got - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_core_equals_the_torch_path_and_any_cut_of_it(hf_checkpoint, dtype):
+    """``kernels/delta_rule.c`` (the conv, the norms, the gates and the recurrence per token)
+    against the layer's torch path from a nonzero state, at every instruction-set level:
+    outputs and the states after the tokens asked for within 1e-5 (fp32; bf16: the conv's
+    rounding); and cut into spans of 1, 6 and 33 tokens it gives its own bits again."""
+    from baton.kernels import library
+
+    if library() is None:
+        pytest.skip("native kernels are off")
+    directory, _ = hf_checkpoint(ARCH)
+    layer = load_model(directory, "float32").model.layers[0].linear_attn.to(dtype)
+    g = torch.Generator().manual_seed(12)
+    n = 40
+    qkv = torch.randn(1, n, layer.conv_dim, generator=g).to(dtype)
+    a, b = (torch.randn(1, n, layer.num_v_heads, generator=g).to(dtype) for _ in range(2))
+    conv_shape, rec_shape = layer.state_shapes
+    start = RecurrentState(
+        torch.randn(1, *conv_shape, generator=g).to(dtype).float(),
+        torch.randn(1, *rec_shape, generator=g) / 10,
+    )
+    span = RecurrentSpan(0, 0, n, start, keep=2, also=(5,), stepwise=True)
+    with torch.inference_mode():
+        native = layer._native(qkv[0], a[0], b[0], span)
+        torch_out, torch_states = layer._sequence(qkv, a, b, span)
+    assert native is not None
+    out, states = native
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, torch_out, **tol)
+    assert sorted(states) == sorted(torch_states) == [5, n - 2, n - 1]
+    for i in states:
+        for part in ("conv", "recurrent"):
+            got, want = getattr(states[i], part), getattr(torch_states[i], part)
+            torch.testing.assert_close(got, want, **tol)
+    # the same tokens in spans of 1, 6 and 33, each from the state the last one left
+    pieces, at, state = [], 0, start
+    with torch.inference_mode():
+        for m in (1, 6, 33):
+            piece = RecurrentSpan(0, 0, m, state, keep=1, stepwise=True)
+            o, kept = layer._native(
+                qkv[0, at : at + m], a[0, at : at + m], b[0, at : at + m], piece
+            )
+            pieces.append(o)
+            state, at = kept[m - 1], at + m
+    assert torch.equal(torch.cat(pieces, dim=1), out)
+    assert torch.equal(state.recurrent, states[n - 1].recurrent)
+    assert torch.equal(state.conv, states[n - 1].conv)

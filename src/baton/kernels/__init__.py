@@ -48,7 +48,16 @@ log = logging.getLogger(__name__)
 DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 """The activation dtypes the kernels read, and the ``is_bf16`` flag each passes them."""
 
-SOURCES = ("paged_attention.c", "norm.c", "logits.c", "linear.c", "layer.c", "chain.c", "pool.c")
+SOURCES = (
+    "paged_attention.c",
+    "norm.c",
+    "logits.c",
+    "linear.c",
+    "layer.c",
+    "chain.c",
+    "pool.c",
+    "delta_rule.c",
+)
 HEADERS = ("fastmath.h", "kernels.h")
 FLAGS = ("-O3", "-fopenmp", "-pthread", "-fPIC", "-shared", "-fno-math-errno")
 LEVEL_FLAGS = {
@@ -328,4 +337,6 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_draft_chain.argtypes = [ptr, ptr]
     lib.baton_pool_helper_tasks.restype = i64
     lib.baton_pool_helper_tasks.argtypes = []
+    lib.baton_gated_delta_steps.restype = ctypes.c_int
+    lib.baton_gated_delta_steps.argtypes = [*[ptr] * 9, *[i32] * 8, ptr, ptr, ptr]
     return lib

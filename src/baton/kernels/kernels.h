@@ -58,6 +58,14 @@ int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, con
                       int32_t op, void *y, int64_t y_stride, int32_t act_bf16, int32_t w_format,
                       int32_t num_threads);
 
+/* delta_rule.c: a gated delta net's sequence core token by token (see there). */
+int baton_gated_delta_steps(const float *x, const float *a, const float *b,
+                            const float *conv_w, const float *a_log, const float *dt_bias,
+                            float *conv_state, float *state, float *out, int32_t T, int32_t C,
+                            int32_t K, int32_t hk, int32_t hv, int32_t dk, int32_t dv,
+                            int32_t is_bf16, const uint8_t *keep, float *saved_conv,
+                            float *saved_state);
+
 /* Rows [row0, row0 + rows) of an int8 / int4 weight in linear.c's panels, dequantized into
  * out ([rows, k]: fp32, or bf16 where out_bf16). */
 int baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton.kernels.delta_rule import gated_delta_steps
 from baton.model.delta_rule import causal_conv, chunked_delta_rule, delta_rule_steps, l2_normalize
 from baton.model.frozen_linear import FrozenLinear
 from baton.model.quantize import concat_rows, linear_weight, release_weights
@@ -190,12 +191,15 @@ class GatedDeltaNet(nn.Module):
         states after its last tokens."""
         batch, num_tokens, _ = x.shape
         qkv, z, b, a = self._projections(x)
-        beta = b.sigmoid().float()  # [B, T, H]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         out = torch.zeros(batch, num_tokens, self.num_v_heads, self.head_v_dim)
         for span in backend.recurrent_spans(layer_id, batch, num_tokens):
             row, tokens = slice(span.row, span.row + 1), slice(span.start, span.stop)
-            o, states = self._sequence(qkv[row, tokens], g[row, tokens], beta[row, tokens], span)
+            found = self._native(
+                qkv[span.row, tokens], a[span.row, tokens], b[span.row, tokens], span
+            )
+            if found is None:
+                found = self._sequence(qkv[row, tokens], a[row, tokens], b[row, tokens], span)
+            o, states = found
             out[row, tokens] = o
             backend.store_recurrent_states(layer_id, span, states)
         out = out.to(x.dtype)  # [B, T, H, dv]
@@ -209,19 +213,56 @@ class GatedDeltaNet(nn.Module):
         out = self.out_proj(out)
         return out if residual is None else residual + out
 
+    def _wanted(self, num_tokens: int, span: RecurrentSpan) -> list[int]:
+        """The offsets whose states ``span`` wants back."""
+        last = range(num_tokens - min(span.keep, num_tokens), num_tokens)
+        return sorted({*last, *span.also})
+
+    def _native(
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, span: RecurrentSpan
+    ) -> tuple[torch.Tensor, dict[int, RecurrentState]] | None:
+        """``_sequence``'s result for a stepwise span (the engine's) in ``kernels/delta_rule.c``'s
+        one call -- the conv, the norms, the gates and the recurrence per token, the same
+        bits whatever the span's length (torch's elementwise kernels vary with it) -- or None
+        (not stepwise, no kernels, a silu-free conv): then ``_sequence``."""
+        if not span.stepwise or self.activation != "silu":
+            return None
+        state = span.state or RecurrentState.zeros(self.state_shapes, 1)
+        heads = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
+        found = gated_delta_steps(
+            qkv,
+            a,
+            b,
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            state.conv[0],
+            state.recurrent[0],
+            heads,
+            self._wanted(qkv.shape[0], span),
+            qkv.dtype == torch.bfloat16,
+        )
+        if found is None:
+            return None
+        out, kept = found
+        states = {i: RecurrentState(c[None], r[None]) for i, (c, r) in kept.items()}
+        return out[None], states
+
     def _sequence(
-        self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, span: RecurrentSpan
+        self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, span: RecurrentSpan
     ) -> tuple[torch.Tensor, dict[int, RecurrentState]]:
-        """One sequence's tokens (q|k|v projections [1, n, conv_dim], g and beta [1, n, H])
-        from ``span.state`` -> (outputs [1, n, H, dv] fp32, {offset in the span: the state
-        after that token} for its last ``span.keep`` tokens and ``span.also``)."""
+        """One sequence's tokens (q|k|v projections [1, n, conv_dim], the gates' inputs a
+        and b [1, n, H]) from ``span.state`` -> (outputs [1, n, H, dv] fp32, {offset in the
+        span: the state after that token} for its last ``span.keep`` tokens and
+        ``span.also``)."""
         num_tokens = qkv.shape[1]
         state = span.state or RecurrentState.zeros(self.state_shapes, 1)
         mixed, window = causal_conv(qkv, state.conv, self.conv1d.weight, self.activation)
         q, k, v = self._heads(mixed)
-        g, beta = g.transpose(1, 2), beta.transpose(1, 2)  # [1, H, n]
-        last = range(num_tokens - min(span.keep, num_tokens), num_tokens)
-        wanted = sorted({*last, *span.also})
+        beta = b.sigmoid().float().transpose(1, 2)  # [1, H, n]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        g = g.transpose(1, 2)
+        wanted = self._wanted(num_tokens, span)
         # Not stepwise: the chunked scan up to the first state wanted (through the last
         # token where that is the only one), then token by token.
         scanned = 0
