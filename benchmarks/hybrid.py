@@ -147,12 +147,15 @@ def main() -> int:
     result["medians"] = {
         "batch1_total_ratio": med(lambda r: r["batch1"]["ratio_baton_over_hf"]),
         "batch1_decode_ratio": med(
-            lambda r: r["batch1"]["baton_decode_only_tokens_per_s"]
-            / r["batch1"]["hf_decode_only_tokens_per_s"]
+            lambda r: (
+                r["batch1"]["baton_decode_only_tokens_per_s"]
+                / r["batch1"]["hf_decode_only_tokens_per_s"]
+            )
         ),
         "mixed_generated_ratio": med(
-            lambda r: r["mixed"]["baton_generated_tokens_per_s"]
-            / r["mixed"]["hf_generated_tokens_per_s"]
+            lambda r: (
+                r["mixed"]["baton_generated_tokens_per_s"] / r["mixed"]["hf_generated_tokens_per_s"]
+            )
         ),
         "baton_batch1_decode_tokens_per_s": med(
             lambda r: r["batch1"]["baton_decode_only_tokens_per_s"]
