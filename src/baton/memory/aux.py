@@ -19,6 +19,7 @@ import torch
 
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
+from baton.memory.one_unit import OneUnitPerRequest
 from baton.memory.state import (
     ComponentKind,
     PushPhase,
@@ -31,7 +32,7 @@ from baton.memory.state import (
 HEADER_BYTES = 24
 
 
-class AuxPool:
+class AuxPool(OneUnitPerRequest):
     def __init__(
         self,
         num_slots: int,
@@ -52,7 +53,7 @@ class AuxPool:
         allocator = allocator if allocator is not None else HeapAllocator()
         self.storage = allocator.zeros(name, (num_slots, self.row_bytes), torch.uint8)
         self.blocks = BlockPool(num_slots)
-        self.slots: dict[str, int] = {}
+        self.units: dict[str, int] = {}
         self.component = StateComponent(
             name=name,
             kind=ComponentKind.ROW,
@@ -70,47 +71,31 @@ class AuxPool:
         )
         registry.register(self.component)
 
-    @property
-    def num_free_units(self) -> int:
-        return self.blocks.num_free
-
     def reserve(self, request_id: str) -> int:
-        if request_id not in self.slots:
+        if request_id not in self.units:
             assert self.blocks.can_allocate(1), "aux rows exhausted"
-            self.slots[request_id] = self.blocks.allocate(1)[0]
-        return self.slots[request_id]
+            self.units[request_id] = self.blocks.allocate(1)[0]
+        return self.units[request_id]
 
     # -- UnitOwner: one row, whatever the range -------------------------------------------
-    def num_new_units(self, request_id: str, start: int, end: int) -> int:
-        return 0 if request_id in self.slots else 1
-
     def grow(self, request_id: str, start: int, end: int) -> None:
         self.reserve(request_id)
 
     def trim(self, request_id: str, num_computed: int) -> None:
         pass
 
-    def peak_units(self, num_tokens: int) -> int:
-        return 1
-
     def free(self, request_id: str) -> None:
-        if request_id in self.slots:
-            self.blocks.free([self.slots.pop(request_id)])
-
-    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
-        return self.index(request_id).unit_ids
-
-    def num_leading_cached(self, end: int, num_cached: int) -> int:
-        return 0
+        if request_id in self.units:
+            self.blocks.free([self.units.pop(request_id)])
 
     def index(self, request_id: str) -> UnitRange:
-        slot = self.slots.get(request_id)
+        slot = self.units.get(request_id)
         return UnitRange((slot,) if slot is not None else (), 0, 0)
 
     def write(
         self, request_id: str, nonce: int, token: int, logprob: float, hidden: torch.Tensor
     ) -> None:
-        row = self.storage[self.slots[request_id]]
+        row = self.storage[self.units[request_id]]
         row[:8] = torch.tensor([nonce], dtype=torch.int64).view(torch.uint8)
         row[8:16] = torch.tensor([token], dtype=torch.int64).view(torch.uint8)
         row[16:24] = torch.tensor([logprob], dtype=torch.float64).view(torch.uint8)
@@ -118,7 +103,7 @@ class AuxPool:
 
     def read(self, request_id: str) -> tuple[int, int, float, torch.Tensor]:
         """(nonce, first token, logprob, seed hidden [hidden_size])."""
-        row = self.storage[self.slots[request_id]].clone()
+        row = self.storage[self.units[request_id]].clone()
         nonce = int(row[:8].view(torch.int64)[0])
         token = int(row[8:16].view(torch.int64)[0])
         logprob = float(row[16:24].view(torch.float64)[0])

@@ -42,6 +42,7 @@ import torch
 
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
+from baton.memory.one_unit import OneUnitPerRequest
 from baton.memory.state import (
     Caching,
     ComponentKind,
@@ -55,7 +56,7 @@ from baton.memory.state import (
 Shapes = tuple[tuple[int, int], tuple[int, int, int]]
 
 
-class RecurrentPool:
+class RecurrentPool(OneUnitPerRequest):
     """One unit of ``slots`` recurrent states per request (a ``UnitOwner``)."""
 
     def __init__(
@@ -124,14 +125,7 @@ class RecurrentPool:
         )
         registry.register(self.component)
 
-    # -- UnitOwner: one unit per request ----------------------------------------------------
-    @property
-    def num_free_units(self) -> int:
-        return self.blocks.num_free
-
-    def num_new_units(self, request_id: str, start: int, end: int) -> int:
-        return 0 if request_id in self.units else 1
-
+    # -- UnitOwner: one unit per request (the rest: ``OneUnitPerRequest``) ------------------
     def grow(self, request_id: str, start: int, end: int) -> None:
         if request_id not in self.units:
             unit = self.blocks.allocate(1)[0]
@@ -159,15 +153,6 @@ class RecurrentPool:
         self.snapshot_blocks.free(list(self.pending.pop(request_id, {}).values()))
         if request_id in self.restoring:
             self.snapshot_blocks.free([self.restoring.pop(request_id)[0]])
-
-    def peak_units(self, num_tokens: int) -> int:
-        return 1
-
-    def handoff_units(self, request_id: str, end: int) -> tuple[int, ...]:
-        return self.index(request_id).unit_ids
-
-    def num_leading_cached(self, end: int, num_cached: int) -> int:
-        return 0  # a handoff moves the state after its last position, whatever decode holds
 
     # -- prefix caching: snapshots (``PrefixCache``) ----------------------------------------
     @property
@@ -226,9 +211,6 @@ class RecurrentPool:
             return UnitRange((), 0, 0)
         end = self.num_tokens.get(request_id, 0)
         return UnitRange((self.units[request_id],), max(0, end - self.slots), end)
-
-    def units_held(self, request_id: str) -> int:
-        return 1 if request_id in self.units else 0
 
     # -- the states (runner side) -----------------------------------------------------------
     def _slot(self, request_id: str, position: int, layer_id: int) -> torch.Tensor:

@@ -220,7 +220,7 @@ class Sender:
             if checksum_ranges:
                 self.checksum_ranges[msg.room] = checksum_ranges
         aux_plan = plan_request(
-            {aux.name: ([aux.slots[request_id]], [msg.aux_slot_id], aux.row_bytes)}
+            {aux.name: ([aux.units[request_id]], [msg.aux_slot_id], aux.row_bytes)}
         )
         if self._is_fenced(out):  # the aux record is a batch of its own: check again
             return self._fenced(out)
