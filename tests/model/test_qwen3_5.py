@@ -296,7 +296,7 @@ def test_the_native_core_equals_the_torch_path_and_any_cut_of_it(hf_checkpoint, 
     )
     span = RecurrentSpan(0, 0, n, start, keep=2, also=(5,), stepwise=True)
     with torch.inference_mode():
-        native = layer._native(qkv[0], a[0], b[0], span)
+        native = layer._native(qkv, a, b, span)
         torch_out, torch_states = layer._sequence(qkv, a, b, span)
     assert native is not None
     out, states = native
@@ -313,7 +313,7 @@ def test_the_native_core_equals_the_torch_path_and_any_cut_of_it(hf_checkpoint, 
         for m in (1, 6, 33):
             piece = RecurrentSpan(0, 0, m, state, keep=1, stepwise=True)
             o, kept = layer._native(
-                qkv[0, at : at + m], a[0, at : at + m], b[0, at : at + m], piece
+                qkv[:, at : at + m], a[:, at : at + m], b[:, at : at + m], piece
             )
             pieces.append(o)
             state, at = kept[m - 1], at + m

@@ -1,7 +1,7 @@
 """Python side of ``delta_rule.c``: a gated delta net's sequence core token by token.
 
 ``gated_delta_steps`` returns None where the kernel cannot take the call (no kernels,
-autograd wanting a graph, sizes past its buffers); the caller then runs its torch code,
+sizes past its buffers); the caller then runs its torch code,
 which stays the reference (tests compare the two at every level). Who calls it:
 ``baton.model.linear_attention.GatedDeltaNet`` for the engine's spans.
 """
@@ -19,29 +19,25 @@ def gated_delta_steps(
     x: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    conv_weight: torch.Tensor,
-    a_log: torch.Tensor,
-    dt_bias: torch.Tensor,
+    params: tuple[torch.Tensor, ...],
     conv_state: torch.Tensor,
     state: torch.Tensor,
     heads: tuple[int, int, int, int],
     at: Collection[int],
     bf16: bool,
 ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]] | None:
-    """One sequence's T tokens: x [T, C] (q|k|v projections), a, b [T, Hv]; conv_weight
-    [C, 1, K]; the state before them (conv [C, K-1], recurrent [Hv, dk, dv], fp32, left as
-    they are); heads = (Hk, Hv, dk, dv); ``bf16``: the conv's output rounded to bf16 ->
-    (o [T, Hv, dv] fp32, {t: (conv, recurrent) after token t} for t in ``at``)."""
+    """One sequence's T tokens: x [T, C] (q|k|v projections), a, b [T, Hv]; params: the
+    conv's weight [C, K], A_log and dt_bias [Hv], fp32 contiguous; the state before them
+    (conv [C, K-1], recurrent [Hv, dk, dv], fp32, left as they are); heads = (Hk, Hv, dk,
+    dv); ``bf16``: the conv's output rounded to bf16 -> (o [T, Hv, dv] fp32, {t: (conv,
+    recurrent) after token t} for t in ``at``)."""
     lib = library()
-    if lib is None or torch.is_grad_enabled() and conv_weight.requires_grad:
+    if lib is None:
         return None
     hk, hv, dk, dv = heads
     num_tokens, channels = x.shape
-    taps = conv_weight.shape[-1]
-    inputs = [
-        t.detach().float().contiguous()
-        for t in (x, a, b, conv_weight.reshape(channels, taps), a_log, dt_bias)
-    ]
+    taps = params[0].shape[-1]
+    inputs = [t.float().contiguous() for t in (x, a, b)]
     conv = conv_state.clone(memory_format=torch.contiguous_format)
     held = state.clone(memory_format=torch.contiguous_format)
     out = torch.empty(num_tokens, hv, dv)
@@ -51,7 +47,7 @@ def gated_delta_steps(
     saved_conv = torch.empty(len(wanted), channels, taps - 1)
     saved = torch.empty(len(wanted), hv, dk, dv)
     code = lib.baton_gated_delta_steps(
-        *(t.data_ptr() for t in (*inputs, conv, held, out)),
+        *(t.data_ptr() for t in (*inputs, *params, conv, held, out)),
         num_tokens,
         channels,
         taps,

@@ -150,7 +150,7 @@ class ModelCache:
                 allocator=allocator,
                 page_size=page_size,
                 snapshot_tokens=SNAPSHOT_PAGES * page_size if caching else 0,
-                num_snapshots=SNAPSHOTS_PER_SEQ * scheduler_config.max_num_seqs,
+                num_snapshots=SNAPSHOTS_PER_SEQ * scheduler_config.max_num_seqs if caching else 0,
             )
             self.pools.append(self.recurrent)
 

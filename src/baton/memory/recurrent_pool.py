@@ -94,9 +94,11 @@ class RecurrentPool(OneUnitPerRequest):
         self.units: dict[str, int] = {}
         self.num_tokens: dict[str, int] = {}
         """Per request: one past the last position whose state was written."""
-        self.page_size, self.snapshot_tokens = page_size, snapshot_tokens
-        caching = Caching.SNAPSHOTS if snapshot_tokens and num_snapshots else Caching.NONE
-        self.snapshots = torch.zeros(max(1, num_snapshots), *unit_shape[1:])
+        self.page_size = page_size
+        self.snapshot_tokens = snapshot_tokens if num_snapshots else 0
+        caching = Caching.SNAPSHOTS if self.snapshot_tokens else Caching.NONE
+        # NOTE: empty, not zeros: the step that takes a snapshot writes all of its rows.
+        self.snapshots = torch.empty(num_snapshots, *unit_shape[1:])
         """The prefix cache's copies: [num_snapshots, layers, floats], one slot each."""
         self.snapshot_blocks = BlockPool(max(1, num_snapshots))
         self.cached: dict[bytes, int] = {}
@@ -158,7 +160,7 @@ class RecurrentPool(OneUnitPerRequest):
     @property
     def snapshot_bytes(self) -> int:
         """What one snapshot costs (one slot of a unit)."""
-        return self.snapshots[0].numel() * self.snapshots.element_size()
+        return math.prod(self.snapshots.shape[1:]) * self.snapshots.element_size()
 
     def snapshot_at(self, start: int, end: int) -> list[int]:
         """The positions of [start, end) whose states become snapshots: B - 1 for each

@@ -66,7 +66,7 @@ def delta_rule_steps(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, at: Collection[int]
 ) -> tuple[Tensor, dict[int, Tensor]]:
     """``recurrent_delta_rule``, handing back the state after each token t in ``at``."""
-    num_tokens = q.shape[2]
+    num_tokens, at = q.shape[2], set(at)
     outputs, kept = [], {}
     for t in range(num_tokens):
         state = state * g[:, :, t, None, None].exp()

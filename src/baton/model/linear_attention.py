@@ -166,6 +166,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, hidden, bias=False)
         self._in: FrozenLinear | None = None
         self._out: FrozenLinear | None = None
+        self._core: tuple[torch.Tensor, ...] | None = None
+        """The native core's parameters in fp32 (``fuse_projections``), or None before."""
 
     def fuse_projections(self, quantization: str | None = None) -> None:
         """Inference: q|k|v, z, b and a as one matmul, out_proj (plus the residual) as
@@ -176,6 +178,15 @@ class GatedDeltaNet(nn.Module):
         self._out = FrozenLinear(linear_weight(self.out_proj), quantization=quantization)
         if quantization is not None:
             release_weights(*projections, self.out_proj)
+        self._core = self._core_params()
+
+    def _core_params(self) -> tuple[torch.Tensor, ...]:
+        """What the native core reads of the layer, fp32 and contiguous: the conv's weight
+        [C, K], A_log and dt_bias [Hv] -- converted once where the layer is fused."""
+        if self._core is not None:
+            return self._core
+        conv = self.conv1d.weight.reshape(self.conv_dim, -1)
+        return tuple(t.detach().float().contiguous() for t in (conv, self.A_log, self.dt_bias))
 
     def forward(
         self,
@@ -194,12 +205,8 @@ class GatedDeltaNet(nn.Module):
         out = torch.zeros(batch, num_tokens, self.num_v_heads, self.head_v_dim)
         for span in backend.recurrent_spans(layer_id, batch, num_tokens):
             row, tokens = slice(span.row, span.row + 1), slice(span.start, span.stop)
-            found = self._native(
-                qkv[span.row, tokens], a[span.row, tokens], b[span.row, tokens], span
-            )
-            if found is None:
-                found = self._sequence(qkv[row, tokens], a[row, tokens], b[row, tokens], span)
-            o, states = found
+            inputs = (qkv[row, tokens], a[row, tokens], b[row, tokens], span)
+            o, states = self._native(*inputs) or self._sequence(*inputs)
             out[row, tokens] = o
             backend.store_recurrent_states(layer_id, span, states)
         out = out.to(x.dtype)  # [B, T, H, dv]
@@ -221,25 +228,24 @@ class GatedDeltaNet(nn.Module):
     def _native(
         self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, span: RecurrentSpan
     ) -> tuple[torch.Tensor, dict[int, RecurrentState]] | None:
-        """``_sequence``'s result for a stepwise span (the engine's) in ``kernels/delta_rule.c``'s
-        one call -- the conv, the norms, the gates and the recurrence per token, the same
-        bits whatever the span's length (torch's elementwise kernels vary with it) -- or None
-        (not stepwise, no kernels, a silu-free conv): then ``_sequence``."""
+        """``_sequence``'s result (same arguments) for a stepwise span (the engine's) in
+        ``kernels/delta_rule.c``'s one call -- the conv, the norms, the gates and the
+        recurrence per token, the same bits whatever the span's length (torch's elementwise
+        kernels vary with it) -- or None (not stepwise, no kernels, a silu-free conv): then
+        ``_sequence``."""
         if not span.stepwise or self.activation != "silu":
             return None
         state = span.state or RecurrentState.zeros(self.state_shapes, 1)
         heads = (self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim)
         found = gated_delta_steps(
-            qkv,
-            a,
-            b,
-            self.conv1d.weight,
-            self.A_log,
-            self.dt_bias,
+            qkv[0],
+            a[0],
+            b[0],
+            self._core_params(),
             state.conv[0],
             state.recurrent[0],
             heads,
-            self._wanted(qkv.shape[0], span),
+            self._wanted(qkv.shape[1], span),
             qkv.dtype == torch.bfloat16,
         )
         if found is None:

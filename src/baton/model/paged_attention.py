@@ -355,10 +355,9 @@ class PagedAttention(AttentionBackend):
     def store_recurrent_states(
         self, layer_id: int, span: RecurrentSpan, states: dict[int, RecurrentState]
     ) -> None:
-        seg = self._by_offset.get(span.start)
-        if seg is None:
-            self._by_offset.update((s.offset, s) for s in self.segments)
-            seg = self._by_offset[span.start]
+        if not self._by_offset:  # the first store of this forward
+            self._by_offset = {s.offset: s for s in self.segments}
+        seg = self._by_offset[span.start]
         positions = {seg.start + i: (s.conv, s.recurrent) for i, s in states.items()}
         end = seg.start + seg.num_tokens
         self.cache.recurrent.write_states(seg.request_id, layer_id, positions, end)

@@ -65,6 +65,10 @@ class QuantizedWeight:
         assert dim == 0
         return self.q.index_select(0, index).float() * self.row_scales(index)
 
+    def int8_rows(self, row0: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An int8 weight's rows ``[row0, row0 + rows)``: (q [rows, k], scales [rows])."""
+        return self.q[row0 : row0 + rows], self.scale[row0 : row0 + rows]
+
     def dequantize_into(self, out: torch.Tensor, row0: int) -> None:
         """Rows ``[row0, row0 + len(out))`` of the weight's values into ``out`` ([rows, k],
         out's dtype): the product in fp32, rounded once (``dequantize``'s values)."""
@@ -118,8 +122,9 @@ def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
     ``torch._int_mm`` (oneDNN's int8 matmul: VNNI / AMX where the CPU has them), then the
     row's and the weight row's scales and the bias in fp32, rounded once to x's dtype.
     A row's result depends on that row alone, whatever the call's size. ``weight``: a
-    ``QuantizedWeight`` (int8) or the panels holding it (``PackedRows.int8_rows``); at most
-    ``DEQUANTIZE_BLOCK`` of its values taken out at a time."""
+    ``QuantizedWeight`` (int8) or the panels holding it -- anything with ``shape`` and
+    ``int8_rows`` (rows a multiple of 16 apart); at most ``DEQUANTIZE_BLOCK`` of its values
+    taken out at a time."""
     n, k = weight.shape
     lead = x.shape[:-1]
     xf = x.reshape(-1, k).float()
@@ -131,10 +136,7 @@ def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
     outs = []
     for j in range(0, n, rows):
         count = min(rows, n - j)
-        if isinstance(weight, QuantizedWeight):
-            q, scale = weight.q[j : j + count], weight.scale[j : j + count]
-        else:
-            q, scale = weight.int8_rows(j, count)
+        q, scale = weight.int8_rows(j, count)
         xk = xq if q.shape[1] == k else F.pad(xq, (0, q.shape[1] - k))  # whole quads: zeros
         y = torch._int_mm(xk, q.t()).float() * x_scale * scale
         if bias is not None:
