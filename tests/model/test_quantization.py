@@ -27,6 +27,7 @@ from baton.model.quantize import (
     QuantizedWeight,
     check_quantization,
     dequantize,
+    int8_linear,
     quantize_int4,
     quantize_int8,
 )
@@ -227,18 +228,32 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
             torch.testing.assert_close(lin.add(x, other).float(), want, **tol)
 
 
+def requantized_int8(qw: QuantizedWeight) -> QuantizedWeight:
+    """An int4 weight as the prompt path's int8 one (``PackedRows.int8_rows``): one scale
+    per row, s = 8 max_g s_g / 127, value v of group g -> round(v * (s_g / s))."""
+    top = qw.scale.amax(dim=1)
+    s = torch.where(top > 0, 8 * top / 127, torch.ones_like(top))
+    ratio = (qw.scale / s[:, None]).repeat_interleave(32, dim=1)[:, : qw.q.shape[1]]
+    return QuantizedWeight(torch.round(qw.q.float() * ratio).to(torch.int8), s)
+
+
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_a_large_int8_weights_prompt_steps_are_w8a8_and_step_invariant(act):
-    """An int8 weight of ``INT8_MATMUL_MIN_WEIGHT`` values or more computes many rows as its
-    few rows: W8A8 (oneDNN's int8 matmul), the reference's values; a row's bits do not
-    depend on the rows beside it in the call (a prefix-cache hit's prompt chunk equals a
-    cold run's)."""
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_large_quantized_weights_prompt_steps_are_w8a8_and_step_invariant(act, method):
+    """An int8 or int4 weight of ``INT8_MATMUL_MIN_WEIGHT`` values or more computes many
+    rows W8A8 (oneDNN's int8 matmul; int4 requantized to int8 rows): the reference's
+    values; a row's bits do not depend on the rows beside it in the call (a prefix-cache
+    hit's prompt chunk equals a cold run's)."""
+    if method == "int4" and library() is None:
+        pytest.skip("without the kernels an int4 weight's prompt steps are dequantized")
     g = torch.Generator().manual_seed(8)
     n, k = 1024, INT8_MATMUL_MIN_WEIGHT // 1024
     w = (torch.randn(n, k, generator=g) / 30).to(act)
     bias = torch.randn(n, generator=g).to(act)
-    lin = FrozenLinear(w, bias, quantization="int8")
-    qw = QUANTIZERS["int8"](w)
+    lin = FrozenLinear(w, bias, quantization=method)
+    qw = QUANTIZERS[method](w)
+    if method == "int4":
+        qw = requantized_int8(qw)
     x = torch.randn(1, 80, k, generator=g).to(act)
     tol = dict(rtol=1e-5, atol=2e-5) if act == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     with step_invariant_rows():
@@ -246,6 +261,32 @@ def test_a_large_int8_weights_prompt_steps_are_w8a8_and_step_invariant(act):
         torch.testing.assert_close(whole.float(), w8a8_reference(x, qw, bias), **tol)
         for a, b in ((0, 13), (13, 29), (29, 80)):
             assert torch.equal(lin(x[:, a:b]), whole[:, a:b])
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_the_prompt_paths_kernels_compute_the_torch_ops_bits(act):
+    """The prompt path's kernels (rows quantized, the weight's int8 rows out of the panels,
+    the int32 sums scaled) give the bits of the same arithmetic in torch ops (an int8
+    weight), and an int4 weight's int8 rows are ``requantized_int8``'s, at every level."""
+    g = torch.Generator().manual_seed(9)
+    for n, k, m in ((40, 70, 5), (48, 200, 37), (300, 1024, 130)):
+        qw = QUANTIZERS["int8"](torch.randn(n, k, generator=g))
+        x = torch.randn(m, k, generator=g).to(act)
+        bias = torch.randn(n, generator=g).to(act)
+        packed = PackedRows.quantized(qw.q, qw.scale)
+        for b in (None, bias):
+            assert torch.equal(int8_linear(x, packed, b), int8_linear(x, qw, b))
+        q4 = QUANTIZERS["int4"](torch.randn(n, k, generator=g))
+        q4 = QuantizedWeight(
+            torch.randint(-8, 8, q4.q.shape, generator=g, dtype=torch.int8),
+            q4.scale * torch.rand(q4.scale.shape, generator=g),
+        )
+        q, scale = PackedRows.quantized(q4.q, q4.scale).int8_rows(0, n)
+        want = requantized_int8(q4)
+        assert torch.equal(q[:, :k], want.q) and not q[:, k:].any()
+        assert torch.equal(scale, want.scale)
 
 
 PROMPTS = [
@@ -343,9 +384,14 @@ def test_the_prompt_path_dequantizes_in_blocks_with_the_same_values(act, method,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_panels_dequantize_to_the_weights_values_exactly(method, dtype):
     """The prompt path reads the panels (the integers are kept once): any rows, from any
-    row, equal ``dequantize``'s values bit for bit, k a whole number of groups or not."""
-    for k in (64, 70):
-        qw = QUANTIZERS[method](torch.randn(45, k, generator=torch.Generator().manual_seed(k)))
+    row, equal ``dequantize``'s values bit for bit, k a whole number of groups or not, and
+    every integer a checkpoint can hold (-128..127 / -8..7)."""
+    for k in (16, 33, 64, 70, 200):
+        g = torch.Generator().manual_seed(k)
+        qw = QUANTIZERS[method](torch.randn(45, k, generator=g))
+        low, high = (-128, 128) if method == "int8" else (-8, 8)
+        q = torch.randint(low, high, qw.q.shape, generator=g, dtype=torch.int8)
+        qw = QuantizedWeight(q, qw.scale * torch.rand(qw.scale.shape, generator=g))
         packed = PackedRows.quantized(qw.q, qw.scale)
         out = torch.empty(20, k, dtype=dtype)
         packed.dequantize_into(out, 5)

@@ -71,6 +71,16 @@ int baton_gated_delta_steps(const float *x, const float *a, const float *b,
 int baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
                           int32_t rows, void *out, int32_t out_bf16, int32_t num_threads);
 
+/* The prompt path's W8A8 matmul around oneDNN's int8 one (linear.c): rows quantized, a
+ * weight's rows as int8 (int4 requantized per row), int32 sums scaled into y. */
+int baton_quantize_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, int32_t kq,
+                        int32_t x_bf16, int8_t *xq, float *xs, int32_t num_threads);
+int baton_int8_rows(const void *w, int32_t k, int32_t w_format, int32_t row0, int32_t rows,
+                    int8_t *q, int32_t kq, float *scales, int32_t num_threads);
+int baton_scale_int32(const int32_t *acc, int32_t m, int32_t n, const float *xs,
+                      const float *ws, const float *bias, void *y, int64_t y_stride,
+                      int32_t j0, int32_t y_bf16, int32_t num_threads);
+
 /* g = act(x gate^T + gate_bias), u = mul(x up^T + up_bias, g): the two calls of
  * baton_linear_rows in one parallel region (linear.c). */
 int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *gate,

@@ -503,13 +503,68 @@ enum { INT8_ROWS = GROUP, INT4_ROWS = GROUP };
 static const int4_tile_fn INT4_TILES[GROUP + 1] = {
     NULL, int4_tile_1, int4_tile_2, int4_tile_3, int4_tile_4, int4_tile_5, int4_tile_6};
 
+#if defined(HAVE_AVX512)
+enum { QUANT_LANES = 16 };
+/* Lanes of x from element i (bf16 or fp32) as fp32. */
+static inline __m512 load_lanes(const void *x, int64_t i, int bf) {
+    if (bf)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i))), 16));
+    return _mm512_loadu_ps((const float *)x + i);
+}
+#elif defined(HAVE_AVX2)
+enum { QUANT_LANES = 8 };
+static inline __m256 load_lanes(const void *x, int64_t i, int bf) {
+    if (bf)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
+    return _mm256_loadu_ps((const float *)x + i);
+}
+#endif
+
 /* Row r of x (k values, bf16 or fp32) as int8: xq = round(x * 127 / max |x|) (ties to even),
- * zero-padded to kq; returns its scale, max |x| / 127 (0 for a zero row). */
+ * zero-padded to kq; returns its scale, max |x| / 127 (0 for a zero row). Vector lanes where
+ * they exist: max is exact and the product and rounding (cvtps: the current mode, nearest
+ * even, as nearbyintf) the same per element. */
 static float quantize_row(const void *x, int64_t at, int k, int kq, int bf, int8_t *xq) {
     float amax = 0.0f;
-    for (int i = 0; i < k; i++) amax = fmaxf(amax, fabsf(to_f32(x, at + i, bf)));
+    int i = 0;
+#if defined(HAVE_AVX512)
+    __m512 top = _mm512_setzero_ps();
+    for (; i + QUANT_LANES <= k; i += QUANT_LANES)
+        top = _mm512_max_ps(top, _mm512_abs_ps(load_lanes(x, at + i, bf)));
+    amax = _mm512_reduce_max_ps(top);
+#elif defined(HAVE_AVX2)
+    __m256 top = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (; i + QUANT_LANES <= k; i += QUANT_LANES)
+        top = _mm256_max_ps(top, _mm256_and_ps(load_lanes(x, at + i, bf), magnitude));
+    float lanes[QUANT_LANES];
+    _mm256_storeu_ps(lanes, top);
+    for (int t = 0; t < QUANT_LANES; t++) amax = fmaxf(amax, lanes[t]);
+#endif
+    for (; i < k; i++) amax = fmaxf(amax, fabsf(to_f32(x, at + i, bf)));
     const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    for (int i = 0; i < kq; i++) {
+    i = 0;
+#if defined(HAVE_AVX512)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (; i + QUANT_LANES <= k; i += QUANT_LANES) {
+        __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load_lanes(x, at + i, bf), vinv));
+        v = _mm512_min_epi32(_mm512_max_epi32(v, lo), hi);
+        _mm_storeu_si128((__m128i *)(xq + i), _mm512_cvtepi32_epi8(v));
+    }
+#elif defined(HAVE_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (; i + QUANT_LANES <= k; i += QUANT_LANES) {
+        __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(load_lanes(x, at + i, bf), vinv));
+        v = _mm256_min_epi32(_mm256_max_epi32(v, lo), hi);
+        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        _mm_storel_epi64((__m128i *)(xq + i), _mm_packs_epi16(words, words));
+    }
+#endif
+    for (; i < kq; i++) {
         const int v = i < k ? (int)nearbyintf(to_f32(x, at + i, bf) * inv) : 0;
         xq[i] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
     }
@@ -733,68 +788,247 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
     return run(&first, x, x_stride, num_threads);
 }
 
-/* One panel's 16 rows of an int8 / int4 weight as fp32 into rows[c] (k floats each; NULL:
- * a row not wanted), reading the panel in order. */
-static void dequantize_panel(const uint8_t *p, int k, int w_format, float *const *rows) {
+/* Eight values times their scale, in fp32, rounded once into out (fp32, or bf16 where
+ * out_bf16) at [i, i + n): n = 8 except at a row's end. */
+static inline void put_scaled(void *out, int64_t i, const int32_t *v, float scale, int n,
+                              int out_bf16) {
+    float f[8];
+    for (int t = 0; t < 8; t++) f[t] = (float)v[t] * scale;
+    if (out_bf16) {
+        if (n == 8)
+            for (int t = 0; t < 8; t++) put(out, i + t, round_to(f[t], 1), 1);
+        else
+            for (int t = 0; t < n; t++) put(out, i + t, round_to(f[t], 1), 1);
+    } else {
+        float *o = (float *)out + i;
+        if (n == 8)
+            for (int t = 0; t < 8; t++) o[t] = f[t];
+        else
+            for (int t = 0; t < n; t++) o[t] = f[t];
+    }
+}
+
+#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
+static inline int32_t load_u32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* Sixteen int8 values (bytes) times scale, in fp32, rounded once (to nearest even, as
+ * round_to) into out at [i, i + 16). */
+static inline void put16(void *out, int64_t i, __m128i bytes, float scale, int out_bf16) {
+#if defined(HAVE_AVX512)
+    const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
+                                   _mm512_set1_ps(scale));
+    if (!out_bf16) {
+        _mm512_storeu_ps((float *)out + i, f);
+        return;
+    }
+    __m512i b = _mm512_castps_si512(f);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    b = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm512_cvtepi32_epi16(b));
+#else
+    const __m256 s = _mm256_set1_ps(scale);
+    const __m256 f0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), s);
+    const __m256 f1 =
+        _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8))), s);
+    if (!out_bf16) {
+        _mm256_storeu_ps((float *)out + i, f0);
+        _mm256_storeu_ps((float *)out + i + 8, f1);
+        return;
+    }
+    const __m256i one = _mm256_set1_epi32(1), half = _mm256_set1_epi32(0x7fff);
+    __m256i b0 = _mm256_castps_si256(f0), b1 = _mm256_castps_si256(f1);
+    b0 = _mm256_add_epi32(b0, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b0, 16), one)));
+    b1 = _mm256_add_epi32(b1, _mm256_add_epi32(half, _mm256_and_si256(_mm256_srli_epi32(b1, 16), one)));
+    const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(b0, 16), _mm256_srli_epi32(b1, 16));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm256_permute4x64_epi64(packed, 0xD8));
+#endif
+}
+#define HAVE_PUT16 1
+#endif
+
+/* Column c of a panel of an int8 / int4 weight (k values) dequantized into out's row
+ * starting at element base, reading the column's bytes in the panel's order, writing the
+ * row in order (no scratch: a row is written once); 16 values at a time where the vector
+ * code exists, the same products and roundings. */
+static void dequantize_column(const uint8_t *p, int k, int w_format, int c, void *out,
+                              int64_t base, int out_bf16) {
+    int32_t v[8];
     if (w_format == W_INT8) {
-        const float *scale = (const float *)(p + 64 * baton_int8_quads(k));
-        for (int j = 0; 4 * j < k; j++) {
-            const int8_t *qj = (const int8_t *)p + 64 * j;
-            const int n = k - 4 * j < 4 ? k - 4 * j : 4;
-            for (int c = 0; c < PANEL; c++)
-                if (rows[c] != NULL)
-                    for (int t = 0; t < n; t++) rows[c][4 * j + t] = (float)qj[4 * c + t] * scale[c];
+        const float scale = ((const float *)(p + 64 * baton_int8_quads(k)))[c];
+        int j = 0; /* quads 4 j .. 4 j + 3: inputs 16 j .. */
+#if defined(HAVE_PUT16)
+        for (; 16 * j + 16 <= k; j++) {
+            const uint8_t *q = p + 256 * j + 4 * c;
+            const __m128i bytes = _mm_set_epi32(load_u32(q + 192), load_u32(q + 128),
+                                                load_u32(q + 64), load_u32(q));
+            put16(out, base + 16 * j, bytes, scale, out_bf16);
+        }
+#endif
+        for (int i = 16 * j; i < k; i += 8) { /* quads i / 4 and i / 4 + 1 */
+            const int8_t *q0 = (const int8_t *)p + 16 * i + 4 * c, *q1 = q0 + 64;
+            for (int t = 0; t < 4; t++) v[t] = q0[t];
+            if (i + 4 < k)
+                for (int t = 0; t < 4; t++) v[4 + t] = q1[t];
+            put_scaled(out, base + i, v, scale, k - i < 8 ? k - i : 8, out_bf16);
         }
         return;
     }
     for (int g = 0; g * INT4_GROUP < k; g++) {
         const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
-        const float *scale = (const float *)(gp + 16 * INT4_GROUP / 2);
-        const int base = g * INT4_GROUP;
-        for (int h = 0; h < 4; h++)
-            for (int c = 0; c < PANEL; c++) {
-                float *row = rows[c];
-                if (row == NULL) continue;
-                const uint8_t *b = gp + 64 * h + 32 * (c / 8) + 4 * (c % 8);
-                for (int t = 0; t < 4; t++) { /* quad 2 h low nibbles, quad 2 h + 1 high */
-                    const int lo = base + 8 * h + t, hi = lo + 4;
-                    if (lo < k) row[lo] = (float)((b[t] & 15) - 8) * scale[c];
-                    if (hi < k) row[hi] = (float)((b[t] >> 4) - 8) * scale[c];
-                }
+        const float scale = ((const float *)(gp + 16 * INT4_GROUP / 2))[c];
+        const uint8_t *b0 = gp + 32 * (c / 8) + 4 * (c % 8); /* quad pair h at b0 + 64 h */
+#if defined(HAVE_PUT16)
+        if ((g + 1) * INT4_GROUP <= k) {
+            const __m128i bytes = _mm_set_epi32(load_u32(b0 + 192), load_u32(b0 + 128),
+                                                load_u32(b0 + 64), load_u32(b0));
+            const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+            const __m128i low = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);
+            const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);
+            /* dwords: pair h's low quad (inputs 8 h ..), then its high one (8 h + 4 ..) */
+            put16(out, base + g * INT4_GROUP, _mm_unpacklo_epi32(low, high), scale, out_bf16);
+            put16(out, base + g * INT4_GROUP + 16, _mm_unpackhi_epi32(low, high), scale, out_bf16);
+            continue;
+        }
+#endif
+        for (int h = 0; h < 4; h++) { /* quad 2 h in the low nibbles, quad 2 h + 1 high */
+            const int first = g * INT4_GROUP + 8 * h;
+            if (first >= k) break;
+            const uint8_t *b = b0 + 64 * h;
+            for (int t = 0; t < 4; t++) {
+                v[t] = (b[t] & 15) - 8;
+                v[4 + t] = (b[t] >> 4) - 8;
             }
+            put_scaled(out, base + first, v, scale, k - first < 8 ? k - first : 8, out_bf16);
+        }
     }
 }
 
 /* Rows [row0, row0 + rows) of an int8 or int4 weight in its panels, dequantized (value times
  * its column's, or group's, scale, in fp32, rounded once to bf16 where out_bf16) into out
  * ([rows, k], contiguous): the prompt path's weight, read from the panels the small steps
- * read, so the integers are kept once. Panels in parallel over OpenMP's threads. 0, or 1
- * without scratch memory (bf16: nothing written). */
+ * read, so the integers are kept once. Rows in parallel over OpenMP's threads. Returns 0. */
 int baton_dequantize_rows(const void *w, int32_t k, int32_t w_format, int32_t row0,
                           int32_t rows, void *out, int32_t out_bf16, int32_t num_threads) {
     const int64_t panel_bytes = baton_panel_bytes(k, w_format);
-    const int first = row0 / PANEL, last = (row0 + rows + PANEL - 1) / PANEL;
-    float *scratches = out_bf16 ? malloc((size_t)(last - first) * PANEL * k * sizeof(float)) : NULL;
-    if (out_bf16 && scratches == NULL) return 1;
-    PARALLEL_FOR(b, last - first, (int64_t)rows * k > 65536, {
-        const int panel = first + (int)b;
-        float *scratch = out_bf16 ? scratches + b * PANEL * (int64_t)k : NULL;
-        float *dst[PANEL];
-        for (int c = 0; c < PANEL; c++) {
-            const int64_t row = (int64_t)panel * PANEL + c - row0;
-            dst[c] = row < 0 || row >= rows ? NULL
-                     : out_bf16             ? scratch + (int64_t)c * k
-                                            : (float *)out + row * k;
-        }
-        dequantize_panel((const uint8_t *)w + panel * panel_bytes, k, w_format, dst);
-        if (out_bf16)
-            for (int c = 0; c < PANEL; c++) {
-                const int64_t row = (int64_t)panel * PANEL + c - row0;
-                if (dst[c] != NULL)
-                    for (int i = 0; i < k; i++)
-                        put(out, row * k + i, round_to(dst[c][i], 1), 1);
-            }
+    PARALLEL_FOR(r, rows, (int64_t)rows * k > 65536, {
+        const int64_t row = row0 + r;
+        dequantize_column((const uint8_t *)w + row / PANEL * panel_bytes, k, w_format,
+                          (int)(row % PANEL), out, r * k, out_bf16);
     });
-    free(scratches);
+    return 0;
+}
+
+/* ---- The prompt path's W8A8 matmul around oneDNN's int8 one (quantize.int8_linear):
+ * the rows quantized, the weight's integers taken out of the panels, the int32 sums
+ * scaled. Each a pass over its data, rows in parallel over OpenMP's threads. */
+
+/* Rows x [m, k] (bf16 or fp32, row r at r * x_stride) as int8 into xq [m, kq] (zero-padded)
+ * with each row's scale into xs: quantize_row's values, the small steps' own. Returns 0. */
+int baton_quantize_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, int32_t kq,
+                        int32_t x_bf16, int8_t *xq, float *xs, int32_t num_threads) {
+    PARALLEL_FOR(r, m, (int64_t)m * k > 65536,
+                 { xs[r] = quantize_row(x, r * x_stride, k, kq, x_bf16, xq + r * kq); });
+    return 0;
+}
+
+/* Column c of a panel as int8 into q (kq values: the k values, zeros after) and its scale:
+ * an int8 weight's integers and scale as they are; an int4 weight's requantized to one
+ * scale per row, s = 8 max_g s_g / 127 (|value| <= 8: |q| <= 127), value v of group g
+ * becoming nearbyint(v (s_g / s)) -- per group a table of its 16 values. */
+static float int8_column(const uint8_t *p, int k, int w_format, int c, int8_t *q, int kq) {
+    if (w_format == W_INT8) {
+        for (int j = 0; 4 * j < kq; j++) memcpy(q + 4 * j, p + 64 * j + 4 * c, 4);
+        return ((const float *)(p + 64 * baton_int8_quads(k)))[c];
+    }
+    const int groups = (int)baton_int4_groups(k);
+    float top = 0.0f;
+    for (int g = 0; g < groups; g++)
+        top = fmaxf(top, ((const float *)(p + (int64_t)g * INT4_GROUP_BYTES + 8 * INT4_GROUP))[c]);
+    const float scale = top > 0.0f ? 8.0f * top / 127.0f : 1.0f;
+    for (int g = 0; g < groups; g++) {
+        const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
+        const float ratio = ((const float *)(gp + 8 * INT4_GROUP))[c] / scale;
+        const uint8_t *b0 = gp + 32 * (c / 8) + 4 * (c % 8);
+        int8_t *out = q + g * INT4_GROUP; /* kq >= groups * INT4_GROUP: whole groups */
+#if defined(HAVE_PUT16)
+        /* the table: lane u = round((u - 8) ratio), cvtps rounding to nearest even */
+#if defined(HAVE_AVX512)
+        const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        const __m128i lut = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(values, _mm512_set1_ps(ratio))));
+#else
+        const __m256 below = _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1);
+        const __m256 above = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+        const __m256 r8 = _mm256_set1_ps(ratio);
+        const __m256i lo8 = _mm256_cvtps_epi32(_mm256_mul_ps(below, r8));
+        const __m256i hi8 = _mm256_cvtps_epi32(_mm256_mul_ps(above, r8));
+        const __m128i lut = _mm_packs_epi16(
+            _mm_packs_epi32(_mm256_castsi256_si128(lo8), _mm256_extracti128_si256(lo8, 1)),
+            _mm_packs_epi32(_mm256_castsi256_si128(hi8), _mm256_extracti128_si256(hi8, 1)));
+#endif
+        const __m128i nibble = _mm_set1_epi8(15);
+        const __m128i bytes = _mm_set_epi32(load_u32(b0 + 192), load_u32(b0 + 128),
+                                            load_u32(b0 + 64), load_u32(b0));
+        const __m128i low = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, nibble));
+        const __m128i high = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi32(low, high));
+        _mm_storeu_si128((__m128i *)(out + 16), _mm_unpackhi_epi32(low, high));
+#else
+        int8_t table[16];
+        for (int u = 0; u < 16; u++) table[u] = (int8_t)nearbyintf((float)(u - 8) * ratio);
+        for (int h = 0; h < 4; h++)
+            for (int t = 0; t < 4; t++) {
+                out[8 * h + t] = table[b0[64 * h + t] & 15];
+                out[8 * h + 4 + t] = table[b0[64 * h + t] >> 4];
+            }
+#endif
+    }
+    return scale;
+}
+
+/* Rows [row0, row0 + rows) of an int8 / int4 weight as int8 rows q [rows, kq] (kq: whole
+ * groups for int4, whole quads for int8) and their scales. Returns 0. */
+int baton_int8_rows(const void *w, int32_t k, int32_t w_format, int32_t row0, int32_t rows,
+                    int8_t *q, int32_t kq, float *scales, int32_t num_threads) {
+    const int64_t panel_bytes = baton_panel_bytes(k, w_format);
+    PARALLEL_FOR(r, rows, (int64_t)rows * k > 65536, {
+        const int64_t row = row0 + r;
+        scales[r] = int8_column((const uint8_t *)w + row / PANEL * panel_bytes, k, w_format,
+                                (int)(row % PANEL), q + r * kq, kq);
+    });
+    return 0;
+}
+
+/* y[r, j0 + j] = round(acc[r, j] xs[r] ws[j] + bias[j]) for an int32 block acc [m, n]:
+ * (acc xs) ws, then + bias (fp32, or NULL), each product and sum rounded in fp32 as torch's
+ * elementwise ops round them (no fused multiply-add), once to y's dtype; y's rows y_stride
+ * apart. Returns 0. */
+__attribute__((optimize("fp-contract=off"))) int baton_scale_int32(
+    const int32_t *acc, int32_t m, int32_t n, const float *xs, const float *ws,
+    const float *bias, void *y, int64_t y_stride, int32_t j0, int32_t y_bf16,
+    int32_t num_threads) {
+    PARALLEL_FOR(r, m, (int64_t)m * n > 65536, {
+        const int32_t *a = acc + r * n;
+        const float s = xs[r];
+        const int64_t at = r * y_stride + j0;
+        if (y_bf16) {
+            for (int j = 0; j < n; j++) {
+                float v = (float)a[j] * s;
+                v = v * ws[j];
+                if (bias != NULL) v = v + bias[j];
+                put(y, at + j, round_to(v, 1), 1);
+            }
+        } else {
+            float *o = (float *)y + at;
+            for (int j = 0; j < n; j++) {
+                float v = (float)a[j] * s;
+                v = v * ws[j];
+                o[j] = bias != NULL ? v + bias[j] : v;
+            }
+        }
+    });
     return 0;
 }

@@ -89,7 +89,8 @@ class PackedRows:
 
     @classmethod
     def _int4(cls, q: torch.Tensor, scale: torch.Tensor) -> PackedRows:
-        """An int4 weight: ``q`` [n, k] int8 in -7..7 whose row j, group g of ``INT4_GROUP``
+        """An int4 weight: ``q`` [n, k] int8 in -8..7 (-7..7 as ``quantize_int4`` makes
+        it; -8 too from a checkpoint) whose row j, group g of ``INT4_GROUP``
         inputs means ``q[j, g] * scale[j, g]`` (fp32 [n, groups]), in linear.c's
         ``W_INT4`` panels: per group 4 pairs of quads x 2 halves of 8 columns x 4 bytes,
         quad 2 h + s of a pair in the low (s = 0) or high (s = 1) nibble, as value + 8;
@@ -97,7 +98,7 @@ class PackedRows:
         n, k = q.shape
         groups = -(-k // INT4_GROUP)
         assert q.dtype == torch.int8 and scale.shape == (n, groups)
-        assert scale.dtype == torch.float32 and int(q.abs().max()) <= 7
+        assert scale.dtype == torch.float32 and int(q.min()) >= -8 and int(q.max()) <= 7
         u = (q.detach().to(torch.int16) + 8).to(torch.uint8)
         u = torch.cat((u, u.new_full((n, groups * INT4_GROUP - k), 8)), dim=1)  # zeros
         u = torch.cat((u, u.new_full((-n % PANEL, u.shape[1]), 8)))
@@ -133,17 +134,36 @@ class PackedRows:
         return (self.n, self.k)
 
     def int8_rows(self, row0: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """An int8 weight's rows ``[row0, row0 + rows)`` (``row0`` a multiple of ``PANEL``)
-        out of the panels: (q [rows, k padded to whole quads] int8, their scales [rows]
-        fp32) -- one pass over those integers, no arithmetic."""
-        assert self.dtype == torch.int8 and row0 % PANEL == 0
-        quads = -(-self.k // 4)
-        first, last = row0 // PANEL, -(-(row0 + rows) // PANEL)
-        panels = self.data[first:last]
-        values = panels[:, : quads * 4 * PANEL].view(torch.int8)
-        values = values.reshape(-1, quads, PANEL, 4).transpose(1, 2).reshape(-1, quads * 4)
-        scales = panels[:, quads * 4 * PANEL :].contiguous().view(torch.float32).reshape(-1)
-        return values[:rows], scales[:rows]
+        """Rows ``[row0, row0 + rows)`` of an int8 / int4 weight as int8 rows for oneDNN's
+        int8 matmul (linear.c's ``baton_int8_rows``): (q [rows, k padded to whole quads /
+        int4 groups] int8, one fp32 scale per row). int8: the integers and scales as they
+        are. int4: requantized to one scale per row, ``s = 8 max_g s_g / 127``, value v of
+        group g becoming ``round(v * (s_g / s))`` (ties to even) -- the prompt path's weight,
+        within half of s of the int4 value."""
+        lib = library()
+        assert lib is not None and self.format >= WEIGHT_FORMATS[torch.int8]
+        assert row0 >= 0 and row0 + rows <= self.n
+        width = self.int8_width
+        q = torch.empty(rows, width, dtype=torch.int8)
+        scales = torch.empty(rows)
+        lib.baton_int8_rows(
+            self.data_ptr(),
+            self.k,
+            self.format,
+            row0,
+            rows,
+            q.data_ptr(),
+            width,
+            scales.data_ptr(),
+            torch.get_num_threads(),
+        )
+        return q, scales
+
+    @property
+    def int8_width(self) -> int:
+        """``int8_rows``' row length: k padded to whole quads (int8) or groups (int4)."""
+        whole = INT4_GROUP if self.dtype == torch.quint4x2 else 4
+        return -(-self.k // whole) * whole
 
     def dequantize_into(self, out: torch.Tensor, row0: int) -> None:
         """An int8 / int4 weight's rows ``[row0, row0 + len(out))`` as floats into ``out``
@@ -272,3 +292,56 @@ def linear_rows(
     if status != 0:
         raise MemoryError(f"linear kernel: no scratch memory for {rows} x {k} (status {status})")
     return y
+
+
+def quantize_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x ([m, k] contiguous, fp32 / bf16) as int8, as the few-row kernels quantize
+    them (linear.c's ``quantize_row``: ``round(x * 127 / max|x|)``, ties to even): (q [m,
+    width] zero-padded, scales [m] = max|x| / 127)."""
+    lib = library()
+    assert lib is not None and x.dim() == 2 and x.is_contiguous() and x.dtype in DTYPES
+    m, k = x.shape
+    q = torch.empty(m, width, dtype=torch.int8)
+    scales = torch.empty(m)
+    lib.baton_quantize_rows(
+        x.data_ptr(),
+        k,
+        m,
+        k,
+        width,
+        DTYPES[x.dtype],
+        q.data_ptr(),
+        scales.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return q, scales
+
+
+def scale_int32(
+    acc: torch.Tensor,
+    row_scales: torch.Tensor,
+    col_scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    y: torch.Tensor,
+    j0: int,
+) -> None:
+    """``y[:, j0 : j0 + n] = ((acc * row_scales[:, None]) * col_scales + bias)`` for int32
+    sums acc [m, n], in fp32 op by op (as torch's elementwise ops: no fused multiply-add),
+    rounded once to y's dtype (y: [m, >= j0 + n] contiguous; bias fp32 or None)."""
+    lib = library()
+    assert lib is not None and acc.dtype == torch.int32 and acc.is_contiguous()
+    assert y.is_contiguous() and y.dtype in DTYPES
+    m, n = acc.shape
+    lib.baton_scale_int32(
+        acc.data_ptr(),
+        m,
+        n,
+        row_scales.data_ptr(),
+        col_scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        y.shape[1],
+        j0,
+        DTYPES[y.dtype],
+        torch.get_num_threads(),
+    )

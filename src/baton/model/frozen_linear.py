@@ -242,7 +242,9 @@ class FrozenLinear:
         if self.quantization is not None:
             weight = self.effective_weight
             n, k = weight.shape
-            if self.quantization == "int8" and n * k >= INT8_MATMUL_MIN_WEIGHT:
+            if n * k >= INT8_MATMUL_MIN_WEIGHT and (
+                self.quantization == "int8" or isinstance(weight, PackedRows)
+            ):
                 return ACT_FNS[self.activation](int8_linear(x, weight, self.bias))
             return ACT_FNS[self.activation](dequantized_linear(x, weight, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.config import QUANTIZATIONS
+from baton.kernels import linear as linear_kernels
 from baton.kernels.linear import INT4_GROUP
 from baton.kernels.linear import PANEL as PANEL_ROWS
 
@@ -117,22 +118,44 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
 
 
 def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """An int8 weight's prompt path, W8A8 like its small steps: each row of ``x`` quantized
-    to int8 with its own scale (max |x| / 127, ties to even: linear.c's), exact int32 sums by
-    ``torch._int_mm`` (oneDNN's int8 matmul: VNNI / AMX where the CPU has them), then the
-    row's and the weight row's scales and the bias in fp32, rounded once to x's dtype.
-    A row's result depends on that row alone, whatever the call's size. ``weight``: a
-    ``QuantizedWeight`` (int8) or the panels holding it -- anything with ``shape`` and
-    ``int8_rows`` (rows a multiple of 16 apart); at most ``DEQUANTIZE_BLOCK`` of its values
-    taken out at a time."""
+    """A quantized weight's prompt path, W8A8 like its small steps: each row of ``x``
+    quantized to int8 with its own scale (max |x| / 127, ties to even: linear.c's), exact
+    int32 sums by ``torch._int_mm`` (oneDNN's int8 matmul: VNNI / AMX where the CPU has
+    them), then ``(sum * row scale) * weight row scale + bias`` in fp32, rounded once to x's
+    dtype. A row's result depends on that row alone, whatever the call's size. ``weight``:
+    the panels holding an int8 or int4 weight (``linear.PackedRows``: its ``int8_rows``; an
+    int4 weight requantized per row there), or an int8 ``QuantizedWeight`` (kernels off: the
+    same arithmetic in torch ops); at most ``DEQUANTIZE_BLOCK`` of its values taken out at
+    a time."""
     n, k = weight.shape
     lead = x.shape[:-1]
-    xf = x.reshape(-1, k).float()
-    amax = xf.abs().amax(dim=1, keepdim=True)  # as linear.c quantizes a row:
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    x2 = x.reshape(-1, k)
+    rows = max(PANEL_ROWS, min(n, DEQUANTIZE_BLOCK // max(k, 1)) // PANEL_ROWS * PANEL_ROWS)
+    if isinstance(weight, QuantizedWeight):
+        return _int8_linear_torch(x2, weight, bias, rows).reshape(*lead, n)
+    x2 = x2.contiguous()
+    xq, x_scale = linear_kernels.quantize_rows(x2, weight.int8_width)
+    y = torch.empty(x2.shape[0], n, dtype=x.dtype)
+    bias = None if bias is None else bias.float().contiguous()
+    for j in range(0, n, rows):
+        count = min(rows, n - j)
+        q, scale = weight.int8_rows(j, count)
+        acc = torch._int_mm(xq, q.t())
+        linear_kernels.scale_int32(acc, x_scale, scale, None if bias is None else bias[j:], y, j)
+    return y.reshape(*lead, n)
+
+
+def _int8_linear_torch(
+    x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None, rows: int
+) -> torch.Tensor:
+    """``int8_linear`` in torch ops, for an int8 ``QuantizedWeight`` (x: [m, k])."""
+    n, k = weight.shape
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)  # as linear.c quantizes a row: 127 / amax
+    # divided (``127.0 / amax`` is torch's reciprocal times 127: another rounding)
+    inverse = torch.where(amax > 0, amax.new_full(amax.shape, 127.0) / amax, 0.0)
     xq = torch.round(xf * inverse).clamp_(-127, 127).to(torch.int8)
     x_scale = amax / 127.0
-    rows = max(PANEL_ROWS, min(n, DEQUANTIZE_BLOCK // max(k, 1)) // PANEL_ROWS * PANEL_ROWS)
     outs = []
     for j in range(0, n, rows):
         count = min(rows, n - j)
@@ -143,7 +166,7 @@ def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
             y = y + bias[j : j + count].float()
         outs.append(y)
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-    return y.to(x.dtype).reshape(*lead, n)
+    return y.to(x.dtype)
 
 
 DEQUANTIZE_BLOCK = 1 << 22
