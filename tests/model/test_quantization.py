@@ -21,8 +21,9 @@ from baton.config import EngineConfig
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.linear import Epilogue, PackedRows, linear_rows
-from baton.model.frozen_linear import INT8_MATMUL_MIN_WEIGHT, FrozenLinear, step_invariant_rows
+from baton.model.frozen_linear import FrozenLinear, step_invariant_rows
 from baton.model.quantize import (
+    DEQUANTIZE_BLOCK,
     QUANTIZERS,
     QuantizedWeight,
     check_quantization,
@@ -196,9 +197,9 @@ def test_a_bias_in_the_weights_dtype_is_not_taken_for_int8():
 @pytest.mark.parametrize("activation", ["none", "silu"])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
-    """Few rows (the panels: W8A8 / W4A8) and a prompt step (a weight this small:
-    dequantized for BLAS, in row blocks) give their references' values; the float weight is
-    not kept."""
+    """Few rows (the panels: W8A8 / W4A8) and a prompt step (W8A8 through oneDNN's int8
+    matmul, an int4 weight requantized to int8 rows; without the kernels int4 is
+    dequantized for BLAS) give their references' values; the float weight is not kept."""
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(96, 64, generator=g) / 8).to(act)
     bias = torch.randn(96, generator=g).to(act)
@@ -215,9 +216,12 @@ def test_frozen_linear_few_rows_and_prompt_steps_agree(act, activation, method):
     act_fn = F.silu if activation == "silu" else (lambda t: t)
     tol = dict(rtol=1e-5, atol=2e-5) if act == torch.float32 else dict(rtol=3e-2, atol=3e-2)
     native = library() is not None
+    prompt_weight = requantized_int8(qw) if method == "int4" else qw
     for rows in (1, 5, 70):
         x = torch.randn(1, rows, 64, generator=g).to(act)
         blas = F.linear(x.float(), ref, bias.float())
+        if native or method == "int8":
+            blas = w8a8_reference(x, prompt_weight, bias)
         few = w8a8_reference(x, qw, bias) if native and rows <= 64 else blas
         torch.testing.assert_close(lin(x).float(), act_fn(few), **tol)
         with step_invariant_rows():
@@ -240,14 +244,14 @@ def requantized_int8(qw: QuantizedWeight) -> QuantizedWeight:
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_large_quantized_weights_prompt_steps_are_w8a8_and_step_invariant(act, method):
-    """An int8 or int4 weight of ``INT8_MATMUL_MIN_WEIGHT`` values or more computes many
-    rows W8A8 (oneDNN's int8 matmul; int4 requantized to int8 rows): the reference's
-    values; a row's bits do not depend on the rows beside it in the call (a prefix-cache
-    hit's prompt chunk equals a cold run's)."""
+    """An int8 or int4 weight larger than one ``DEQUANTIZE_BLOCK`` computes many rows
+    W8A8 (oneDNN's int8 matmul; int4 requantized to int8 rows), block by block: the
+    reference's values; a row's bits do not depend on the rows beside it in the call (a
+    prefix-cache hit's prompt chunk equals a cold run's)."""
     if method == "int4" and library() is None:
         pytest.skip("without the kernels an int4 weight's prompt steps are dequantized")
     g = torch.Generator().manual_seed(8)
-    n, k = 1024, INT8_MATMUL_MIN_WEIGHT // 1024
+    n, k = 1024, DEQUANTIZE_BLOCK // 1024 + 64  # two blocks of rows
     w = (torch.randn(n, k, generator=g) / 30).to(act)
     bias = torch.randn(n, generator=g).to(act)
     lin = FrozenLinear(w, bias, quantization=method)

@@ -92,14 +92,6 @@ def _in_row_blocks(
     return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
 
-INT8_MATMUL_MIN_WEIGHT = 1 << 20
-"""int8 weights of at least this many values take ``int8_linear`` (W8A8, oneDNN's int8
-matmul) for many rows; smaller ones are dequantized for BLAS. Measured on a Zen 4 (bf16):
-a 512-token prefill of Qwen3-0.6B's widths (1024 x 3072 matrices) ran 0.96x the bf16
-model's through int8_linear and 0.85x dequantized; the bundled model's (256 x 768) 0.77x
-through int8_linear -- the row quantization and the integers' copy cost more than the
-matmul saves there -- and 0.85x dequantized."""
-
 FEW_ROWS_MIN_WEIGHT = 1 << 17
 """Weights of at least this many elements (512 KiB in fp32; the draft's projection of the bundled
 model is one) take ``linear_rows`` for few rows."""
@@ -116,8 +108,12 @@ class FrozenLinear:
 
     quantization ``int8`` / ``int4`` (``baton.model.quantize``): the weight is kept quantized
     and nothing else -- with the kernels, only in their packed panels (the integers once):
-    few rows read them (any size: every call would otherwise dequantize), more rows
-    dequantize them once per call for BLAS."""
+    few rows read them (any size: every call would otherwise dequantize), more rows run
+    W8A8 through oneDNN's int8 matmul (``quantize.int8_linear``; an int4 weight requantized
+    to int8 rows per call). Measured on a Zen 4, one thread, bf16: 1.1-1.5x the packed bf16
+    matmul at 64-512 rows even for the bundled model's 768 x 256 (1.2-1.7x for 1024-wide
+    ones), where dequantizing for BLAS ran 0.7-0.95x. Without the kernels an int8 weight
+    takes the same arithmetic in torch ops, an int4 one is dequantized per call."""
 
     def __init__(
         self,
@@ -234,17 +230,15 @@ class FrozenLinear:
         return x.numel() <= self._max_few_rows * x.shape[-1]
 
     def _blas(self, x: torch.Tensor) -> torch.Tensor:
-        """``__call__`` through oneDNN (packed) or ``F.linear`` (a quantized weight: on its
-        values dequantized for this call, in x's dtype)."""
+        """``__call__`` through oneDNN: the packed bf16 matmul, the int8 one (a quantized
+        weight: ``int8_linear``), or ``F.linear`` (a float weight not packed; an int4 one
+        without the kernels, dequantized for this call in x's dtype)."""
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
         if self.quantization is not None:
             weight = self.effective_weight
-            n, k = weight.shape
-            if n * k >= INT8_MATMUL_MIN_WEIGHT and (
-                self.quantization == "int8" or isinstance(weight, PackedRows)
-            ):
+            if self.quantization == "int8" or isinstance(weight, PackedRows):
                 return ACT_FNS[self.activation](int8_linear(x, weight, self.bias))
             return ACT_FNS[self.activation](dequantized_linear(x, weight, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))

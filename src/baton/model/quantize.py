@@ -7,11 +7,13 @@ at load time from the checkpoint's bf16 / fp32 values: ``w[j] ~= q[j] * scale[j]
 of ``INT4_GROUP`` inputs of a row. Embeddings, norms and biases stay as loaded. Small steps
 read the packed panels (``linear.c``'s ``W_INT8`` / ``W_INT4``: a quarter / an eighth of
 fp32's bytes, plus scales), each row quantized to int8 for the call (W8A8 / W4A8); large
-steps (prompt chunks) of int8 weights are W8A8 too, through oneDNN's int8 matmul
-(``int8_linear``: 1.9x a bf16 matmul's speed on a Zen 4, 2.4x fp32's with AVX2 code), and
-int4 ones dequantize the weight for BLAS / oneDNN (``dequantized_linear``).
+steps (prompt chunks) are W8A8 too, through oneDNN's int8 matmul (``int8_linear``: the
+rows quantized, the weight's int8 rows taken out of the panels -- an int4 weight's
+requantized to one scale per row -- and the int32 sums scaled, each by a kernel; a raw
+int8 matmul is ~1.9x a bf16 one on a Zen 4, 2.4x fp32's with AVX2 code). Without the
+kernels int4 weights are dequantized for BLAS (``dequantized_linear``).
 
-Pure torch (the int4 group is the kernels' ``linear.INT4_GROUP``); who calls it:
+Torch and the kernels' Python side (the int4 group is ``linear.INT4_GROUP``); who calls it:
 ``frozen_linear.FrozenLinear`` (a ``QuantizedWeight`` in place of the float weight) and the
 modules' ``fuse_projections`` (``release_weights``); the methods' names are
 ``baton.config.QUANTIZATIONS``.
