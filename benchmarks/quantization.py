@@ -99,8 +99,9 @@ def held_out_ids(tokenizer: Tokenizer, count: int, length: int) -> list[list[int
 def perplexity(llm: LLM, windows: list[list[int]], chunk: int | None = None) -> float:
     """exp(mean next-token NLL) over the windows, the engine's own (fused, quantized)
     model on a contiguous cache (``baton.model.reference``): each window in one step (the
-    prompt path: W8A8 through oneDNN's int8 matmul, int4 requantized to int8 rows) or in steps of ``chunk`` tokens (at most
-    ``linear.MAX_ROWS``: the few-rows path decode and verification take, W8A8)."""
+    prompt path: W8A8 through oneDNN's int8 matmul, int4 requantized to int8 rows) or in
+    steps of ``chunk`` tokens (at most ``linear.MAX_ROWS``: the few-rows path decode and
+    verification take, W8A8 / W4A8)."""
     model = llm.engine.model
     total, count = 0.0, 0
     for ids in windows:

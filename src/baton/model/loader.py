@@ -5,7 +5,8 @@ A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 the MTP draft. Tensors are copied by name into the modules built from the ``ModelSpec``;
 a missing or unexpected tensor is a ``ValueError`` naming it. A config.json with a
 ``quantization_config`` is a pre-quantized checkpoint: ``prequantized`` checks it (or
-refuses it) and takes its int8 tensors, the rest loads as for a float checkpoint.
+refuses it) and takes its integer tensors (int8 or int4), the rest loads as for a float
+checkpoint.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 from baton import platform
 from baton.model.decoder import CausalLM
 from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
-from baton.model.prequantized import Int8Tensors, check_config
+from baton.model.prequantized import QuantizedTensors, check_config
 from baton.model.registry import spec_from_config
 from baton.model.spec import ModelSpec
 
@@ -116,15 +117,15 @@ def load_tensors_into(
     module: nn.Module,
     files: list[Path],
     prefix: str = "",
-    int8: Int8Tensors | None = None,
+    quantized: QuantizedTensors | None = None,
     ignored_prefixes: tuple[str, ...] = (),
     renamed_prefixes: tuple[tuple[str, str], ...] = (),
 ) -> None:
     """Copy every tensor of ``files`` into ``module``'s parameters of the same name (those
     whose name starts with one of ``ignored_prefixes`` skipped, ``renamed_prefixes``'
-    (checkpoint's, ours) applied); with ``int8``, a pre-quantized checkpoint's int8 tensors
-    go to it (``Int8Tensors.take``) and it fills those projections' weights at the end
-    (``install``)."""
+    (checkpoint's, ours) applied); with ``quantized``, a pre-quantized checkpoint's integer
+    tensors go to it (``QuantizedTensors.take``) and it fills those projections' weights at
+    the end (``install``)."""
     params = dict(module.named_parameters())  # tied weights appear once
     loaded: set[str] = set()
     for path in files:
@@ -139,14 +140,14 @@ def load_tensors_into(
                     if name.startswith(theirs):
                         name = ours + name[len(theirs) :]
                 tensor = f.get_tensor(key)
-                if int8 is not None and int8.take(name, tensor):
+                if quantized is not None and quantized.take(name, tensor):
                     continue
                 if name not in params:
                     raise ValueError(f"{path.name}: unexpected tensor {key!r}")
                 _copy(params[name], tensor, path, key)
                 loaded.add(name)
-    if int8 is not None:
-        loaded |= int8.install()
+    if quantized is not None:
+        loaded |= quantized.install()
     missing = sorted(set(params) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
@@ -171,8 +172,9 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, path: Path, key: str) -> No
 
 def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None) -> CausalLM:
     """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's).
-    A pre-quantized checkpoint's projections carry their int8 weights (``quantized``; the
-    float weights hold their values) and ``checkpoint_quantization`` says ``int8``."""
+    A pre-quantized checkpoint's projections carry their integer weights (``quantized``; the
+    float weights hold their values) and ``checkpoint_quantization`` says ``int8`` /
+    ``int4``."""
     model_dir = Path(model_dir)
     config = read_json(model_dir / "config.json")
     quantization = check_config(config, str(model_dir))
@@ -183,11 +185,11 @@ def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = N
     model = model.to_empty(device="cpu").to(torch_dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    int8 = Int8Tensors(model, str(model_dir)) if quantization == "int8" else None
+    quantized = QuantizedTensors(model, config, str(model_dir)) if quantization else None
     load_tensors_into(
         model,
         _weight_files(model_dir),
-        int8=int8,
+        quantized=quantized,
         ignored_prefixes=IGNORED_PREFIXES.get(spec.architecture, ()),
         renamed_prefixes=RENAMED_PREFIXES.get(spec.architecture, ()),
     )

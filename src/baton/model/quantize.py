@@ -4,9 +4,10 @@
 projection and layer) becomes symmetric int8 with one fp32 scale per output channel (row), quantized
 at load time from the checkpoint's bf16 / fp32 values: ``w[j] ~= q[j] * scale[j]``,
 ``scale[j] = max|w[j]| / 127``. ``int4``: the same with values -7..7 and a scale per group
-of ``INT4_GROUP`` inputs of a row. Embeddings, norms and biases stay as loaded. Small steps
-read the packed panels (``linear.c``'s ``W_INT8`` / ``W_INT4``: a quarter / an eighth of
-fp32's bytes, plus scales), each row quantized to int8 for the call (W8A8 / W4A8); large
+of ``INT4_GROUP`` inputs of a row (a pre-quantized checkpoint's int4 values may also be
+-8). Embeddings, norms and biases stay as loaded. Small steps read the packed panels
+(``linear.c``'s ``W_INT8`` / ``W_INT4``: a quarter / an eighth of fp32's bytes, plus
+scales), each row quantized to int8 for the call (W8A8 / W4A8); large
 steps (prompt chunks) are W8A8 too, through oneDNN's int8 matmul (``int8_linear``: the
 rows quantized, the weight's int8 rows taken out of the panels -- an int4 weight's
 requantized to one scale per row -- and the int32 sums scaled, each by a kernel; a raw
@@ -37,7 +38,7 @@ from baton.kernels.linear import PANEL as PANEL_ROWS
 @dataclass(frozen=True)
 class QuantizedWeight:
     """``q`` [n, k] int8 and fp32 scales: ``scale`` [n] (int8: row j of the weight is
-    ``q[j] * scale[j]``) or [n, groups] (int4: ``q`` in -7..7, input i of row j times
+    ``q[j] * scale[j]``) or [n, groups] (int4: ``q`` in -8..7, input i of row j times
     ``scale[j, i // INT4_GROUP]``)."""
 
     q: torch.Tensor
