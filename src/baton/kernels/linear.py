@@ -38,6 +38,22 @@ requests 0.80x / 0.77x (an MTP batch of 16, 80 rows, a tie at 1.04x). Earlier se
 found 32 a tie with 16 for plain batches of 32, and (before the plans, the pair tiles'
 tasks and the draft's first step moved into C) 40 rows a tie at 48."""
 
+MAX_ROWS_BESIDE_ONEDNN_LARGE = 8
+LARGE_WEIGHT = 1 << 21
+"""Beside oneDNN, a weight of at least ``LARGE_WEIGHT`` values (4 MiB in bf16) takes the
+panels for at most ``MAX_ROWS_BESIDE_ONEDNN_LARGE`` rows. Measured on a Zen 4 (bf16 decode
+steps of Qwen3-0.6B's widths, every matrix >= 2M values, 2 threads, two rounds of separate
+processes): batch 16 / 32 with oneDNN above 8 rows 1.16-1.20x / 1.18-1.26x the tokens per
+second of the panels up to 64 rows. The bundled model's matrices (at most its 1M-value
+head) keep ``MAX_ROWS_BESIDE_ONEDNN``."""
+
+
+def max_rows_beside_onednn(values: int) -> int:
+    """The most rows a weight of ``values`` values takes the panels for where oneDNN packs
+    it (bf16 on a CPU with native bf16)."""
+    return MAX_ROWS_BESIDE_ONEDNN if values < LARGE_WEIGHT else MAX_ROWS_BESIDE_ONEDNN_LARGE
+
+
 PANEL = 16
 """Output columns per panel (linear.c's ``PANEL``)."""
 

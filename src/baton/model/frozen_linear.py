@@ -24,10 +24,10 @@ from baton.kernels.layer import enabled as native_layers_enabled
 from baton.kernels.linear import (
     ACTIVATIONS,
     MAX_ROWS,
-    MAX_ROWS_BESIDE_ONEDNN,
     Epilogue,
     PackedRows,
     linear_rows,
+    max_rows_beside_onednn,
 )
 from baton.model.quantize import (
     QUANTIZERS,
@@ -153,7 +153,9 @@ class FrozenLinear:
         self._few_rows = native_layers_enabled() and (
             self.quantization is not None or weight.numel() >= FEW_ROWS_MIN_WEIGHT
         )
-        self._max_few_rows = MAX_ROWS_BESIDE_ONEDNN if self.packed is not None else MAX_ROWS
+        self._max_few_rows = (
+            max_rows_beside_onednn(weight.numel()) if self.packed is not None else MAX_ROWS
+        )
         if self.quantization is not None and self._few_rows and library() is not None:
             self.rows()  # packed now: from here on the panels alone hold the integers
             self.quantized = None
