@@ -80,6 +80,7 @@ REAL = FULL | dict(new_tokens=32, rounds=3, tg_tokens=32, mixed_requests=16, rep
 """A real-size random model: speed only, fewer tokens (each ~100x the bundled model's work)."""
 
 CONFIGS = {"none": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
+QUANTIZED = ("int8", "int4")
 
 
 def held_out_ids(tokenizer: Tokenizer, count: int, length: int) -> list[list[int]]:
@@ -138,7 +139,10 @@ def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
     prompts = prompts[::-1][: sizes["agree_prompts"]]  # from the other end of the corpus
     r: dict = {"windows": len(windows), "window_tokens": sizes["window"]}
     texts: dict = {}
-    variants = {**CONFIGS, "int8_float_draft": {"quantization": "int8", "quantize_draft": False}}
+    variants = {
+        **CONFIGS,
+        **{f"{m}_float_draft": {"quantization": m, "quantize_draft": False} for m in QUANTIZED},
+    }
     for name, kw in variants.items():
         llm = LLM(model_dir, dtype=dtype, num_threads=threads, **kw)
         row: dict = {}
