@@ -20,7 +20,10 @@ unquantized model and against llama.cpp's q8_0 / q4_0, on this CPU (printed firs
 ``--model`` as ``llama_cpp_peer.py``'s (``bundled``, or a random real-size shape such as
 ``qwen3-0.6b`` -- speed only). llama.cpp's sources, build and converter: ``llama_cpp_peer``'s
 (q8_0 converted by the vendored converter, q4_0 by the built ``llama-quantize`` where it
-exists). Writes ``benchmarks/results/quantization-<model>.json``.
+exists). Writes ``benchmarks/results/quantization-<model>.json``. With ``BATON_CPU_ISA=avx2``
+on an AVX-512 CPU the run stands in for an AVX2 one as ``llama_cpp_peer.py``'s does: torch
+and oneDNN held to AVX2 (the script starts itself again with their variables), llama.cpp
+built without AVX-512.
 """
 
 from __future__ import annotations
@@ -283,7 +286,8 @@ def llama_side(model_dir: Path, threads: int, skip: bool) -> dict | None:
     if skip:
         return None
     src = peer.llama_cpp_sources()
-    info = peer.build(src, threads, check=False)
+    isa = "avx2" if peer.avx2_stand_in() else "native"
+    info = peer.build(src, threads, check=False, isa=isa)
     bin_dir = Path(info["bin_dir"])
     peer.MODEL = model_dir
     ggufs = {
@@ -313,6 +317,12 @@ def main() -> int:
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    stand_in = peer.avx2_stand_in()
+    if stand_in and any(os.environ.get(k) != v for k, v in peer.AVX2_STAND_IN_ENV.items()):
+        # as llama_cpp_peer.py: torch's and oneDNN's own kernels held to AVX2 too (the int8
+        # matmul of the prompt path is oneDNN's), set before torch loads
+        env = os.environ | peer.AVX2_STAND_IN_ENV
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     dtype = resolve_dtype_arg("auto")
     model_dir = peer.BUNDLED
     if args.model != "bundled":
