@@ -788,24 +788,16 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
     return run(&first, x, x_stride, num_threads);
 }
 
-/* Eight values times their scale, in fp32, rounded once into out (fp32, or bf16 where
- * out_bf16) at [i, i + n): n = 8 except at a row's end. */
+/* An int4 panel's group (at gp): its 16 column scales, after the group's values. */
+static inline const float *int4_scales(const uint8_t *gp) {
+    return (const float *)(gp + 16 * INT4_GROUP / 2);
+}
+
+/* n values (at most 8) times their scale, in fp32, rounded once into out (fp32, or bf16
+ * where out_bf16) at [i, i + n). */
 static inline void put_scaled(void *out, int64_t i, const int32_t *v, float scale, int n,
                               int out_bf16) {
-    float f[8];
-    for (int t = 0; t < 8; t++) f[t] = (float)v[t] * scale;
-    if (out_bf16) {
-        if (n == 8)
-            for (int t = 0; t < 8; t++) put(out, i + t, round_to(f[t], 1), 1);
-        else
-            for (int t = 0; t < n; t++) put(out, i + t, round_to(f[t], 1), 1);
-    } else {
-        float *o = (float *)out + i;
-        if (n == 8)
-            for (int t = 0; t < 8; t++) o[t] = f[t];
-        else
-            for (int t = 0; t < n; t++) o[t] = f[t];
-    }
+    for (int t = 0; t < n; t++) put(out, i + t, round_to((float)v[t] * scale, out_bf16), out_bf16);
 }
 
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
@@ -813,6 +805,12 @@ static inline int32_t load_u32(const void *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* One column's 4 bytes of 4 consecutive 64-byte blocks of its panel (int8: 4 quads; int4: a
+ * group's 4 quad pairs), in order, as one 16-byte vector. */
+static inline __m128i column_bytes(const uint8_t *b) {
+    return _mm_set_epi32(load_u32(b + 192), load_u32(b + 128), load_u32(b + 64), load_u32(b));
 }
 
 /* Sixteen int8 values (bytes) times scale, in fp32, rounded once (to nearest even, as
@@ -861,12 +859,8 @@ static void dequantize_column(const uint8_t *p, int k, int w_format, int c, void
         const float scale = ((const float *)(p + 64 * baton_int8_quads(k)))[c];
         int j = 0; /* quads 4 j .. 4 j + 3: inputs 16 j .. */
 #if defined(HAVE_PUT16)
-        for (; 16 * j + 16 <= k; j++) {
-            const uint8_t *q = p + 256 * j + 4 * c;
-            const __m128i bytes = _mm_set_epi32(load_u32(q + 192), load_u32(q + 128),
-                                                load_u32(q + 64), load_u32(q));
-            put16(out, base + 16 * j, bytes, scale, out_bf16);
-        }
+        for (; 16 * j + 16 <= k; j++)
+            put16(out, base + 16 * j, column_bytes(p + 256 * j + 4 * c), scale, out_bf16);
 #endif
         for (int i = 16 * j; i < k; i += 8) { /* quads i / 4 and i / 4 + 1 */
             const int8_t *q0 = (const int8_t *)p + 16 * i + 4 * c, *q1 = q0 + 64;
@@ -879,12 +873,11 @@ static void dequantize_column(const uint8_t *p, int k, int w_format, int c, void
     }
     for (int g = 0; g * INT4_GROUP < k; g++) {
         const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
-        const float scale = ((const float *)(gp + 16 * INT4_GROUP / 2))[c];
+        const float scale = int4_scales(gp)[c];
         const uint8_t *b0 = gp + 32 * (c / 8) + 4 * (c % 8); /* quad pair h at b0 + 64 h */
 #if defined(HAVE_PUT16)
         if ((g + 1) * INT4_GROUP <= k) {
-            const __m128i bytes = _mm_set_epi32(load_u32(b0 + 192), load_u32(b0 + 128),
-                                                load_u32(b0 + 64), load_u32(b0));
+            const __m128i bytes = column_bytes(b0);
             const __m128i nibble = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
             const __m128i low = _mm_sub_epi8(_mm_and_si128(bytes, nibble), eight);
             const __m128i high = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), nibble), eight);
@@ -947,11 +940,11 @@ static float int8_column(const uint8_t *p, int k, int w_format, int c, int8_t *q
     const int groups = (int)baton_int4_groups(k);
     float top = 0.0f;
     for (int g = 0; g < groups; g++)
-        top = fmaxf(top, ((const float *)(p + (int64_t)g * INT4_GROUP_BYTES + 8 * INT4_GROUP))[c]);
+        top = fmaxf(top, int4_scales(p + (int64_t)g * INT4_GROUP_BYTES)[c]);
     const float scale = top > 0.0f ? 8.0f * top / 127.0f : 1.0f;
     for (int g = 0; g < groups; g++) {
         const uint8_t *gp = p + (int64_t)g * INT4_GROUP_BYTES;
-        const float ratio = ((const float *)(gp + 8 * INT4_GROUP))[c] / scale;
+        const float ratio = int4_scales(gp)[c] / scale;
         const uint8_t *b0 = gp + 32 * (c / 8) + 4 * (c % 8);
         int8_t *out = q + g * INT4_GROUP; /* kq >= groups * INT4_GROUP: whole groups */
 #if defined(HAVE_PUT16)
@@ -970,8 +963,7 @@ static float int8_column(const uint8_t *p, int k, int w_format, int c, int8_t *q
             _mm_packs_epi32(_mm256_castsi256_si128(hi8), _mm256_extracti128_si256(hi8, 1)));
 #endif
         const __m128i nibble = _mm_set1_epi8(15);
-        const __m128i bytes = _mm_set_epi32(load_u32(b0 + 192), load_u32(b0 + 128),
-                                            load_u32(b0 + 64), load_u32(b0));
+        const __m128i bytes = column_bytes(b0);
         const __m128i low = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, nibble));
         const __m128i high = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
         _mm_storeu_si128((__m128i *)out, _mm_unpacklo_epi32(low, high));
