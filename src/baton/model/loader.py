@@ -185,7 +185,9 @@ def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = N
     model = model.to_empty(device="cpu").to(torch_dtype)
     if spec.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    quantized = QuantizedTensors(model, config, str(model_dir)) if quantization else None
+    quantized = (
+        QuantizedTensors(model, config, quantization, str(model_dir)) if quantization else None
+    )
     load_tensors_into(
         model,
         _weight_files(model_dir),

@@ -174,15 +174,15 @@ def _strategy(args: dict[str, Any]) -> str:
 
 
 class QuantizedTensors:
-    """The integer tensors of one checkpoint whose config ``check_config`` accepts, taken
-    while the loader reads its files, then attached to the model's projections
-    (``install``)."""
+    """The integer tensors of one checkpoint whose config ``check_config`` accepted (as
+    ``method``), taken while the loader reads its files, then attached to the model's
+    projections (``install``)."""
 
-    def __init__(self, model: nn.Module, config: dict[str, Any], where: str) -> None:
+    def __init__(self, model: nn.Module, config: dict[str, Any], method: str, where: str) -> None:
         self.where = where
-        self.method = check_config(config, where)
-        assert self.method is not None, "a checkpoint without a quantization_config"
-        self.bits = {m: b for b, m in METHODS.items()}[self.method]
+        self.method = method
+        """``check_config``'s answer for ``config``: ``int8`` or ``int4``."""
+        self.bits = 8 if method == "int8" else 4
         groups = config["quantization_config"]["config_groups"].values()
         sizes = {g["weights"]["group_size"] for g in groups} if self.bits == 4 else set()
         self.group_sizes = sorted(sizes)
