@@ -194,11 +194,9 @@ class NativeLayer:
         self._layer_ref = ctypes.byref(layer)
         self.dtype = tensors["input_norm"].dtype
         """The activations' dtype."""
-        matrices = [t for name in MATRICES if isinstance(t := tensors.get(name), PackedRows)]
+        sizes = [m.n * m.k for name in MATRICES if isinstance(m := tensors.get(name), PackedRows)]
         self.max_tokens = (
-            min((max_rows_beside_onednn(m.n * m.k) for m in matrices), default=MAX_TOKENS)
-            if layer.round_once
-            else MAX_TOKENS
+            max_rows_beside_onednn(max(sizes)) if layer.round_once and sizes else MAX_TOKENS
         )
         """The most tokens of a step this layer takes (larger steps: the torch layers);
         beside oneDNN, what its largest matrix takes the panels for."""
