@@ -32,8 +32,9 @@ def _cpu_list(text: str) -> list[int]:
 
 
 def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
-    """--dtype and --quantization: what the weights compute in."""
-    from baton.config import DTYPES, QUANTIZATIONS
+    """--dtype, --quantization and --kv-cache-dtype: what the weights compute in, and how the
+    K/V cache holds rows."""
+    from baton.config import DTYPES, KV_CACHE_DTYPES, QUANTIZATIONS
 
     p.add_argument(
         "--dtype",
@@ -48,6 +49,14 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="weight-only quantization at load time (int8: symmetric per output channel); "
         "default: the checkpoint's weights",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="how the K/V cache holds rows: auto (the compute dtype) or int8 (with an fp32 "
+        "scale per position and kv head: about half the bytes of bf16); prefill and decode "
+        "must agree",
     )
 
 

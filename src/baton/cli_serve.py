@@ -32,6 +32,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {"dtype": args.dtype, "num_threads": args.threads}
     if args.quantization:
         options["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.small_step_threads:
         options["small_step_threads"] = args.small_step_threads
     if args.max_model_len:

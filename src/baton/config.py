@@ -25,6 +25,8 @@ DTYPES = ("auto", "float32", "bfloat16")
 
 QUANTIZATIONS = ("int8", "int4")
 """``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
+KV_CACHE_DTYPES = ("auto", "int8")
+"""``CacheConfig.kv_cache_dtype`` values: ``baton.memory.kv_format``."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 """``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
 
@@ -147,6 +149,11 @@ class CacheConfig:
     ``max_num_seqs`` requests of ``AUTO_KV_TOKENS_PER_REQUEST`` tokens, at least
     ``MIN_KV_CACHE_MB`` and at most a quarter of the memory available at start
     (``memory.cache.full_pool_pages``)."""
+    kv_cache_dtype: str = "auto"
+    """How the K/V pools hold rows (``memory/kv_format.py``): ``auto``, in the compute
+    dtype; ``int8``, int8 values and an fp32 scale per position and kv head (0.52x the
+    bytes of bf16 at head_dim 128: more tokens in the same memory, fewer moved by a PD
+    handoff). The draft's pools too. Prefill and decode must agree (the schema says it)."""
     sliding_mode: str = "paged"
     """How sliding-window layers keep state: ``paged`` (pages behind the window are freed)
     or ``ring`` (one ring of ``window`` rows per request)."""
@@ -162,6 +169,11 @@ class CacheConfig:
             raise ValueError(f"num_pages must be positive, got {self.num_pages}")
         if self.kv_cache_memory_mb is not None and self.kv_cache_memory_mb <= 0:
             raise ValueError(f"kv_cache_memory_mb must be positive, got {self.kv_cache_memory_mb}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
         if self.sliding_mode not in SLIDING_MODES:
             raise ValueError(
                 f"sliding_mode must be one of {SLIDING_MODES}, got {self.sliding_mode!r}"

@@ -101,6 +101,7 @@ class LLMEngine:
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
             + (f"; weights {self.model.quantization}" if self.model.quantization else "")
+            + (f"; kv cache {kv}" if (kv := config.cache.kv_cache_dtype) != "auto" else "")
             + (f"; --threads {config.num_threads}" if config.num_threads else "")
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
@@ -212,7 +213,11 @@ class LLMEngine:
     def platform_info(self) -> dict:
         """``Platform.as_dict`` plus the compute dtype and the weights' quantization: what
         ``/health`` reports."""
-        info = {"dtype": self.dtype_name, "quantization": self.model.quantization or "none"}
+        info = {
+            "dtype": self.dtype_name,
+            "quantization": self.model.quantization or "none",
+            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+        }
         return {**platform.current().as_dict(), **info}
 
     # -- requests --------------------------------------------------------------------------

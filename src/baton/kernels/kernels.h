@@ -31,6 +31,7 @@ typedef struct {
     int32_t is_ring; /* one unit of `rows` rows per segment, row = position % rows */
     float scale, softcap;
     int32_t is_bf16;
+    int32_t kv_int8; /* the pool's rows are int8 + an fp32 scale (paged_attention.c's top) */
 } Args;
 
 /* pooled: run on pool.c's threads (a small step's call) instead of OpenMP's. */

@@ -22,6 +22,12 @@
  * (computed and summed in fp32) rounded to bf16 to weigh the value rows, pairs of products
  * summed in fp32 -- what torch's CPU flash attention does in bf16 (transformers' SDPA), and
  * a quarter off the kernel's time.
+ * An int8 pool (kv_int8; baton/memory/kv_format.py): a row of head_dim int8 values q and its
+ * fp32 scale s in the 4 bytes after them (strides in bytes), standing for q * s rounded to
+ * the activations' dtype. The step's own K/V rows are quantized once per call
+ * (baton_quantize_rows: round(x * 127 / max |x|), s = max |x| / 127) and attended as such
+ * too -- every query sees every key as the pool holds it, so a result does not depend on
+ * how a prompt was cut into chunks -- and the stored rows are those bytes.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
  * baton/model/paged_attention.py, which tests compare it with.
  */
@@ -68,6 +74,16 @@ static inline void load_row(float *restrict dst, const void *src, int64_t offset
     }
 }
 
+/* d int8 values q times their scale s, in the activations' dtype at dst. */
+static inline void dequantize_row(void *dst, const int8_t *q, float s, int d, int is_bf16) {
+    if (is_bf16) {
+        for (int e = 0; e < d; e++) store(dst, e, (float)q[e] * s, 1);
+    } else {
+        float *restrict out = dst;
+#pragma omp simd
+        for (int e = 0; e < d; e++) out[e] = (float)q[e] * s;
+    }
+}
 
 #define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
 
@@ -278,10 +294,12 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
 /* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
  * a position lives); those before `p_lo` or past `p_end` are padding (they repeat the row of
  * the block's first other position). Walks the pool row by row: one division per block,
- * not two per position. */
+ * not two per position. An int8 pool's rows of `which` (0: keys, 1: values; the block's
+ * other pointers are then not to be read) are dequantized into `deq` (BLOCK rows). */
 static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int p_end,
-                              Block *blk) {
+                              Block *blk, char *deq, int which) {
     const int size = a->is_bf16 ? 2 : 4, start = a->q_start[b];
+    const int pool_size = a->kv_int8 ? 1 : size;
     const int32_t *units = a->units + (int64_t)b * a->max_units;
     const int k0 = p_lo > p0 ? p_lo - p0 : 0; /* the first row that is not padding */
     const int j = a->is_ring ? (p0 + k0) % a->rows : p0 + k0 - a->key_base[b];
@@ -302,8 +320,16 @@ static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int
         } else {
             const int64_t at = (int64_t)units[unit] * a->unit_stride +
                                (int64_t)row * a->row_stride + (int64_t)g * a->head_stride;
-            blk->k[kk] = (const char *)a->k + at * size;
-            blk->v[kk] = (const char *)a->v + at * size;
+            blk->k[kk] = (const char *)a->k + at * pool_size;
+            blk->v[kk] = (const char *)a->v + at * pool_size;
+            if (a->kv_int8) {
+                const int8_t *q = which ? blk->v[kk] : blk->k[kk];
+                float scale; /* after the row's values */
+                memcpy(&scale, q + a->head_dim, sizeof scale);
+                char *dst = deq + (int64_t)kk * a->head_dim * size;
+                dequantize_row(dst, q, scale, a->head_dim, a->is_bf16);
+                blk->k[kk] = blk->v[kk] = dst;
+            }
         }
         if (++row == a->rows) { /* next page; a ring wraps to its row 0 */
             row = 0;
@@ -339,6 +365,9 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int padded = (p_last - base + 1 + BLOCK - 1) / BLOCK * BLOCK;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
+    /* An int8 pool's rows dequantized: two blocks' worth, the block in use and the next. */
+    char *deq[2] = {(char *)(scores + (size_t)MAX_QUERIES * stride), NULL};
+    deq[1] = deq[0] + (size_t)BLOCK * d * sizeof(float);
     int64_t q_at[MAX_QUERIES];
     for (int i = 0; i < nq; i++) {
         q_at[i] = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->q_token_stride +
@@ -349,11 +378,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
     (void)avx2;
     Block blk, next;
-    fill_block(a, b, g, base, lo, p_last, &next);
+    fill_block(a, b, g, base, lo, p_last, &next, deq[0], 0);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next; /* and the rows of the block after it on their way into the cache */
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next, deq[(j0 / BLOCK + 1) & 1], 0);
             prefetch_rows(next.k, d * (a->is_bf16 ? 2 : 4));
         }
         for (int i = 0; i < nq; i++) {
@@ -400,11 +429,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #endif
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
-    fill_block(a, b, g, base, lo, p_last, &next);
+    fill_block(a, b, g, base, lo, p_last, &next, deq[0], 1);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next;
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next, deq[(j0 / BLOCK + 1) & 1], 1);
             prefetch_rows(next.v, d * (a->is_bf16 ? 2 : 4));
         }
 #if HAS_BF16_PATH
@@ -473,13 +502,34 @@ static void one_tile(void *ctx, int t, int worker) {
         one_task(a, b, g, t0, t1, scratch, J->stride, a->head_dim);
 }
 
-/* Store the step's K/V row `n` (every kv head) in the pool. */
-static inline void store_token(const Args *a, int n) {
+/* An int8 pool's view of the step's K/V rows: tokens [0, n) x kv heads, keys then values,
+ * each row's int8 values (rows[(w * n + t) * kv_heads + g]) and scale; `rounded`, the rows
+ * dequantized (activations' dtype, [2, n, kv_heads, head_dim]): what the call attends. */
+typedef struct {
+    int8_t *q;
+    float *s;
+    char *rounded;
+    int64_t n;
+} Quantized;
+
+/* Store the step's K/V row `n` (every kv head) in the pool: as it is, or (int8 pool) the
+ * call's quantized rows `qz`. */
+static inline void store_token(const Args *a, int n, const Quantized *qz) {
     const size_t size = a->is_bf16 ? 2 : 4, row_bytes = (size_t)a->head_dim * size;
     const int64_t t = a->store_token[n];
     for (int g = 0; g < a->kv_heads; g++) {
         const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
                            (int64_t)a->store_row[n] * a->row_stride + (int64_t)g * a->head_stride;
+        if (qz != NULL) {
+            const int d = a->head_dim;
+            for (int w = 0; w < 2; w++) {
+                const int64_t r = (w * qz->n + t) * a->kv_heads + g;
+                int8_t *dst = (int8_t *)(w ? a->v : a->k) + at;
+                memcpy(dst, qz->q + r * d, (size_t)d);
+                memcpy(dst + d, qz->s + r, sizeof(float));
+            }
+            continue;
+        }
         memcpy((char *)a->k + at * size,
                (const char *)a->fresh_k + (t * a->fk_token_stride + g * a->fk_head_stride) * size,
                row_bytes);
@@ -489,10 +539,58 @@ static inline void store_token(const Args *a, int n) {
     }
 }
 
+/* The step's K/V rows quantized (qz->q, qz->s) and dequantized (qz->rounded) for an int8
+ * pool: tokens [0, qz->n). */
+static void quantize_step(const Args *a, const Quantized *qz, int num_threads, int pooled) {
+    const int d = a->head_dim, kv = a->kv_heads, size = a->is_bf16 ? 2 : 4;
+    const int64_t n = qz->n;
+    if (pooled) num_threads = 1; /* a small step: no OpenMP region on pool.c's cores */
+    PARALLEL_FOR(t, n, n * kv * d > 65536, {
+        for (int w = 0; w < 2; w++) {
+            const char *src = (const char *)(w ? a->fresh_v : a->fresh_k) +
+                              t * (w ? a->fv_token_stride : a->fk_token_stride) * size;
+            const int64_t r = (w * n + t) * kv;
+            baton_quantize_rows(src, w ? a->fv_head_stride : a->fk_head_stride, kv, d, d,
+                                a->is_bf16, qz->q + r * d, qz->s + r, 1);
+            for (int g = 0; g < kv; g++)
+                dequantize_row(qz->rounded + (r + g) * d * size, qz->q + (r + g) * d, qz->s[r + g],
+                               d, a->is_bf16);
+        }
+    });
+}
+
+static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
+                  const Quantized *qz);
+
 /* Returns 0, or -1 when a size is beyond this kernel or memory is short (the caller then
  * takes the torch path). pooled: the tasks run on pool.c's threads (a small step's call from
  * layer.c), else on OpenMP's (torch's). */
 int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, int pooled) {
+    if (!a->kv_int8) return attend(a, batch, num_threads, pooled, NULL);
+    int64_t n = 0; /* the step's tokens the call reads or stores */
+    for (int b = 0; b < batch; b++)
+        n = a->q_offset[b] + a->q_count[b] > n ? a->q_offset[b] + a->q_count[b] : n;
+    for (int i = 0; i < a->num_stores; i++) n = a->store_token[i] + 1 > n ? a->store_token[i] + 1 : n;
+    const size_t rows = (size_t)(2 * n * a->kv_heads > 0 ? 2 * n * a->kv_heads : 1);
+    const size_t d = (size_t)a->head_dim, size = a->is_bf16 ? 2 : 4;
+    Quantized qz = {malloc(rows * d), malloc(rows * sizeof(float)), malloc(rows * d * size), n};
+    int status = -1;
+    if (qz.q != NULL && qz.s != NULL && qz.rounded != NULL) {
+        quantize_step(a, &qz, num_threads, pooled);
+        Args r = *a; /* attends the rounded rows */
+        r.fresh_k = qz.rounded, r.fresh_v = qz.rounded + n * a->kv_heads * d * size;
+        r.fk_token_stride = r.fv_token_stride = a->kv_heads * (int64_t)d;
+        r.fk_head_stride = r.fv_head_stride = (int64_t)d;
+        status = attend(&r, batch, num_threads, pooled, &qz);
+    }
+    free(qz.q);
+    free(qz.s);
+    free(qz.rounded);
+    return status;
+}
+
+static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
+                  const Quantized *qz) {
     const int rep = a->heads / a->kv_heads;
     if (rep > MAX_QUERIES || num_threads < 1) return -1;
     const int tile = MAX_QUERIES / rep; /* tokens per task */
@@ -505,7 +603,8 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
     /* Scores per query: the span and a block's start before it (one_task's base). */
     const int stride = (span + 2 * (BLOCK - 1)) / BLOCK * BLOCK;
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
-                              (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride;
+                              (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride +
+                              (a->kv_int8 ? (size_t)2 * BLOCK * a->head_dim : 0);
     /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
     int num_tiles = 0;
     for (int b = 0; b < batch; b++) num_tiles += (a->q_count[b] + tile - 1) / tile;
@@ -534,7 +633,7 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
     free(tiles);
     free(buffers);
     /* Then the step's K/V go into the pool (after every read: a ring row may be both). */
-    PARALLEL_FOR(n, a->num_stores, a->num_stores > 256, store_token(a, (int)n));
+    PARALLEL_FOR(n, a->num_stores, a->num_stores > 256, store_token(a, (int)n, qz));
     return 0;
 }
 

@@ -57,6 +57,7 @@ class _Args(ctypes.Structure):
         ("scale", ctypes.c_float),
         ("softcap", ctypes.c_float),
         ("is_bf16", ctypes.c_int32),
+        ("kv_int8", ctypes.c_int32),
     ]
 
 
@@ -171,8 +172,13 @@ class PagedAttentionCall:
 
     @staticmethod
     def supports(storage: torch.Tensor) -> bool:
-        """Whether the kernel can read this pool (and attend the model's activations)."""
-        return library() is not None and storage.dtype in DTYPES and storage.is_contiguous()
+        """Whether the kernel can read this pool (and attend the model's activations): rows
+        in the activations' dtype, or int8 ones with their scales (``kv_format``)."""
+        return (
+            library() is not None
+            and (storage.dtype in DTYPES or storage.dtype == torch.int8)
+            and storage.is_contiguous()
+        )
 
     def for_layer(
         self,
@@ -189,8 +195,9 @@ class PagedAttentionCall:
         alike (every layer of a step asks: a few microseconds each otherwise)."""
         fields = (heads, head_dim, scale, softcap)
         if storage is not self._layer_storage or fields != self._layer_fields:
-            assert storage.dtype in DTYPES and storage.is_contiguous()
+            assert self.supports(storage)
             a = self.args
+            a.kv_int8 = storage.dtype == torch.int8
             # storage: [units, layers, 2 (k, v), rows, kv_heads, D]
             a.unit_stride, a.row_stride, a.head_stride = (storage.stride(i) for i in (0, 3, 4))
             a.heads, a.kv_heads, a.head_dim = heads, storage.shape[-2], head_dim
@@ -214,10 +221,11 @@ class PagedAttentionCall:
         softcap: float | None,
     ) -> None:
         """q, out: [N, heads, D] and k, v: [N, kv_heads, D], the step's rows (last dim
-        contiguous); storage: [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``,
-        holding every position before each segment. Writes the segments' rows of ``out``, then
-        stores the kept rows of k, v in the pool."""
-        assert all(t.dtype == storage.dtype and t.stride(-1) == 1 for t in (q, k, v, out))
+        contiguous); storage: [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``
+        (int8: D + 4 bytes a row), holding every position before each segment. Writes the
+        segments' rows of ``out``, then stores the kept rows of k, v in the pool."""
+        assert all(t.dtype == q.dtype and t.stride(-1) == 1 for t in (q, k, v, out))
+        assert storage.dtype in (q.dtype, torch.int8), (storage.dtype, q.dtype)
         a = self.args
         a.fresh_k, a.fk_token_stride, a.fk_head_stride = k.data_ptr(), k.stride(0), k.stride(1)
         a.fresh_v, a.fv_token_stride, a.fv_head_stride = v.data_ptr(), v.stride(0), v.stride(1)
@@ -228,7 +236,7 @@ class PagedAttentionCall:
         a.unit_stride, a.row_stride, a.head_stride = keys.stride(0), keys.stride(1), keys.stride(2)
         a.heads, a.kv_heads, a.head_dim = q.shape[1], storage.shape[-2], q.shape[2]
         a.scale, a.softcap = scale, softcap or 0.0
-        a.is_bf16 = DTYPES[q.dtype]
+        a.is_bf16, a.kv_int8 = DTYPES[q.dtype], storage.dtype == torch.int8
         self._layer_storage = None  # the fields above are this call's, not ``for_layer``'s
         num_threads = torch.get_num_threads()
         status = library().baton_paged_attention(ctypes.byref(a), self.batch, num_threads)

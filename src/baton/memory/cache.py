@@ -22,6 +22,7 @@ from baton.config import (
     CacheConfig,
     SchedulerConfig,
 )
+from baton.memory import kv_format
 from baton.memory.allocator import StorageAllocator
 from baton.memory.layout import FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION, CacheLayout
 from baton.memory.paged_pool import PagedPool
@@ -86,15 +87,17 @@ class ModelCache:
         (``PagedAttention.stack_plans``), by the layer list it is asked with."""
         page_size = cache_config.page_size
         kv = (spec.num_kv_heads, spec.head_dim, dtype, registry)
-        handoff = {"allocator": allocator, "token_lag": token_lag}
+        quantized = cache_config.kv_cache_dtype == "int8"
+        handoff = {"allocator": allocator, "token_lag": token_lag, "quantized": quantized}
         full_push = PushPhase.STREAMED if token_lag == 0 else PushPhase.FINAL
         full = tuple(i for i, t in enumerate(spec.layer_types) if t == FULL_ATTENTION)
         sliding = tuple(i for i, t in enumerate(spec.layer_types) if t == SLIDING_ATTENTION)
         if full:
             num_pages = cache_config.num_pages
             if num_pages is None:
-                page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * spec.head_dim
-                page_bytes *= torch.empty((), dtype=dtype).element_size()
+                width = kv_format.row_width(spec.head_dim, quantized)
+                page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * width
+                page_bytes *= 1 if quantized else torch.empty((), dtype=dtype).element_size()
                 num_pages = full_pool_pages(
                     cache_config.kv_cache_memory_mb,
                     page_bytes,

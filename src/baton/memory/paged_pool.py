@@ -42,6 +42,7 @@ class PagedPool(StatePool):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
+        quantized: bool = False,
         store_all: int = 0,
     ) -> None:
         """``store_all`` (prefix caching; the largest chunk, in tokens): a sliding pool stores
@@ -69,6 +70,7 @@ class PagedPool(StatePool):
             allocator=allocator,
             token_lag=token_lag,
             push=push,
+            quantized=quantized,
             caching=caching,
         )
         self.page_size = page_size

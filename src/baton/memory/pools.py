@@ -3,7 +3,7 @@
 they share, here.
 
 Storage layout, for every pool: ``[num_units, num_layers, 2 (k/v), rows, num_kv_heads,
-head_dim]`` -- all layers of one unit are contiguous, so a request whose units are adjacent
+head_dim]`` (an int8 pool: ``head_dim + 4`` bytes a row, ``kv_format``) -- all layers of one unit are contiguous, so a request whose units are adjacent
 moves as one large run in a disaggregated handoff.
 
 A sliding layer with window W lets the query at position q see keys q-W+1 .. q. After a
@@ -27,6 +27,7 @@ from array import array
 
 import torch
 
+from baton.memory import kv_format
 from baton.memory.allocator import HeapAllocator, StorageAllocator
 from baton.memory.block_pool import BlockPool
 from baton.memory.state import (
@@ -67,16 +68,23 @@ class StatePool(ABC):
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
         caching: Caching = Caching.NONE,
+        quantized: bool = False,
     ) -> None:
         """``token_lag`` and ``push``: what a PD handoff moves and when; ``caching``: how a
-        prefix-cache hit restores it (``StateComponent``)."""
+        prefix-cache hit restores it (``StateComponent``); ``quantized``: rows held as int8
+        with their scales (``kv_format``), ``dtype`` being the activations'."""
         self.name = name
         self.layer_ids = layer_ids
         self.rows = rows
-        unit_shape = (len(layer_ids), 2, rows, num_kv_heads, head_dim)
+        self.dtype = dtype
+        """The activations' dtype: what ``read`` gives back."""
+        self.quantized = quantized
+        width = kv_format.row_width(head_dim, quantized)
+        unit_shape = (len(layer_ids), 2, rows, num_kv_heads, width)
+        stored = torch.int8 if quantized else dtype
         # The allocator decides where storage lives: heap, or shared memory for a PD peer.
         allocator = allocator if allocator is not None else HeapAllocator()
-        self.storage = allocator.zeros(name, (num_units, *unit_shape), dtype)
+        self.storage = allocator.zeros(name, (num_units, *unit_shape), stored)
         self.blocks = BlockPool(num_units)
         self.num_tokens: dict[str, int] = {}
         """Per request: one past the last position written (what the units cover)."""
@@ -87,7 +95,8 @@ class StatePool(ABC):
             unit=unit,
             unit_bytes=self.storage[0].numel() * self.storage.element_size(),
             num_units=num_units,
-            dtype=_dtype_name(dtype),
+            dtype=_dtype_name(stored),
+            row_format=kv_format.INT8_ROWS if quantized else None,
             page_size=page_size,
             window=window,
             ring_rows=ring_rows,
@@ -178,12 +187,26 @@ class StatePool(ABC):
         """Whether, once positions [start, end) are written, the pool still holds every
         position their queries see (then a step may write first and read after)."""
 
+    def to_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values [..., d] as the pool stores them."""
+        return kv_format.quantize(x) if self.quantized else x
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Stored rows as keys or values [..., d] in the activations' dtype."""
+        return kv_format.dequantize(rows, self.dtype) if self.quantized else rows
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """Keys or values [..., d] as storing them would give them back (attention reads a
+        step's own rows so, ``kv_format``)."""
+        return kv_format.rounded(x) if self.quantized else x
+
     def read(
         self, layer: int, request_id: str, start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at positions [start, end) of pool-local ``layer``: [n, kv, d]."""
         units, rows = self.slots(request_id, range(start, end))
-        return self.storage[units, layer, 0, rows], self.storage[units, layer, 1, rows]
+        keys, values = self.storage[units, layer, 0, rows], self.storage[units, layer, 1, rows]
+        return self.from_rows(keys), self.from_rows(values)
 
     def write(
         self, layer: int, request_id: str, start: int, k: torch.Tensor, v: torch.Tensor
@@ -192,8 +215,8 @@ class StatePool(ABC):
         end = start + k.shape[0]
         first = self.store_from(start, end)
         units, rows = self.slots(request_id, range(first, end))
-        self.storage[units, layer, 0, rows] = k[first - start :]
-        self.storage[units, layer, 1, rows] = v[first - start :]
+        self.storage[units, layer, 0, rows] = self.to_rows(k[first - start :])
+        self.storage[units, layer, 1, rows] = self.to_rows(v[first - start :])
         self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), end)
 
     def write_many(
@@ -211,5 +234,5 @@ class StatePool(ABC):
             rows += r
             self.num_tokens[request_id] = max(self.num_tokens.get(request_id, 0), start + n)
         index = (torch.tensor(units), layer)
-        self.storage[(*index, 0, torch.tensor(rows))] = k
-        self.storage[(*index, 1, torch.tensor(rows))] = v
+        self.storage[(*index, 0, torch.tensor(rows))] = self.to_rows(k)
+        self.storage[(*index, 1, torch.tensor(rows))] = self.to_rows(v)

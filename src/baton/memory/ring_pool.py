@@ -34,6 +34,7 @@ class RingPool(StatePool):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
+        quantized: bool = False,
     ) -> None:
         rows = window + slack
         super().__init__(
@@ -52,6 +53,7 @@ class RingPool(StatePool):
             allocator=allocator,
             token_lag=token_lag,
             push=push,
+            quantized=quantized,
         )
         self.window = window
         self.rings: dict[str, int] = {}

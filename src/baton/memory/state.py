@@ -146,6 +146,9 @@ class StateComponent:
     only components with lag 0; a trailing one is trimmed by the model that writes it."""
     push: PushPhase = PushPhase.FINAL
     caching: Caching = Caching.NONE
+    row_format: str | None = None
+    """How a K/V row is stored when not as ``dtype`` values: ``kv_format.INT8_ROWS`` (int8
+    values and their scale). In the schema: a pair holding rows differently does not pair."""
     derived: tuple[str, ...] = ()
     """State the receiving side rebuilds from this component's content instead of receiving
     its bytes, each with what rebuilding it depends on (the aux record: ``grammar: llguidance
@@ -190,6 +193,7 @@ class StateComponent:
             "unit_bytes": self.unit_bytes,
             "unit_shape": list(self.unit_shape),
             "dtype": self.dtype,
+            "row_format": self.row_format,
             "page_size": self.page_size,
             "window": self.window,
             "ring_rows": self.ring_rows,

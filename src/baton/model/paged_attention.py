@@ -259,14 +259,15 @@ class PagedAttention(AttentionBackend):
             pool, plan, window
         )
         storage = pool.storage
-        storage[units, local, 0, slots] = k[0, tokens]  # written first: see the module doc
-        storage[units, local, 1, slots] = v[0, tokens]
+        # Written first (see the module doc); read back as stored (an int8 pool: rounded).
+        storage[units, local, 0, slots] = pool.to_rows(k[0, tokens])
+        storage[units, local, 1, slots] = pool.to_rows(v[0, tokens])
         self._count(pool, plan)
         batch, num_units = read_units.shape
         # Index whole units of a [units, rows, kv, D] view: contiguous copies, then a free view.
-        shape = (batch, num_units * pool.rows, *storage.shape[-2:])
-        keys = storage[:, local, 0][read_units].view(shape)  # [B, L, kv, D]
-        values = storage[:, local, 1][read_units].view(shape)
+        shape = (batch, num_units * pool.rows, *k.shape[-2:])
+        keys = pool.from_rows(storage[:, local, 0][read_units]).view(shape)  # [B, L, kv, D]
+        values = pool.from_rows(storage[:, local, 1][read_units]).view(shape)
         # [B, Q, heads, D]
         queries = q[0].reshape(batch, -1, *q.shape[2:]) if self._is_dense(plan) else q[0, q_index]
         attn = masked_attention(
@@ -308,13 +309,12 @@ class PagedAttention(AttentionBackend):
             mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
             self._one[key] = (read, store - seg.start, write, mask)
         read, skip, write, mask = self._one[key]
+        keys, values = pool.rounded(k_seg), pool.rounded(v_seg)  # as the pool gives them back
         if read is not None:
             read_units, read_rows = read
-            old_k = pool.storage[read_units, local, 0, read_rows]
-            old_v = pool.storage[read_units, local, 1, read_rows]
-            keys, values = torch.cat((old_k, k_seg)), torch.cat((old_v, v_seg))
-        else:
-            keys, values = k_seg, v_seg
+            old_k = pool.from_rows(pool.storage[read_units, local, 0, read_rows])
+            old_v = pool.from_rows(pool.storage[read_units, local, 1, read_rows])
+            keys, values = torch.cat((old_k, keys)), torch.cat((old_v, values))
         attn = masked_attention(
             q_seg.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],
@@ -325,8 +325,8 @@ class PagedAttention(AttentionBackend):
         )
         out[0, rows] = attn[0].transpose(0, 1)
         write_units, write_rows = write
-        pool.storage[write_units, local, 0, write_rows] = k_seg[skip:]
-        pool.storage[write_units, local, 1, write_rows] = v_seg[skip:]
+        pool.storage[write_units, local, 0, write_rows] = pool.to_rows(k_seg[skip:])
+        pool.storage[write_units, local, 1, write_rows] = pool.to_rows(v_seg[skip:])
         pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
 
     # -- the linear layers' state (``RecurrentBackend``) --------------------------------------

@@ -295,6 +295,12 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
             problems.append(sides.differs("speculative config: ", field, mine, theirs) + hint)
     if local.backend != remote.backend:
         problems.append(sides.differs("", "transfer backend", local.backend, remote.backend))
+    mine, theirs = _kv_cache_dtype(local.schema), _kv_cache_dtype(remote.schema)
+    if mine != theirs:
+        problems.append(
+            sides.differs("", "kv_cache_dtype", mine, theirs)
+            + ": start both with the same --kv-cache-dtype"
+        )
     mine, theirs = _dtypes(local.schema), _dtypes(remote.schema)
     if mine and theirs and mine != theirs:
         problems.append(
@@ -306,8 +312,19 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
 
 
 def _dtypes(schema: list[dict[str, Any]]) -> set[str]:
-    """The dtypes a schema's components hold (the model's compute dtype)."""
-    return {c["dtype"] for c in schema if isinstance(c, dict) and isinstance(c.get("dtype"), str)}
+    """The dtypes a schema's components hold (the model's compute dtype; not an int8 pool's,
+    ``_kv_cache_dtype``)."""
+    return {
+        c["dtype"]
+        for c in schema
+        if isinstance(c, dict) and isinstance(c.get("dtype"), str) and not c.get("row_format")
+    }
+
+
+def _kv_cache_dtype(schema: list[dict[str, Any]]) -> str:
+    """``int8`` when a schema's K/V components hold int8 rows (``kv_format``), else ``auto``."""
+    quantized = any(isinstance(c, dict) and c.get("row_format") for c in schema)
+    return "int8" if quantized else "auto"
 
 
 def check_pairing(local: PeerInfo, remote: PeerInfo) -> None:
