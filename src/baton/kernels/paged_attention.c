@@ -23,11 +23,13 @@
  * summed in fp32 -- what torch's CPU flash attention does in bf16 (transformers' SDPA), and
  * a quarter off the kernel's time.
  * An int8 pool (kv_int8; baton/memory/kv_format.py): a row of head_dim int8 values q and its
- * fp32 scale s in the 4 bytes after them (strides in bytes), standing for q * s rounded to
- * the activations' dtype. The step's own K/V rows are quantized once per call
- * (baton_quantize_rows: round(x * 127 / max |x|), s = max |x| / 127) and attended as such
- * too -- every query sees every key as the pool holds it, so a result does not depend on
- * how a prompt was cut into chunks -- and the stored rows are those bytes.
+ * fp32 scale s in the 4 bytes after them (strides in bytes), standing for q * s. The step's
+ * own K/V rows are quantized once per call (quantize_step: baton_quantize_rows, round(x *
+ * 127 / max |x|), s = max |x| / 127) and attended as such too -- every query sees every key
+ * as the pool holds it, so a result does not depend on how a prompt was cut into chunks --
+ * and the stored rows are those bytes. A task reads each block's rows once, as q * s
+ * rounded to bf16 where the AVX-512 BF16 path takes them (rounded once, to nearest even),
+ * else to fp32, and attends them as such a pool's.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
  * baton/model/paged_attention.py, which tests compare it with.
  */
@@ -39,6 +41,9 @@
 
 #include "fastmath.h"
 #include "kernels.h"
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 
@@ -74,15 +79,38 @@ static inline void load_row(float *restrict dst, const void *src, int64_t offset
     }
 }
 
-/* d int8 values q times their scale s, in the activations' dtype at dst. */
-static inline void dequantize_row(void *dst, const int8_t *q, float s, int d, int is_bf16) {
-    if (is_bf16) {
-        for (int e = 0; e < d; e++) store(dst, e, (float)q[e] * s, 1);
-    } else {
-        float *restrict out = dst;
+/* An int8 row (d values, then their fp32 scale s) as q * s at dst: bf16 (to nearest even,
+ * as `store`; a finite scale: no NaN to keep) or fp32; loops that vectorise. */
+static inline void dequantize_row(void *dst, const int8_t *restrict row, int d, int to_bf16) {
+    float s;
+    memcpy(&s, row + d, sizeof s);
+    if (to_bf16) {
+        uint16_t *restrict out = dst;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        if (d % 32 == 0) { /* vcvtne2ps2bf16 rounds to nearest even, as below */
+            const __m512 vs = _mm512_set1_ps(s);
+            for (int e = 0; e < d; e += 32) {
+                const __m512 lo = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + e)))), vs);
+                const __m512 hi = _mm512_mul_ps(
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + e + 16)))), vs);
+                _mm512_storeu_si512(out + e, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            }
+            return;
+        }
+#endif
 #pragma omp simd
-        for (int e = 0; e < d; e++) out[e] = (float)q[e] * s;
+        for (int e = 0; e < d; e++) {
+            const float f = (float)row[e] * s;
+            uint32_t bits;
+            memcpy(&bits, &f, sizeof bits);
+            out[e] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+        return;
     }
+    float *restrict out = dst;
+#pragma omp simd
+    for (int e = 0; e < d; e++) out[e] = (float)row[e] * s;
 }
 
 #define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
@@ -96,15 +124,16 @@ static inline int visible(const Args *a, int b, int kp, int p) {
     return kp >= 0 && kp >= a->first[b] && kp <= p && !(a->window > 0 && kp <= p - a->window);
 }
 
-/* scores[kk] = scale * q . k_kk for the block, -INFINITY where not visible (portable C). */
+/* scores[kk] = scale * q . k_kk for the block, -INFINITY where not visible (portable C); the
+ * rows bf16 (row_bf16) or fp32. */
 static inline void score_block(const Args *a, int b, const Block *blk, const float *q, int p,
-                               float *row, float *scores, int d) {
+                               float *row, float *scores, int d, int row_bf16) {
     for (int kk = 0; kk < BLOCK; kk++) {
         if (!visible(a, b, blk->pos[kk], p)) {
             scores[kk] = -INFINITY;
             continue;
         }
-        load_row(row, blk->k[kk], 0, d, a->is_bf16);
+        load_row(row, blk->k[kk], 0, d, row_bf16);
         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
         for (int e = 0; e < d; e++) dot += q[e] * row[e];
@@ -294,12 +323,11 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
 /* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
  * a position lives); those before `p_lo` or past `p_end` are padding (they repeat the row of
  * the block's first other position). Walks the pool row by row: one division per block,
- * not two per position. An int8 pool's rows of `which` (0: keys, 1: values; the block's
- * other pointers are then not to be read) are dequantized into `deq` (BLOCK rows). */
+ * not two per position. */
 static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int p_end,
-                              Block *blk, char *deq, int which) {
-    const int size = a->is_bf16 ? 2 : 4, start = a->q_start[b];
-    const int pool_size = a->kv_int8 ? 1 : size;
+                              Block *blk) {
+    /* element bytes, pool and step rows alike (int8: the step's rows quantize_step made) */
+    const int size = a->kv_int8 ? 1 : a->is_bf16 ? 2 : 4, start = a->q_start[b];
     const int32_t *units = a->units + (int64_t)b * a->max_units;
     const int k0 = p_lo > p0 ? p_lo - p0 : 0; /* the first row that is not padding */
     const int j = a->is_ring ? (p0 + k0) % a->rows : p0 + k0 - a->key_base[b];
@@ -320,16 +348,8 @@ static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int
         } else {
             const int64_t at = (int64_t)units[unit] * a->unit_stride +
                                (int64_t)row * a->row_stride + (int64_t)g * a->head_stride;
-            blk->k[kk] = (const char *)a->k + at * pool_size;
-            blk->v[kk] = (const char *)a->v + at * pool_size;
-            if (a->kv_int8) {
-                const int8_t *q = which ? blk->v[kk] : blk->k[kk];
-                float scale; /* after the row's values */
-                memcpy(&scale, q + a->head_dim, sizeof scale);
-                char *dst = deq + (int64_t)kk * a->head_dim * size;
-                dequantize_row(dst, q, scale, a->head_dim, a->is_bf16);
-                blk->k[kk] = blk->v[kk] = dst;
-            }
+            blk->k[kk] = (const char *)a->k + at * size;
+            blk->v[kk] = (const char *)a->v + at * size;
         }
         if (++row == a->rows) { /* next page; a ring wraps to its row 0 */
             row = 0;
@@ -340,6 +360,16 @@ static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int
         blk->pos[kk] = -1;
         blk->k[kk] = blk->k[k0];
         blk->v[kk] = blk->v[k0];
+    }
+}
+
+/* A block's int8 rows of `which` (0: keys, 1: values; padding too) dequantized into `deq`
+ * (BLOCK rows, bf16 or fp32), where the block then points (both pointers of a row). */
+static inline void dequantize_block(Block *blk, int which, int d, float *deq, int to_bf16) {
+    for (int kk = 0; kk < BLOCK; kk++) {
+        float *row = deq + (int64_t)kk * d; /* room for fp32 */
+        dequantize_row(row, which ? blk->v[kk] : blk->k[kk], d, to_bf16);
+        blk->k[kk] = blk->v[kk] = row;
     }
 }
 
@@ -365,25 +395,27 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int padded = (p_last - base + 1 + BLOCK - 1) / BLOCK * BLOCK;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
-    /* An int8 pool's rows dequantized: two blocks' worth, the block in use and the next. */
-    char *deq[2] = {(char *)(scores + (size_t)MAX_QUERIES * stride), NULL};
-    deq[1] = deq[0] + (size_t)BLOCK * d * sizeof(float);
+    float *deq = scores + (size_t)MAX_QUERIES * stride; /* the block's int8 rows, converted */
     int64_t q_at[MAX_QUERIES];
     for (int i = 0; i < nq; i++) {
         q_at[i] = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->q_token_stride +
                   (int64_t)(g * rep + i % rep) * a->q_head_stride;
         load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
     }
+    /* int8 rows are read as bf16 where the AVX-512 BF16 path takes them, else as fp32 */
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
+    const int row_bf16 = a->is_bf16 && (!a->kv_int8 || fast);
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
+    const int row_bytes = a->kv_int8 ? d + 4 : d * (a->is_bf16 ? 2 : 4);
     (void)avx2;
     Block blk, next;
-    fill_block(a, b, g, base, lo, p_last, &next, deq[0], 0);
+    fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next; /* and the rows of the block after it on their way into the cache */
+        if (a->kv_int8) dequantize_block(&blk, 0, d, deq, fast);
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next, deq[(j0 / BLOCK + 1) & 1], 0);
-            prefetch_rows(next.k, d * (a->is_bf16 ? 2 : 4));
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
+            prefetch_rows(next.k, row_bytes);
         }
         for (int i = 0; i < nq; i++) {
             const int p = a->q_start[b] + t0 + i / rep;
@@ -396,14 +428,14 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #endif
 #if HAS_AVX2_PATH
             if (avx2) {
-                if (a->is_bf16)
+                if (row_bf16)
                     score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 1);
                 else
                     score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 0);
                 continue;
             }
 #endif
-            score_block(a, b, &blk, qf + (int64_t)i * d, p, rows, s, d);
+            score_block(a, b, &blk, qf + (int64_t)i * d, p, rows, s, d, row_bf16);
         }
     }
     /* Softmax numerators in place (soft-capped first where the model says so). */
@@ -429,12 +461,13 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #endif
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
-    fill_block(a, b, g, base, lo, p_last, &next, deq[0], 1);
+    fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next;
+        if (a->kv_int8) dequantize_block(&blk, 1, d, deq, fast);
         if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next, deq[(j0 / BLOCK + 1) & 1], 1);
-            prefetch_rows(next.v, d * (a->is_bf16 ? 2 : 4));
+            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
+            prefetch_rows(next.v, row_bytes);
         }
 #if HAS_BF16_PATH
         if (fast) { /* padding rows are read, never weighed */
@@ -449,7 +482,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         if (avx2) { /* padding rows weigh 0: never read */
             for (int i = 0; i < nq; i++) {
                 const float *probs = scores + (int64_t)i * stride + j0;
-                if (a->is_bf16)
+                if (row_bf16)
                     accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 1);
                 else
                     accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 0);
@@ -458,7 +491,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         }
 #endif
         for (int kk = 0; kk < BLOCK; kk++) /* padding rows are read, never weighed */
-            load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, a->is_bf16);
+            load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, row_bf16);
         for (int i = 0; i < nq; i++) {
             const float *probs = scores + (int64_t)i * stride + j0;
 #if HAS_BF16_PATH
@@ -503,12 +536,11 @@ static void one_tile(void *ctx, int t, int worker) {
 }
 
 /* An int8 pool's view of the step's K/V rows: tokens [0, n) x kv heads, keys then values,
- * each row's int8 values (rows[(w * n + t) * kv_heads + g]) and scale; `rounded`, the rows
- * dequantized (activations' dtype, [2, n, kv_heads, head_dim]): what the call attends. */
+ * each as the pool holds a row (head_dim int8 values, then the scale) at rows + ((w * n + t)
+ * * kv_heads + g) * (head_dim + 4): what the call attends and stores. */
 typedef struct {
-    int8_t *q;
-    float *s;
-    char *rounded;
+    int8_t *rows;
+    float *scales; /* scratch: baton_quantize_rows writes them apart */
     int64_t n;
 } Quantized;
 
@@ -521,13 +553,10 @@ static inline void store_token(const Args *a, int n, const Quantized *qz) {
         const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
                            (int64_t)a->store_row[n] * a->row_stride + (int64_t)g * a->head_stride;
         if (qz != NULL) {
-            const int d = a->head_dim;
-            for (int w = 0; w < 2; w++) {
-                const int64_t r = (w * qz->n + t) * a->kv_heads + g;
-                int8_t *dst = (int8_t *)(w ? a->v : a->k) + at;
-                memcpy(dst, qz->q + r * d, (size_t)d);
-                memcpy(dst + d, qz->s + r, sizeof(float));
-            }
+            const int64_t width = a->head_dim + 4;
+            for (int w = 0; w < 2; w++)
+                memcpy((int8_t *)(w ? a->v : a->k) + at,
+                       qz->rows + ((w * qz->n + t) * a->kv_heads + g) * width, (size_t)width);
             continue;
         }
         memcpy((char *)a->k + at * size,
@@ -539,10 +568,9 @@ static inline void store_token(const Args *a, int n, const Quantized *qz) {
     }
 }
 
-/* The step's K/V rows quantized (qz->q, qz->s) and dequantized (qz->rounded) for an int8
- * pool: tokens [0, qz->n). */
+/* The step's K/V rows [0, qz->n) quantized into qz->rows for an int8 pool. */
 static void quantize_step(const Args *a, const Quantized *qz, int num_threads, int pooled) {
-    const int d = a->head_dim, kv = a->kv_heads, size = a->is_bf16 ? 2 : 4;
+    const int d = a->head_dim, kv = a->kv_heads, size = a->is_bf16 ? 2 : 4, width = d + 4;
     const int64_t n = qz->n;
     if (pooled) num_threads = 1; /* a small step: no OpenMP region on pool.c's cores */
     PARALLEL_FOR(t, n, n * kv * d > 65536, {
@@ -550,11 +578,11 @@ static void quantize_step(const Args *a, const Quantized *qz, int num_threads, i
             const char *src = (const char *)(w ? a->fresh_v : a->fresh_k) +
                               t * (w ? a->fv_token_stride : a->fk_token_stride) * size;
             const int64_t r = (w * n + t) * kv;
-            baton_quantize_rows(src, w ? a->fv_head_stride : a->fk_head_stride, kv, d, d,
-                                a->is_bf16, qz->q + r * d, qz->s + r, 1);
+            /* d values zero-padded to d + 4 (the scale's bytes, written next) per row */
+            baton_quantize_rows(src, w ? a->fv_head_stride : a->fk_head_stride, kv, d, width,
+                                a->is_bf16, qz->rows + r * width, qz->scales + r, 1);
             for (int g = 0; g < kv; g++)
-                dequantize_row(qz->rounded + (r + g) * d * size, qz->q + (r + g) * d, qz->s[r + g],
-                               d, a->is_bf16);
+                memcpy(qz->rows + (r + g) * width + d, qz->scales + r + g, sizeof(float));
         }
     });
 }
@@ -572,20 +600,19 @@ int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, 
         n = a->q_offset[b] + a->q_count[b] > n ? a->q_offset[b] + a->q_count[b] : n;
     for (int i = 0; i < a->num_stores; i++) n = a->store_token[i] + 1 > n ? a->store_token[i] + 1 : n;
     const size_t rows = (size_t)(2 * n * a->kv_heads > 0 ? 2 * n * a->kv_heads : 1);
-    const size_t d = (size_t)a->head_dim, size = a->is_bf16 ? 2 : 4;
-    Quantized qz = {malloc(rows * d), malloc(rows * sizeof(float)), malloc(rows * d * size), n};
+    const int64_t width = a->head_dim + 4;
+    Quantized qz = {malloc(rows * width), malloc(rows * sizeof(float)), n};
     int status = -1;
-    if (qz.q != NULL && qz.s != NULL && qz.rounded != NULL) {
+    if (qz.rows != NULL && qz.scales != NULL) {
         quantize_step(a, &qz, num_threads, pooled);
-        Args r = *a; /* attends the rounded rows */
-        r.fresh_k = qz.rounded, r.fresh_v = qz.rounded + n * a->kv_heads * d * size;
-        r.fk_token_stride = r.fv_token_stride = a->kv_heads * (int64_t)d;
-        r.fk_head_stride = r.fv_head_stride = (int64_t)d;
+        Args r = *a; /* attends the quantized rows (fill_block reads them as the pool's) */
+        r.fresh_k = qz.rows, r.fresh_v = qz.rows + n * a->kv_heads * width;
+        r.fk_token_stride = r.fv_token_stride = a->kv_heads * width;
+        r.fk_head_stride = r.fv_head_stride = width;
         status = attend(&r, batch, num_threads, pooled, &qz);
     }
-    free(qz.q);
-    free(qz.s);
-    free(qz.rounded);
+    free(qz.rows);
+    free(qz.scales);
     return status;
 }
 
@@ -604,7 +631,7 @@ static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
     const int stride = (span + 2 * (BLOCK - 1)) / BLOCK * BLOCK;
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
                               (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride +
-                              (a->kv_int8 ? (size_t)2 * BLOCK * a->head_dim : 0);
+                              (a->kv_int8 ? (size_t)BLOCK * a->head_dim : 0);
     /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
     int num_tiles = 0;
     for (int b = 0; b < batch; b++) num_tiles += (a->q_count[b] + tile - 1) / tile;
