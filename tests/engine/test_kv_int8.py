@@ -228,7 +228,9 @@ def test_a_prefix_cache_hit_equals_a_cold_run(spec_dir):
 
 
 def _pd_engines(directory, prefill_kv: str, decode_kv: str) -> tuple[LLMEngine, LLMEngine]:
-    return _engine(directory, kv_cache_dtype=prefill_kv), _engine(directory, kv_cache_dtype=decode_kv)
+    return _engine(directory, kv_cache_dtype=prefill_kv), _engine(
+        directory, kv_cache_dtype=decode_kv
+    )
 
 
 def test_pd_with_int8_pools_equals_colocated_and_moves_fewer_bytes(spec_dir):
@@ -241,9 +243,7 @@ def test_pd_with_int8_pools_equals_colocated_and_moves_fewer_bytes(spec_dir):
         p_engine, d_engine = _pd_engines(spec_dir, kv, kv)
         prefill, decode = loopback_pair(p_engine, d_engine)
         outs, arrived = run_handoffs(prefill, decode, prompts, params)
-        assert [o.outputs[0].token_ids for o in outs] == [
-            o.outputs[0].token_ids for o in expected
-        ]
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
         assert [o.metrics.accepted_lengths for o in outs] == [
             o.metrics.accepted_lengths for o in expected
         ]
