@@ -3,8 +3,9 @@
 they share, here.
 
 Storage layout, for every pool: ``[num_units, num_layers, 2 (k/v), rows, num_kv_heads,
-head_dim]`` (an int8 pool: ``head_dim + 4`` bytes a row, ``kv_format``) -- all layers of one unit are contiguous, so a request whose units are adjacent
-moves as one large run in a disaggregated handoff.
+head_dim]`` (an int8 pool: ``head_dim + 4`` bytes a row, ``kv_format``) -- all layers of one
+unit are contiguous, so a request whose units are adjacent moves as one large run in a
+disaggregated handoff.
 
 A sliding layer with window W lets the query at position q see keys q-W+1 .. q. After a
 step that computed positions up to ``end``, future queries (>= end) need only keys
