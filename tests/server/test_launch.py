@@ -386,10 +386,13 @@ def test_engine_switches_reach_every_worker_as_given():
         "30",
         "--quantization",
         "int4",
+        "--kv-cache-dtype",
+        "int8",
     ]
     options = engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.quantization == "int4"
+    assert config.cache.kv_cache_dtype == "int8"
     assert config.speculative is False and config.num_speculative_tokens == 2
     assert config.cache.enable_prefix_caching is False
     assert config.cache.sliding_mode == "ring"
@@ -399,7 +402,7 @@ def test_engine_switches_reach_every_worker_as_given():
     assert engine_options(child) == options
     default = engine_options(build_parser().parse_args(["serve"]))
     assert "speculative" not in default and "enable_prefix_caching" not in default
-    assert "sliding_mode" not in default
+    assert "sliding_mode" not in default and "kv_cache_dtype" not in default
     assert "small_step_threads" not in default  # as --threads
     assert "quantization" not in default
     assert "keep_warm_s" not in default and EngineConfig().keep_warm_s == 0

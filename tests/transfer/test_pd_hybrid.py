@@ -21,9 +21,9 @@ from tests.transfer.inprocess import loopback_pair, run_handoffs
 PARAMS = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 
 
-def _pd(directory, skip: frozenset[str] = frozenset(), prompts=None):
-    prefill_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
-    decode_engine = LLMEngine(directory, _config(num_speculative_tokens=3))
+def _pd(directory, skip: frozenset[str] = frozenset(), prompts=None, **kw):
+    prefill_engine = LLMEngine(directory, _config(num_speculative_tokens=3, **kw))
+    decode_engine = LLMEngine(directory, _config(num_speculative_tokens=3, **kw))
     hello = dict(backend="loopback")
     check_pairing(
         build_hello(decode_engine, directory, worker_id="d", role="decode", **hello),
@@ -34,9 +34,13 @@ def _pd(directory, skip: frozenset[str] = frozenset(), prompts=None):
     return outs, prefill, decode, arrived, (prefill_engine, decode_engine)
 
 
-def test_pd_of_a_hybrid_model_equals_colocated(hybrid_mtp_checkpoint):
-    expected = run(hybrid_mtp_checkpoint, _prompts(), PARAMS, num_speculative_tokens=3)
-    outs, prefill, decode, arrived, (p_engine, d_engine) = _pd(hybrid_mtp_checkpoint)
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_pd_of_a_hybrid_model_equals_colocated(hybrid_mtp_checkpoint, kv_cache_dtype):
+    """With an int8 K/V cache too: the attention layers' pools hold int8 rows, the recurrent
+    state stays fp32, and the handoff still equals colocated."""
+    kv = {"kv_cache_dtype": kv_cache_dtype}
+    expected = run(hybrid_mtp_checkpoint, _prompts(), PARAMS, num_speculative_tokens=3, **kv)
+    outs, prefill, decode, arrived, (p_engine, d_engine) = _pd(hybrid_mtp_checkpoint, **kv)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
     assert [o.metrics.accepted_lengths for o in outs] == [
         o.metrics.accepted_lengths for o in expected

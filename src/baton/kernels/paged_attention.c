@@ -234,6 +234,29 @@ static inline void pair_values_bf16(const Block *blk, uint32_t *pairs, int d) {
     }
 }
 
+/* pair_values_bf16 of int8 rows: each value q * s rounded to bf16 as dequantize_row rounds
+ * it, straight into the pairs. */
+static inline void pair_values_int8(const Block *blk, uint32_t *pairs, int d) {
+    for (int j = 0; j < BLOCK / 2; j++) {
+        const int8_t *v0 = blk->v[2 * j], *v1 = blk->v[2 * j + 1];
+        float s0, s1;
+        memcpy(&s0, v0 + d, sizeof s0);
+        memcpy(&s1, v1 + d, sizeof s1);
+        for (int c = 0; c < d / 16; c++) {
+            const __m512 f0 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v0 + 16 * c)))),
+                _mm512_set1_ps(s0));
+            const __m512 f1 = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(v1 + 16 * c)))),
+                _mm512_set1_ps(s1));
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f0));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f1));
+            _mm512_storeu_si512(pairs + ((int64_t)j * (d / 16) + c) * 16,
+                                _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+        }
+    }
+}
+
 /* acc[e] += sum_kk probs[kk] * v_kk[e] with bf16 probabilities (`probs`: the query's pairs for
  * this block) and values, each pair of products summed in fp32 (vdpbf16ps); d % 16 == 0. */
 static inline void accumulate_block_bf16(const uint32_t *probs, const uint32_t *pairs,
@@ -464,14 +487,17 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next;
-        if (a->kv_int8) dequantize_block(&blk, 1, d, deq, fast);
+        if (a->kv_int8 && !fast) dequantize_block(&blk, 1, d, deq, 0); /* else paired below */
         if (j0 + BLOCK < padded) {
             fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
             prefetch_rows(next.v, row_bytes);
         }
 #if HAS_BF16_PATH
         if (fast) { /* padding rows are read, never weighed */
-            pair_values_bf16(&blk, (uint32_t *)rows, d);
+            if (a->kv_int8)
+                pair_values_int8(&blk, (uint32_t *)rows, d);
+            else
+                pair_values_bf16(&blk, (uint32_t *)rows, d);
             for (int i = 0; i < nq; i++)
                 accumulate_block_bf16((const uint32_t *)(scores + (int64_t)i * stride) + j0 / 2,
                                       (const uint32_t *)rows, acc + (int64_t)i * d, d);
