@@ -540,6 +540,37 @@ def test_pd_processes_bundled_model(tmp_path, backend, mode):
 
 
 @pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
+def test_pd_processes_with_an_int8_kv_cache(tmp_path, backend):
+    """The bundled model with int8 K/V rows on both sides (``--kv-cache-dtype int8``): every
+    pool's int8 rows and scales cross processes by every backend; tokens and acceptance
+    lengths equal a colocated engine with the same cache, the bytes moved those of int8 rows
+    (68 a row where bf16 takes 128)."""
+    from tests.conftest import BUNDLED
+
+    require_backend(backend)
+    kv = "kv_cache_dtype=int8"
+    prefill = start_prefill(
+        BUNDLED, tmp_path / "prefill.log", "--backend", backend, f"--engine={kv}"
+    )
+    try:
+        expected = _colocated(BUNDLED, kv_cache_dtype="int8")
+        config = _config(kv_cache_dtype="int8")
+        with _client(BUNDLED, prefill.endpoint, backend=backend, config=config) as client:
+            rooms = [client.add_request(p, params) for p, params in _requests()]
+            done = _run(client, timeout_s=60.0)
+            _assert_same_tokens_and_acceptance([done[room] for room in rooms], expected)
+            assert client.engine.runner.num_computed_prompt_tokens == 0
+            moved = client.inbox.transfer_bytes
+            pools = {c.name: c for c in client.engine.registry if c.row_format}
+            assert set(pools) == {"target.full", "target.swa", "draft.swa"}
+            for name, c in pools.items():
+                assert moved.get(name, 0) > 0, name
+                assert c.unit_bytes % 68 == 0 and c.dtype == "int8", name
+    finally:
+        prefill.stop()
+
+
+@pytest.mark.parametrize("backend", ["shm", "nixl", "mooncake"])
 def test_pd_processes_hybrid_model(tmp_path, hybrid_mtp_checkpoint, backend):
     """A hybrid model (Qwen3.5: gated delta net + gated attention, a distilled MTP draft)
     across two processes: its recurrent state (``target.linear``) moves with the pages and
