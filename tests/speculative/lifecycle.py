@@ -27,8 +27,8 @@ def greedy(max_tokens: int, logprobs: int | None = None) -> SamplingParams:
 class Reference:
     """Greedy token ids of one prompt run alone, without pressure or speculation (memoised)."""
 
-    def __init__(self, directory) -> None:
-        self.engine = engine(directory, speculative=False, max_num_batched_tokens=4096)
+    def __init__(self, directory, **options) -> None:
+        self.engine = engine(directory, speculative=False, max_num_batched_tokens=4096, **options)
         self.outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def __call__(self, prompt: list[int], max_tokens: int) -> list[int]:

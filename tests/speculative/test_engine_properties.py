@@ -87,9 +87,28 @@ def reference(spec_dir):
     return Reference(spec_dir)
 
 
+@pytest.fixture(scope="module")
+def int8_reference(spec_dir):
+    return Reference(spec_dir, kv_cache_dtype="int8")
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stream=streams())
 def test_every_request_ends_right_and_returns_every_unit(spec_dir, reference, stream):
+    check_stream(spec_dir, reference, stream)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=streams())
+def test_with_int8_kv_rows_too(spec_dir, int8_reference, stream):
+    """Every pool holding int8 rows (``kv_cache_dtype="int8"``): the step's own rows are
+    attended as stored, so chunks, verification steps and preemption's recomputation still
+    give the tokens of one whole-prompt run with the same cache."""
+    options = {**stream.options, "kv_cache_dtype": "int8"}
+    check_stream(spec_dir, int8_reference, Stream(options, stream.arrivals, stream.aborts))
+
+
+def check_stream(spec_dir, reference, stream: Stream) -> None:
     llm = engine(spec_dir, **stream.options)
     ids: dict[int, str] = {}
     finished: dict[str, list[int]] = {}
