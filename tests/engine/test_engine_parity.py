@@ -68,15 +68,27 @@ def test_preemption_under_memory_pressure_keeps_outputs(hf_checkpoint):
     assert llm.engine.cache.pools[0].num_free_units == 14
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
-@pytest.mark.parametrize("sliding_mode", ["paged", "ring"])
-def test_torch_paths_give_the_kernels_tokens(arch, sliding_mode, hf_checkpoint, monkeypatch):
+@pytest.mark.parametrize(
+    "arch,sliding_mode,kv_cache_dtype",
+    [
+        ("qwen3", "paged", "auto"),
+        ("qwen3", "ring", "auto"),
+        ("gemma2", "paged", "auto"),
+        ("gemma2", "ring", "auto"),
+        ("qwen3", "paged", "int8"),  # int8 rows: kv_format's torch ops against the kernel
+        ("gemma2", "ring", "int8"),
+    ],
+)
+def test_torch_paths_give_the_kernels_tokens(
+    arch, sliding_mode, kv_cache_dtype, hf_checkpoint, monkeypatch
+):
     """With the native kernels off (no compiler, a failed build, ``BATON_NATIVE_KERNELS=0``)
     the torch paths they replace run the engine and give the same greedy tokens."""
     directory, _ = hf_checkpoint(arch)
     prompts = _prompts()
-    with_kernels = _generate(directory, prompts, sliding_mode=sliding_mode)
+    options = dict(sliding_mode=sliding_mode, kv_cache_dtype=kv_cache_dtype)
+    with_kernels = _generate(directory, prompts, **options)
     monkeypatch.setattr(kernel_attention, "library", lambda: None)
     monkeypatch.setattr(kernel_norm, "library", lambda: None)
     monkeypatch.setattr(kernel_logits, "library", lambda: None)
-    assert _generate(directory, prompts, sliding_mode=sliding_mode) == with_kernels
+    assert _generate(directory, prompts, **options) == with_kernels
