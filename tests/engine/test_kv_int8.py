@@ -23,8 +23,15 @@ from baton.model.paged_attention import PagedAttention, Segment
 from baton.request import SamplingParams
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from tests.conftest import BUNDLED
-from tests.engine.test_native_attention import _reference, _segments
-from tests.memory.test_prefix_cache import _engine, _held, _run, _tokens, readable_bytes
+from tests.engine.test_native_attention import _reference, _segments, step_with_history
+from tests.memory.test_prefix_cache import (  # the prefix-cache tests' model and helpers
+    _engine,
+    _held,
+    _run,
+    _tokens,
+    prefix_cache_model,
+    readable_bytes,
+)
 from tests.transfer.inprocess import loopback_pair, run_handoffs
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
@@ -81,22 +88,7 @@ def test_kernel_stores_the_torch_paths_bytes_and_attends_the_stored_rows(
     torch.manual_seed(rng.randint(0, 1000))
     pool, window = _pool(kind, dtype, kv_heads, head_dim)
     segments = _segments(rng, with_prefill)
-    num_tokens = sum(s.num_tokens for s in segments)
-    q = torch.randn(1, num_tokens, heads, head_dim).to(dtype)
-    k = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
-    v = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
-    history = {}
-    for seg in segments:
-        end = seg.start + seg.num_tokens
-        k_all = torch.randn(end, kv_heads, head_dim).to(dtype)
-        v_all = torch.randn(end, kv_heads, head_dim).to(dtype)
-        k_all[seg.start :] = k[0, seg.offset : seg.offset + seg.num_tokens]
-        v_all[seg.start :] = v[0, seg.offset : seg.offset + seg.num_tokens]
-        if seg.start:
-            pool.grow(seg.request_id, 0, seg.start)
-            pool.write(0, seg.request_id, 0, k_all[: seg.start], v_all[: seg.start])
-        pool.grow(seg.request_id, seg.start, end)
-        history[seg.request_id] = (k_all, v_all)
+    q, k, v, history = step_with_history(pool, segments, heads, dtype)
     cache = SimpleNamespace(layer_map={7: (pool, 0)})
     scale = head_dim**-0.5
 
@@ -184,18 +176,7 @@ def test_a_bad_kv_cache_dtype_is_named():
 # -- engines ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def spec_dir(hf_checkpoint, tmp_path_factory):
-    """The prefix-cache tests' model: a tiny Qwen3 with full and sliding layers, an MTP
-    draft with its own window."""
-    from baton.model import DraftSpec, MTPDraft, load_model
-    from baton.model.loader import save_draft
-
-    _, hf = hf_checkpoint("qwen3")
-    directory = tmp_path_factory.mktemp("kv-int8-qwen3")
-    hf.save_pretrained(directory)
-    torch.manual_seed(2)
-    draft = MTPDraft(load_model(directory, "float32").spec, DraftSpec(sliding_window=8))
-    save_draft(directory, draft, torch.float32)
-    return directory
+    return prefix_cache_model(hf_checkpoint, tmp_path_factory)
 
 
 def test_a_prefix_cache_hit_equals_a_cold_run(spec_dir):

@@ -51,6 +51,31 @@ def _segments(rng: random.Random, with_prefill: bool) -> list[Segment]:
     return segments
 
 
+def step_with_history(pool, segments: list[Segment], heads: int, dtype: torch.dtype):
+    """A step's random q, k, v ([1, N, heads or kv_heads, D]) for ``segments``, and every
+    request's full history (its keys and values by position, the step's own at the end),
+    the positions before each segment written to ``pool`` as earlier steps would have."""
+    kv_heads, head_dim = pool.storage.shape[-2], pool.component.unit_shape[-1]
+    head_dim -= 4 if pool.quantized else 0
+    num_tokens = sum(s.num_tokens for s in segments)
+    q = torch.randn(1, num_tokens, heads, head_dim).to(dtype)
+    k = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
+    v = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
+    history = {}
+    for seg in segments:
+        end = seg.start + seg.num_tokens
+        k_all = torch.randn(end, kv_heads, head_dim).to(dtype)
+        v_all = torch.randn(end, kv_heads, head_dim).to(dtype)
+        k_all[seg.start :] = k[0, seg.offset : seg.offset + seg.num_tokens]
+        v_all[seg.start :] = v[0, seg.offset : seg.offset + seg.num_tokens]
+        if seg.start:
+            pool.grow(seg.request_id, 0, seg.start)
+            pool.write(0, seg.request_id, 0, k_all[: seg.start], v_all[: seg.start])
+        pool.grow(seg.request_id, seg.start, end)
+        history[seg.request_id] = (k_all, v_all)
+    return q, k, v, history
+
+
 def _reference(pool, seg, q, k_all, v_all, window, scale, softcap):
     """float64, one query at a time, keys looked up by position in full-length K/V."""
     out = torch.empty(seg.num_tokens, q.shape[1], q.shape[2], dtype=torch.float64)
@@ -85,23 +110,7 @@ def test_kernel_matches_torch_path_and_reference(
     torch.manual_seed(rng.randint(0, 1000))
     pool, window = _pool(kind, dtype, kv_heads, head_dim)
     segments = _segments(rng, with_prefill)
-    num_tokens = sum(s.num_tokens for s in segments)
-    q = torch.randn(1, num_tokens, heads, head_dim).to(dtype)
-    k = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
-    v = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
-    # Every request's full history, written the way earlier steps would have.
-    history = {}
-    for seg in segments:
-        end = seg.start + seg.num_tokens
-        k_all = torch.randn(end, kv_heads, head_dim).to(dtype)
-        v_all = torch.randn(end, kv_heads, head_dim).to(dtype)
-        k_all[seg.start :] = k[0, seg.offset : seg.offset + seg.num_tokens]
-        v_all[seg.start :] = v[0, seg.offset : seg.offset + seg.num_tokens]
-        if seg.start:
-            pool.grow(seg.request_id, 0, seg.start)
-            pool.write(0, seg.request_id, 0, k_all[: seg.start], v_all[: seg.start])
-        pool.grow(seg.request_id, seg.start, end)
-        history[seg.request_id] = (k_all, v_all)
+    q, k, v, history = step_with_history(pool, segments, heads, dtype)
     cache = SimpleNamespace(layer_map={7: (pool, 0)})
     scale = head_dim**-0.5
 

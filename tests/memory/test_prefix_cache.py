@@ -24,8 +24,8 @@ SHARED = [5, 8, 16, 24, 83]
 the draft's window (8) and the target's, many windows."""
 
 
-@pytest.fixture(scope="module")
-def spec_dir(hf_checkpoint, tmp_path_factory):
+def prefix_cache_model(hf_checkpoint, tmp_path_factory):
+    """A tiny Qwen3 with full and sliding layers, an MTP draft with a window of its own."""
     _, hf = hf_checkpoint("qwen3")
     directory = tmp_path_factory.mktemp("prefix-qwen3")
     hf.save_pretrained(directory)
@@ -33,6 +33,11 @@ def spec_dir(hf_checkpoint, tmp_path_factory):
     draft = MTPDraft(load_model(directory, "float32").spec, DraftSpec(sliding_window=8))
     save_draft(directory, draft, torch.float32)
     return directory
+
+
+@pytest.fixture(scope="module")
+def spec_dir(hf_checkpoint, tmp_path_factory):
+    return prefix_cache_model(hf_checkpoint, tmp_path_factory)
 
 
 def _engine(directory, **kw) -> LLMEngine:
