@@ -46,7 +46,7 @@ from common import machine_facts, resolve_dtype_arg  # noqa: E402
 from quantization import held_out_ids  # noqa: E402
 
 from baton.engine.llm import LLM  # noqa: E402
-from baton.memory.state import ComponentKind, PushPhase  # noqa: E402
+from baton.memory.state import PushPhase  # noqa: E402
 from baton.model.paged_attention import PagedAttention, Segment  # noqa: E402
 from baton.request import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
@@ -140,19 +140,13 @@ def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
 
 
 def capacity(llm: LLM) -> dict:
-    """Bytes per token of every paged pool (a ring's per request), and of a PD handoff."""
-    per_token, handoff, full_tokens = 0.0, 0.0, None
-    for c in llm.engine.registry:
-        if c.push is PushPhase.LAST or c.page_size is None:
-            continue
-        per_token += c.unit_bytes / c.page_size
-        handoff += c.unit_bytes / c.page_size
-        if c.kind is ComponentKind.PAGED_FULL and c.name == "target.full":
-            full_tokens = c.num_units * c.page_size
+    """Bytes per token of every paged pool (what a PD handoff moves per prompt token too),
+    and the full-attention pool's tokens."""
+    paged = [c for c in llm.engine.registry if c.push is not PushPhase.LAST and c.page_size]
+    full = next((c for c in paged if c.name == "target.full"), None)
     return {
-        "kv_bytes_per_token": per_token,
-        "handoff_bytes_per_prompt_token": handoff,
-        "full_pool_tokens": full_tokens,
+        "kv_bytes_per_token": sum(c.unit_bytes / c.page_size for c in paged),
+        "full_pool_tokens": full.num_units * full.page_size if full else None,
     }
 
 

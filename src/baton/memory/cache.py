@@ -95,9 +95,8 @@ class ModelCache:
         if full:
             num_pages = cache_config.num_pages
             if num_pages is None:
-                width = kv_format.row_width(spec.head_dim, quantized)
-                page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * width
-                page_bytes *= 1 if quantized else torch.empty((), dtype=dtype).element_size()
+                row_bytes = kv_format.row_bytes(spec.head_dim, dtype, quantized)
+                page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * row_bytes
                 num_pages = full_pool_pages(
                     cache_config.kv_cache_memory_mb,
                     page_bytes,

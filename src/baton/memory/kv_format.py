@@ -34,6 +34,17 @@ def row_width(head_dim: int, quantized: bool) -> int:
     return head_dim + SCALE_BYTES if quantized else head_dim
 
 
+def stored_dtype(dtype: torch.dtype, quantized: bool) -> torch.dtype:
+    """The pool storage's dtype for activations in ``dtype``."""
+    return torch.int8 if quantized else dtype
+
+
+def row_bytes(head_dim: int, dtype: torch.dtype, quantized: bool) -> int:
+    """Bytes of one stored row (one position, one kv head)."""
+    element = torch.empty((), dtype=stored_dtype(dtype, quantized)).element_size()
+    return row_width(head_dim, quantized) * element
+
+
 def quantize(x: torch.Tensor) -> torch.Tensor:
     """Rows x [..., d] (bf16 / fp32) -> int8 [..., d + 4]: values, then the scale's bytes."""
     xf = x.float()

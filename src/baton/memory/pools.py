@@ -80,9 +80,14 @@ class StatePool(ABC):
         self.dtype = dtype
         """The activations' dtype: what ``read`` gives back."""
         self.quantized = quantized
-        width = kv_format.row_width(head_dim, quantized)
-        unit_shape = (len(layer_ids), 2, rows, num_kv_heads, width)
-        stored = torch.int8 if quantized else dtype
+        stored = kv_format.stored_dtype(dtype, quantized)
+        unit_shape = (
+            len(layer_ids),
+            2,
+            rows,
+            num_kv_heads,
+            kv_format.row_width(head_dim, quantized),
+        )
         # The allocator decides where storage lives: heap, or shared memory for a PD peer.
         allocator = allocator if allocator is not None else HeapAllocator()
         self.storage = allocator.zeros(name, (num_units, *unit_shape), stored)
@@ -195,11 +200,6 @@ class StatePool(ABC):
     def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as keys or values [..., d] in the activations' dtype."""
         return kv_format.dequantize(rows, self.dtype) if self.quantized else rows
-
-    def rounded(self, x: torch.Tensor) -> torch.Tensor:
-        """Keys or values [..., d] as storing them would give them back (attention reads a
-        step's own rows so, ``kv_format``)."""
-        return kv_format.rounded(x) if self.quantized else x
 
     def read(
         self, layer: int, request_id: str, start: int, end: int

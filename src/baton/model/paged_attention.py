@@ -309,7 +309,9 @@ class PagedAttention(AttentionBackend):
             mask = visibility_mask(torch.arange(seg.start, end), torch.arange(first, end), window)
             self._one[key] = (read, store - seg.start, write, mask)
         read, skip, write, mask = self._one[key]
-        keys, values = pool.rounded(k_seg), pool.rounded(v_seg)  # as the pool gives them back
+        # The segment's rows as stored (an int8 pool: quantized once), attended as read back.
+        stored_k, stored_v = pool.to_rows(k_seg), pool.to_rows(v_seg)
+        keys, values = pool.from_rows(stored_k), pool.from_rows(stored_v)
         if read is not None:
             read_units, read_rows = read
             old_k = pool.from_rows(pool.storage[read_units, local, 0, read_rows])
@@ -325,8 +327,8 @@ class PagedAttention(AttentionBackend):
         )
         out[0, rows] = attn[0].transpose(0, 1)
         write_units, write_rows = write
-        pool.storage[write_units, local, 0, write_rows] = pool.to_rows(k_seg[skip:])
-        pool.storage[write_units, local, 1, write_rows] = pool.to_rows(v_seg[skip:])
+        pool.storage[write_units, local, 0, write_rows] = stored_k[skip:]
+        pool.storage[write_units, local, 1, write_rows] = stored_v[skip:]
         pool.num_tokens[seg.request_id] = max(pool.num_tokens.get(seg.request_id, 0), end)
 
     # -- the linear layers' state (``RecurrentBackend``) --------------------------------------
