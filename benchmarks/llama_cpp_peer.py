@@ -745,6 +745,12 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--skip-bf16", action="store_true", help="f32 GGUF only")
     p.add_argument(
+        "--skip-f32",
+        action="store_true",
+        help="bf16 GGUF only (a large model's f32 file need not share the page cache)",
+    )
+    p.add_argument("--paired-rounds", type=int, help="rounds of batch 1 in turns")
+    p.add_argument(
         "--skip-build-check",
         action="store_true",
         help="use cached binaries even if built with other cmake flags",
@@ -754,6 +760,8 @@ def parse_args() -> argparse.Namespace:
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "llama_cpp_peer.json"
     )
     args = p.parse_args()
+    if args.skip_f32 and args.skip_bf16:
+        p.error("--skip-f32 and --skip-bf16 leave no GGUF to compare with")
     if args.threads < 1 or (args.serve_threads is not None and args.serve_threads < 1):
         p.error(
             f"--threads and --serve-threads must be >= 1, got {args.threads}, {args.serve_threads}"
@@ -780,13 +788,16 @@ def main() -> int:
     sizes = QUICK if args.quick else FULL if MODEL == BUNDLED else REAL
     if args.cell_seconds is not None:
         sizes = sizes | {"cell_seconds": args.cell_seconds}
+    if args.paired_rounds is not None:
+        sizes = sizes | {"paired_rounds": args.paired_rounds}
     dtype = resolve_dtype_arg("auto")  # prints the platform line; baton serve's auto too
     src = llama_cpp_sources()
     build_info = build(
         src, args.threads, check=not args.skip_build_check, isa="avx2" if stand_in else "native"
     )
     bin_dir = Path(build_info["bin_dir"])
-    ggufs = {t: convert(src, MODEL, t) for t in ("f32",) + (() if args.skip_bf16 else ("bf16",))}
+    types = (() if args.skip_f32 else ("f32",)) + (() if args.skip_bf16 else ("bf16",))
+    ggufs = {t: convert(src, MODEL, t) for t in types}
     if args.build_only:
         print(f"binaries in {bin_dir}; GGUF: {', '.join(map(str, ggufs.values()))}")
         return 0

@@ -21,8 +21,14 @@ def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
     bias = torch.randn(96, generator=g).to(dtype) if has_bias else None
     x = torch.randn(1, rows, 64, generator=g).to(dtype)
     frozen = FrozenLinear(weight, bias)
-    assert torch.equal(frozen(x), F.linear(x, weight, bias))
     other = torch.randn(1, rows, 96, generator=g).to(dtype)
+    if frozen.panels_only:  # linear.c's sums, in its order: close to BLAS's, not its bits
+        tol = {"rtol": 2**-7, "atol": 2**-5} if dtype == torch.bfloat16 else {}
+        torch.testing.assert_close(frozen(x), F.linear(x, weight, bias), **tol)
+        torch.testing.assert_close(frozen.add(x, other), F.linear(x, weight, bias) + other, **tol)
+        torch.testing.assert_close(frozen.mul(x, other), F.linear(x, weight, bias) * other, **tol)
+        return frozen
+    assert torch.equal(frozen(x), F.linear(x, weight, bias))
     if frozen.packed is None:
         assert torch.equal(frozen.add(x, other), F.linear(x, weight, bias) + other)
     else:  # the residual is added to the fp32 result inside the matmul: one rounding
@@ -38,7 +44,10 @@ def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
 def test_frozen_linear_equals_f_linear(dtype, rows, has_bias):
     frozen = _check(dtype, rows, has_bias)
     packs = dtype == torch.bfloat16 and platform.current().native_bf16
-    assert (frozen.packed is not None) == packs and (frozen.weight is None) == packs
+    assert (frozen.packed is not None) == packs
+    # F.linear's weight only where neither oneDNN's copy nor the panels serve every call
+    assert (frozen.weight is None) == (packs or frozen.panels_only)
+    assert frozen.panels_only == (not packs and frozen.rows() is not None)
 
 
 @pytest.mark.parametrize("rows", [1, 37])
@@ -46,7 +55,23 @@ def test_without_native_bf16_nothing_is_packed(rows, monkeypatch):
     no_bf16 = dataclasses.replace(platform.current(), onednn_bf16=False)
     monkeypatch.setattr(platform, "current", lambda: no_bf16)
     frozen = _check(torch.bfloat16, rows, has_bias=True)
-    assert frozen.packed is None and frozen.weight is not None
+    assert frozen.packed is None and (frozen.weight is not None) != frozen.panels_only
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_float_weight_is_held_once_beside_the_copy_it_computes_with(dtype):
+    """Memory: no float weight survives beside oneDNN's packed copy and the panels (packed)
+    or beside the panels (fp32 compute); their rows still give the weight's own values
+    (``effective_weight``: a structured-output head reads them), exactly."""
+    g = torch.Generator().manual_seed(7)
+    weight = torch.randn(40, 64, generator=g).to(dtype)
+    frozen = FrozenLinear(weight)
+    if frozen.rows() is None:
+        pytest.skip("native layers off: F.linear or oneDNN's copy alone")
+    assert frozen._source is None and frozen.weight is None
+    assert frozen.packed is not None or frozen.panels_only
+    ids = torch.tensor([0, 3, 15, 16, 17, 31, 39])
+    assert torch.equal(frozen.effective_weight.index_select(0, ids), weight[ids])
 
 
 def test_forcing_avx2_turns_native_bf16_off():

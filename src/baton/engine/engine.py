@@ -86,6 +86,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
         self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
+        # NOTE: the checkpoint's tensors, freed by the fusing, sit in glibc's heap until
+        # trimmed: 1.3 GB of a Qwen3-1.7B's 6.2 GB RSS loaded in fp32.
+        platform.release_free_memory()
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -156,6 +159,7 @@ class LLMEngine:
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
             draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
+            platform.release_free_memory()
         if config.speculative and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"

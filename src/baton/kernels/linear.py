@@ -204,8 +204,14 @@ class PackedRows:
             raise MemoryError(f"dequantize kernel: no scratch memory for {rows} x {self.k}")
 
     def index_select(self, dim: int, index: torch.Tensor) -> torch.Tensor:
-        """Rows ``index`` of a quantized weight's values, fp32 (as ``Tensor.index_select``)."""
+        """Rows ``index`` of the weight (as ``Tensor.index_select``): a float weight's in its
+        dtype, exactly; a quantized weight's values in fp32."""
         assert dim == 0
+        if self.dtype in (torch.float32, torch.bfloat16):
+            panel, column = index.div(PANEL, rounding_mode="floor"), index % PANEL
+            if self.dtype == torch.bfloat16:  # column h * 8 + c at position 2 c + h
+                column = 2 * (column % (PANEL // 2)) + column // (PANEL // 2)
+            return self.data[panel, :, column]
         out = torch.empty(len(index), self.k)
         for i, row in enumerate(index.tolist()):
             self.dequantize_into(out[i : i + 1], row)
@@ -252,14 +258,17 @@ ACTIVATIONS = {
 """``FrozenLinear``'s activation names -> the kernel's epilogue."""
 
 
-def takes(x: torch.Tensor, weight: PackedRows, bias: torch.Tensor | None) -> bool:
-    """Whether linear.c takes ``x`` ([..., k]: at most ``MAX_ROWS`` rows of k, contiguous,
-    no autograd) through ``weight`` and ``bias`` (its dtype, contiguous), kernels loaded
-    aside -- ``linear_rows``' checks, and those of the calls built on it
+def takes(
+    x: torch.Tensor, weight: PackedRows, bias: torch.Tensor | None, max_rows: int | None = MAX_ROWS
+) -> bool:
+    """Whether linear.c takes ``x`` ([..., k]: at most ``max_rows`` rows of k (None: any),
+    contiguous, no autograd) through ``weight`` and ``bias`` (its dtype, contiguous),
+    kernels loaded aside -- ``linear_rows``' checks, and those of the calls built on it
     (``logits.head_greedy``)."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if rows == 0 or rows > MAX_ROWS or x.dtype not in DTYPES or weight.dtype not in WEIGHT_FORMATS:
+    many = max_rows is not None and rows > max_rows
+    if rows == 0 or many or x.dtype not in DTYPES or weight.dtype not in WEIGHT_FORMATS:
         return False  # NOTE: called for every matmul of every step: cheapest checks first
     if not (x.is_contiguous() and weight.is_cpu) or weight.k != k:
         return False
@@ -275,11 +284,17 @@ def linear_rows(
     op: Epilogue = Epilogue.NONE,
     other: torch.Tensor | None = None,
     round_once: bool = False,
+    max_rows: int | None = MAX_ROWS,
+    threads: int | None = None,
 ) -> torch.Tensor | None:
-    """x: [..., k] (rows of k contiguous, at most ``MAX_ROWS``), weight: [n, k] packed,
-    other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or None.
-    round_once: the epilogue on the fp32 result, one rounding (see ``ROUND_ONCE``)."""
-    if not takes(x, weight, bias) or (lib := library()) is None:
+    """x: [..., k] (rows of k contiguous, at most ``max_rows``; None: any), weight: [n, k]
+    packed, other (``ADD``/``MUL``): x's shape with n last -> new [..., n] in x's dtype, or
+    None. round_once: the epilogue on the fp32 result, one rounding (see ``ROUND_ONCE``).
+    threads: at most this many (default ``small_step_threads``; linear.c sizes the call by
+    its work)."""
+    if x.numel() == 0 and max_rows is None and x.shape[-1] == weight.k:
+        return x.new_empty((*x.shape[:-1], weight.n))
+    if not takes(x, weight, bias, max_rows) or (lib := library()) is None:
         return None
     k, n = x.shape[-1], weight.n
     rows = x.numel() // k
@@ -303,7 +318,7 @@ def linear_rows(
         n,
         DTYPES[x.dtype],
         weight.format,
-        small_step_threads(),
+        small_step_threads() if threads is None else threads,
     )
     if status != 0:
         raise MemoryError(f"linear kernel: no scratch memory for {rows} x {k} (status {status})")

@@ -181,9 +181,8 @@ class Attention(nn.Module):
         self._qkv = FrozenLinear(weight, bias, quantization=quantization)
         o = linear_weight(self.o_proj)
         self._o = FrozenLinear(o, self.o_proj.bias, quantization=quantization)
-        del weight  # the concatenated copy: quantized, only the int8 one stays
-        if quantization is not None:
-            release_weights(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
+        del weight  # the concatenated copy: only what the FrozenLinear keeps of it stays
+        release_weights(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:
             assert self.q_norm.eps == self.k_norm.eps
             per_head = torch.cat(

@@ -165,7 +165,7 @@ class CausalLM(nn.Module):
                 module.fuse_projections(quantization)
         head = linear_weight(self.lm_head)
         self.frozen_head = FrozenLinear(head, quantization=quantization)
-        if quantization is not None and self.lm_head.weight is not self.model.embed_tokens.weight:
+        if self.lm_head.weight is not self.model.embed_tokens.weight:
             release_weights(self.lm_head)
         self.quantization = quantization
         return self

@@ -97,8 +97,7 @@ class MTPDraft(nn.Module):
             if module is not self and hasattr(module, "fuse_projections"):
                 module.fuse_projections(quantization)
         self.frozen_eh = FrozenLinear(linear_weight(self.eh_proj), quantization=quantization)
-        if quantization is not None:
-            release_weights(self.eh_proj)
+        release_weights(self.eh_proj)
         return self
 
     def forward(

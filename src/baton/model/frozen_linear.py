@@ -92,6 +92,16 @@ def _in_row_blocks(
     return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
 
+PANELS_FOR_EVERY_STEP = True
+"""A float weight oneDNN does not pack (fp32 compute: CPUs without native bf16) is held in
+linear.c's panels alone -- bf16 ones where a bf16 checkpoint's values are, so 2 bytes a
+weight instead of fp32's 4 for ``F.linear`` plus the panels -- and every call takes
+linear.c, prompt chunks too. Measured on a Zen 4 held to AVX2 (``BATON_CPU_ISA=avx2``, MKL
+and oneDNN too), 2 threads, Qwen3-1.7B's MLP matrices: 1.09-1.29x MKL's sgemm at 512 rows,
+1.2-1.6x at 64, 1.7-2.2x at 16. A row's result does not depend on the call's rows inside
+``step_invariant_rows`` (16-row blocks: the kernel's groups of 6, 6 and 4 rows sum every
+row alike)."""
+
 FEW_ROWS_MIN_WEIGHT = 1 << 17
 """Weights of at least this many elements (512 KiB in fp32; the draft's projection of the bundled
 model is one) take ``linear_rows`` for few rows."""
@@ -103,8 +113,11 @@ class FrozenLinear:
     here, a weight-streaming decode GEMV reads 24 vs 18 GB/s, a small one runs in 20 vs 30 us,
     with bitwise-equal results. Packed, the activation and ``mul``/``add``'s elementwise op
     run inside the matmul on its fp32 result (one rounding to bf16 instead of two or three):
-    a 4096-token SwiGLU MLP in 13 vs 20 ms. NOTE: the packed copy is extra memory beside the
-    parameter.
+    a 4096-token SwiGLU MLP in 13 vs 20 ms. NOTE: memory -- a float weight is held as the
+    paths read it and no more: oneDNN's packed copy and linear.c's panels (few rows; their
+    rows serve ``effective_weight``) where oneDNN packs, else the weight itself for
+    ``F.linear`` and the panels (half its bytes where a bf16 checkpoint computes in fp32);
+    the module's own parameter is released (``quantize.release_weights``).
 
     quantization ``int8`` / ``int4`` (``baton.model.quantize``): the weight is kept quantized
     and nothing else -- with the kernels, only in their packed panels (the integers once):
@@ -159,6 +172,14 @@ class FrozenLinear:
         if self.quantization is not None and self._few_rows and library() is not None:
             self.rows()  # packed now: from here on the panels alone hold the integers
             self.quantized = None
+        elif self.packed is not None and self.rows() is not None:
+            # oneDNN's copy serves every call the panels do not, and the panels give rows
+            # of the weight (``effective_weight``): the float weight itself is no longer
+            # read -- two copies where there were three (the module releases its own).
+            self._source = None
+        elif PANELS_FOR_EVERY_STEP and library() is not None and self.rows() is not None:
+            # Not packed (fp32 compute): the panels serve every call, large steps too
+            self.weight = self._source = None
 
     @property
     def rounds_once(self) -> bool:
@@ -166,10 +187,17 @@ class FrozenLinear:
         else the result rounds, then each epilogue op (``F.linear`` and torch ops)."""
         return self.packed is not None
 
+    @property
+    def panels_only(self) -> bool:
+        """A float weight held only in linear.c's panels: every call, a prompt chunk's too,
+        runs ``linear.c`` (``PANELS_FOR_EVERY_STEP``)."""
+        return self.quantization is None and self.packed is None and self._source is None
+
     def rows(self) -> tuple[PackedRows, torch.Tensor | None] | None:
         """What the native kernels read (``linear.c``'s packed weight, and its bias), packed
-        on first use; None with native layers off. NOTE: where oneDNN packs bf16 too (it
-        serves large steps) this is a third copy of the weight, for small steps (a batch-1
+        on first use (a float weight oneDNN packs: at construction, then the weight itself
+        is dropped); None with native layers off. NOTE: where oneDNN packs bf16 too (it
+        serves large steps) this is a second copy of the weight, for small steps (a batch-1
         step 0.48 vs 1.53 ms op by op through oneDNN on a Zen 5, ``benchmarks/step_cost.py``)."""
         if self._rows is None and native_layers_enabled():
             if self.quantized is not None:  # linear.c reads an int8 weight's bias in fp32
@@ -238,6 +266,8 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
+        if self.panels_only:
+            return self._panels(x, ACTIVATIONS[self.activation], None)
         if self.quantization is not None:
             weight = self.effective_weight
             if self.quantization == "int8" or isinstance(weight, PackedRows):
@@ -245,12 +275,22 @@ class FrozenLinear:
             return ACT_FNS[self.activation](dequantized_linear(x, weight, self.bias))
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
+    def _panels(self, x: torch.Tensor, op: Epilogue, other: torch.Tensor | None) -> torch.Tensor:
+        """Any number of rows through the panels, on torch's threads (as BLAS would run)."""
+        weight, bias = self._rows
+        y = linear_rows(
+            x.contiguous(), weight, bias, op, other, max_rows=None, threads=torch.get_num_threads()
+        )
+        assert y is not None, "linear.c takes every call of a panels-only weight"
+        return y
+
     @property
     def effective_weight(self) -> torch.Tensor | QuantizedWeight:
-        """The weight this matmul multiplies by: the float weight, or the quantized one (a
-        ``QuantizedWeight``, or the panels holding it: ``index_select(0, ids)`` gives rows
-        of its values for both)."""
-        if self.quantization is None:
+        """The weight this matmul multiplies by: the float weight, or the panels where
+        they are the only other copy beside oneDNN's, or the quantized one (a
+        ``QuantizedWeight``, or the panels holding it): ``index_select(0, ids)`` gives rows
+        of its values for each."""
+        if self.quantization is None and self._source is not None:
             return self._source
         return self.quantized if self.quantized is not None else self._rows[0]
 
@@ -280,6 +320,8 @@ class FrozenLinear:
     def _binary_blas(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
+        if self.panels_only and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
+            return self._panels(x, Epilogue.MUL if op == "mul" else Epilogue.ADD, other)
         y = self._blas(x)
         return y * other if op == "mul" else y + other
 

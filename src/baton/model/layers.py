@@ -148,8 +148,7 @@ class GatedMLP(nn.Module):
         self._gate = FrozenLinear(linear_weight(gate), gate.bias, self.act_name, quantization)
         self._up = FrozenLinear(linear_weight(up), up.bias, quantization=quantization)
         self._down = FrozenLinear(linear_weight(down), down.bias, quantization=quantization)
-        if quantization is not None:
-            release_weights(gate, up, down)
+        release_weights(gate, up, down)
 
     @property
     def rounds_once(self) -> bool:

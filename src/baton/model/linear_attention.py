@@ -176,8 +176,7 @@ class GatedDeltaNet(nn.Module):
         weight = concat_rows([linear_weight(p) for p in projections])
         self._in = FrozenLinear(weight, quantization=quantization)
         self._out = FrozenLinear(linear_weight(self.out_proj), quantization=quantization)
-        if quantization is not None:
-            release_weights(*projections, self.out_proj)
+        release_weights(*projections, self.out_proj)
         self._core = self._core_params()
 
     def _core_params(self) -> tuple[torch.Tensor, ...]:

@@ -225,9 +225,10 @@ def concat_rows(weights: list[torch.Tensor | QuantizedWeight]) -> torch.Tensor |
 
 
 def release_weights(*linears: nn.Linear) -> None:
-    """Drop the float weights of ``linears`` whose matmuls now run quantized: each keeps an
-    empty weight of its dtype, and the memory goes back (a quantized model serves inference
-    only; its fused matmuls never read these)."""
+    """Drop the weights of ``linears`` whose matmuls now run as ``FrozenLinear``s: each
+    keeps an empty weight of its dtype, and the memory goes back unless the FrozenLinear
+    holds the same storage because it reads it (a fused model serves inference only; its
+    matmuls never read these modules)."""
     for linear in linears:
         linear.weight = nn.Parameter(linear.weight.new_empty(0), requires_grad=False)
         linear.quantized = None
