@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from baton import platform
+from baton.model import frozen_linear
 from baton.model.frozen_linear import FEW_ROWS_MIN_WEIGHT, FrozenLinear, step_invariant_rows
 
 
@@ -38,16 +39,26 @@ def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
     return frozen
 
 
+@pytest.fixture(params=["large", "any"])
+def panels_only_from(request, monkeypatch):
+    """``PANELS_ONLY_MIN_WEIGHT`` as it is ("large": these tests' weights are below it), or
+    0 ("any": every unpacked weight held in the panels alone)."""
+    if request.param == "any":
+        monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", 0)
+    return frozen_linear.PANELS_ONLY_MIN_WEIGHT
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("rows", [1, 4, 37])
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_frozen_linear_equals_f_linear(dtype, rows, has_bias):
+def test_frozen_linear_equals_f_linear(dtype, rows, has_bias, panels_only_from):
     frozen = _check(dtype, rows, has_bias)
     packs = dtype == torch.bfloat16 and platform.current().native_bf16
     assert (frozen.packed is not None) == packs
     # F.linear's weight only where neither oneDNN's copy nor the panels serve every call
     assert (frozen.weight is None) == (packs or frozen.panels_only)
-    assert frozen.panels_only == (not packs and frozen.rows() is not None)
+    large = panels_only_from <= 96 * 64
+    assert frozen.panels_only == (not packs and large and frozen.rows() is not None)
 
 
 @pytest.mark.parametrize("rows", [1, 37])
@@ -59,10 +70,11 @@ def test_without_native_bf16_nothing_is_packed(rows, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_float_weight_is_held_once_beside_the_copy_it_computes_with(dtype):
+def test_a_float_weight_is_held_once_beside_the_copy_it_computes_with(dtype, monkeypatch):
     """Memory: no float weight survives beside oneDNN's packed copy and the panels (packed)
     or beside the panels (fp32 compute); their rows still give the weight's own values
     (``effective_weight``: a structured-output head reads them), exactly."""
+    monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", 40 * 64)
     g = torch.Generator().manual_seed(7)
     weight = torch.randn(40, 64, generator=g).to(dtype)
     frozen = FrozenLinear(weight)
@@ -88,7 +100,6 @@ def test_the_packed_path_runs_where_the_cpu_cannot_pack(monkeypatch):
     """The packed path's calls, on a CPU without oneDNN bf16: packing forced with a reorder
     that keeps the fp32 weight (oneDNN's pointwise linear takes it as is), so a packed
     ``FrozenLinear`` built here runs the calls an AVX-512-BF16 machine runs."""
-    import baton.model.frozen_linear as frozen_linear
 
     monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
@@ -106,7 +117,6 @@ def test_large_packed_weights_leave_more_than_a_few_rows_to_onednn(monkeypatch):
     takes the panels for at most ``MAX_ROWS_BESIDE_ONEDNN_LARGE`` rows, a smaller one up to
     ``MAX_ROWS_BESIDE_ONEDNN``; unpacked weights up to ``MAX_ROWS``; the native layer takes
     its largest matrix's limit."""
-    import baton.model.frozen_linear as frozen_linear
     from baton.kernels import linear
 
     monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)
@@ -124,7 +134,9 @@ def test_large_packed_weights_leave_more_than_a_few_rows_to_onednn(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [96, FEW_ROWS_MIN_WEIGHT // 64])  # the second takes linear.c
+@pytest.mark.parametrize(  # the second takes linear.c for few rows, the third for every call
+    "n", [96, FEW_ROWS_MIN_WEIGHT // 64, frozen_linear.PANELS_ONLY_MIN_WEIGHT // 64]
+)
 def test_invariant_rows_do_not_depend_on_the_number_of_rows(dtype, n):
     """The rows of any slice of a 40-row call, called alone inside ``step_invariant_rows``,
     give the bits they get in the whole call -- plain, with an activation and with a

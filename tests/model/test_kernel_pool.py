@@ -153,3 +153,46 @@ def test_inline_small_calls_keeps_the_helpers_out_and_the_bits(threads):
     assert kernels.small_step_threads() == 2
     with kernels.inline_small_calls(active=False):
         assert kernels.small_step_threads() == 2
+
+
+def test_a_prompt_steps_call_on_openmps_threads_changes_no_bit():
+    """A large call among torch's ops (``kernels.prompt_step_threads``: negated, linear.c
+    runs it on OpenMP's threads, pool.c's ``baton_parallel_openmp``) gives the one-thread
+    bits -- any number of rows, with torch's threads at 1, 2 and more than the cores,
+    right after a torch op that used OpenMP's threads, and from two Python threads at
+    once (each its own OpenMP team) -- and the pool's helpers take none of its tasks."""
+    cases = [_case(seed, rows=rows, n=1024) for seed, rows in enumerate((1, 7, 200, 301))]
+    kernels.set_small_step_threads(1)
+    try:
+        want = [linear_rows(x, w, None, max_rows=None) for x, w in cases]
+    finally:
+        kernels.set_small_step_threads(None)
+    before = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3 * (os.cpu_count() or 1)):
+            torch.set_num_threads(count)
+            helper_tasks = library().baton_pool_helper_tasks()
+            for (x, w), expected in zip(cases, want, strict=True):
+                torch.nn.functional.silu(torch.randn(256, 4096))  # OpenMP's workers spin now
+                got = linear_rows(x, w, None, max_rows=None, threads=kernels.prompt_step_threads())
+                assert torch.equal(got, expected), (count, x.shape)
+            assert library().baton_pool_helper_tasks() == helper_tasks
+        torch.set_num_threads(2)
+        results: dict[int, bool] = {}
+
+        def call(i: int) -> None:
+            ok = True
+            for _ in range(10):
+                for (x, w), expected in zip(cases, want, strict=True):
+                    got = linear_rows(x, w, None, max_rows=None, threads=-2)
+                    ok = ok and torch.equal(got, expected)
+            results[i] = ok
+
+        workers = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join(timeout=120)
+        assert results == {0: True, 1: True}
+    finally:
+        torch.set_num_threads(before)

@@ -217,6 +217,13 @@ def inline_small_calls(active: bool = True) -> Iterator[None]:
         _inline.reset(token)
 
 
+def prompt_step_threads() -> int:
+    """The threads argument of a large native call among torch's ops (a prompt chunk through
+    the panels): torch's thread count, negated -- ``linear.c`` then runs it on OpenMP's
+    threads, torch's own, not ``pool.c``'s (``baton_parallel_openmp``)."""
+    return -torch.get_num_threads()
+
+
 def small_step_threads() -> int:
     if _inline.get():
         return 1

@@ -173,6 +173,9 @@ static inline int baton_first_visible(int start, int window, int floor) {
  * worker in [0, threads) tells a task's thread (scratch memory). */
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
+/* The same on the OpenMP runtime's threads (pool.c: a large call among torch's ops), or
+ * baton_parallel where none was registered. */
+void baton_parallel_openmp(baton_task fn, void *ctx, int tasks, int threads);
 /* Threads a parallel region of `work` units gets: one per `per_thread` units of it, at least
  * 1, at most `threads` -- a small region is not spread over every core (its threads would
  * cost more in wake-ups than they save), a large one takes them all. */

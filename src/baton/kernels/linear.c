@@ -714,8 +714,12 @@ static void some_blocks(void *ctx, int task, int worker) {
     }
 }
 
-/* `job` (and its `then`) over the rows x: 0, or 1 when no scratch memory could be had. */
+/* `job` (and its `then`) over the rows x: 0, or 1 when no scratch memory could be had.
+ * num_threads < 0: at most -num_threads, on the OpenMP runtime's threads (a prompt step's
+ * call among torch's ops: pool.c's baton_parallel_openmp). */
 static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
+    const int openmp = num_threads < 0;
+    if (openmp) num_threads = -num_threads;
     const int m = job->m, k = job->k, n = job->n;
     /* The rows every weight row is multiplied into, contiguous: in bf16 for the pair tiles
      * (zero-padded to an even kp), as int8 for int8 weights (kp: whole quads, each row's
@@ -757,7 +761,8 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
     for (Job *j = job; j != NULL; j = j->then) /* the same rows, the same tasks */
         j->xf = xf, j->xb = xb, j->xq = xq, j->xs = xs, j->xg = xg, j->kp = kp,
         j->per_task = per_task;
-    baton_parallel(some_blocks, (void *)job, (panels + per_task - 1) / per_task, threads);
+    (openmp ? baton_parallel_openmp : baton_parallel)(some_blocks, (void *)job,
+                                                      (panels + per_task - 1) / per_task, threads);
     free(xf);
     free(xb);
     free(xs);

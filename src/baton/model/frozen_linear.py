@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from baton import platform
-from baton.kernels import library
+from baton.kernels import library, prompt_step_threads
 from baton.kernels.layer import enabled as native_layers_enabled
 from baton.kernels.linear import (
     ACTIVATIONS,
@@ -100,7 +100,13 @@ linear.c, prompt chunks too. Measured on a Zen 4 held to AVX2 (``BATON_CPU_ISA=a
 and oneDNN too), 2 threads, Qwen3-1.7B's MLP matrices: 1.09-1.29x MKL's sgemm at 512 rows,
 1.2-1.6x at 64, 1.7-2.2x at 16. A row's result does not depend on the call's rows inside
 ``step_invariant_rows`` (16-row blocks: the kernel's groups of 6, 6 and 4 rows sum every
-row alike)."""
+row alike). Large calls run on torch's OpenMP threads (``kernels.prompt_step_threads``):
+on ``pool.c``'s, right after torch's ops, they ran 0.63-0.92x BLAS."""
+
+PANELS_ONLY_MIN_WEIGHT = 1 << 20
+"""``PANELS_FOR_EVERY_STEP`` for weights of at least this many values: below it (the bundled
+model's 768 x 256 and 256 x 256) MKL's sgemm matched or beat the panels at 496 rows (0.95-1.05x
+the panels' time), and a few MB beside the panels do not matter."""
 
 FEW_ROWS_MIN_WEIGHT = 1 << 17
 """Weights of at least this many elements (512 KiB in fp32; the draft's projection of the bundled
@@ -177,7 +183,12 @@ class FrozenLinear:
             # of the weight (``effective_weight``): the float weight itself is no longer
             # read -- two copies where there were three (the module releases its own).
             self._source = None
-        elif PANELS_FOR_EVERY_STEP and library() is not None and self.rows() is not None:
+        elif (
+            PANELS_FOR_EVERY_STEP
+            and weight.numel() >= PANELS_ONLY_MIN_WEIGHT
+            and library() is not None
+            and self.rows() is not None
+        ):
             # Not packed (fp32 compute): the panels serve every call, large steps too
             self.weight = self._source = None
 
@@ -276,11 +287,11 @@ class FrozenLinear:
         return ACT_FNS[self.activation](F.linear(x, self.weight, self.bias))
 
     def _panels(self, x: torch.Tensor, op: Epilogue, other: torch.Tensor | None) -> torch.Tensor:
-        """Any number of rows through the panels, on torch's threads (as BLAS would run)."""
+        """Any number of rows through the panels, on torch's OpenMP threads (as BLAS would
+        run: ``kernels.prompt_step_threads``)."""
         weight, bias = self._rows
-        y = linear_rows(
-            x.contiguous(), weight, bias, op, other, max_rows=None, threads=torch.get_num_threads()
-        )
+        threads = prompt_step_threads()
+        y = linear_rows(x.contiguous(), weight, bias, op, other, max_rows=None, threads=threads)
         assert y is not None, "linear.c takes every call of a panels-only weight"
         return y
 
