@@ -75,6 +75,26 @@ def test_unknown_engine_option_is_named(text_model_dir):
         LLM(text_model_dir, sliding_mode="circular")
 
 
+def test_a_dropped_engine_hands_its_memory_back(text_model_dir, monkeypatch):
+    """glibc keeps what a dropped engine freed (its weights, its pools) in its heap: the
+    engine's finalizer trims it (``platform.release_free_memory``) once the engine is
+    collected -- and not before."""
+    import gc
+
+    from baton import platform
+
+    calls: list[int] = []
+    monkeypatch.setattr(platform, "release_free_memory", lambda: calls.append(1) or True)
+    llm = LLM(text_model_dir, speculative=False)
+    llm.generate(["a b c"], SamplingParams(max_tokens=2))
+    after_load = len(calls)  # the fusing's leftovers, trimmed at load
+    gc.collect()
+    assert len(calls) == after_load
+    del llm
+    gc.collect()
+    assert len(calls) == after_load + 1
+
+
 def test_abort_frees_units_and_spares_the_others(llm):
     solo = llm.generate("class A:\n", GREEDY)[0].outputs[0].token_ids
     keep = llm.engine.add_request("class A:\n", GREEDY)
