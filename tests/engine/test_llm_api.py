@@ -75,24 +75,19 @@ def test_unknown_engine_option_is_named(text_model_dir):
         LLM(text_model_dir, sliding_mode="circular")
 
 
-def test_a_dropped_engine_hands_its_memory_back(text_model_dir, monkeypatch):
-    """glibc keeps what a dropped engine freed (its weights, its pools) in its heap: the
-    engine's finalizer trims it (``platform.release_free_memory``) once the engine is
-    collected -- and not before."""
-    import gc
-
+def test_an_engine_trims_the_heap_before_and_after_loading(text_model_dir, monkeypatch):
+    """glibc keeps what a dropped engine freed (its weights, its pools) and what fusing frees
+    in its heap: a new engine trims it (``platform.release_free_memory``) before it loads
+    the checkpoint and again once the model is fused."""
     from baton import platform
+    from baton.engine import engine
 
-    calls: list[int] = []
-    monkeypatch.setattr(platform, "release_free_memory", lambda: calls.append(1) or True)
-    llm = LLM(text_model_dir, speculative=False)
-    llm.generate(["a b c"], SamplingParams(max_tokens=2))
-    after_load = len(calls)  # the fusing's leftovers, trimmed at load
-    gc.collect()
-    assert len(calls) == after_load
-    del llm
-    gc.collect()
-    assert len(calls) == after_load + 1
+    events: list[str] = []
+    monkeypatch.setattr(platform, "release_free_memory", lambda: events.append("trim") or True)
+    load = engine.load_model
+    monkeypatch.setattr(engine, "load_model", lambda *a: events.append("load") or load(*a))
+    LLM(text_model_dir, speculative=False)
+    assert events[:3] == ["trim", "load", "trim"]
 
 
 def test_abort_frees_units_and_spares_the_others(llm):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -65,11 +64,6 @@ Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03
 tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
-def _release_free_memory() -> None:
-    """An engine's finalizer: its memory back to the system (``platform`` looked up now)."""
-    platform.release_free_memory()
-
-
 class LLMEngine:
     is_disaggregated = False
     """Colocated: requests take no PD route (``EngineCore``)."""
@@ -91,13 +85,15 @@ class LLMEngine:
         if config.num_threads or not RuntimeEnv.from_environ().omp_threads_set:
             torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
-        self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
-        # NOTE: what the fusing freed (the checkpoint's tensors), and later all of this
-        # engine's weights and pools once it is dropped, sit in glibc's heap until trimmed:
-        # 1.3 GB of a Qwen3-1.7B's 6.2 GB RSS loaded in fp32; 1.75 GB of a dropped Qwen3-0.6B
-        # engine's 2.1 GB, which a benchmark's next engine did not reuse (15 GB, two models).
+        # NOTE: what a dropped engine freed (its weights, its pools) and what the fusing
+        # frees (the checkpoint's tensors) sit in glibc's heap until trimmed: 1.75 GB of a
+        # dropped Qwen3-0.6B engine's 2.1 GB, which a benchmark's next engine did not reuse
+        # (a process of two 1.7B engines in turn reached 15 GB); 1.3 GB of a Qwen3-1.7B's
+        # 6.2 GB loaded in fp32. (A finalizer cannot do the first: it runs before the dropped
+        # engine's members are freed.)
         platform.release_free_memory()
-        weakref.finalize(self, _release_free_memory)
+        self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
+        platform.release_free_memory()
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
