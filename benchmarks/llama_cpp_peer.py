@@ -490,6 +490,7 @@ def serving(
     cell_seconds: float,
     log_dir: Path,
     spec_types: list[str],
+    baton_extra: tuple[str, ...] = (),
 ) -> dict:
     """llama-server, then llama-server with each speculative type, then baton serve (never two
     at once), each through ``bench_cells``. llama-server is started for each concurrency with
@@ -506,7 +507,7 @@ def serving(
         return cmd + (["--spec-type", spec_type] if spec_type else [])
 
     baton = [sys.executable, "-m", "baton.cli", "serve", "--model", str(MODEL)]
-    baton += ["--threads", str(threads)]
+    baton += ["--threads", str(threads), *baton_extra]
     result: dict = {"gguf": gguf.name, "threads": threads, "commands": {}}
 
     def run_cells(key: str, cmd: list[str], concurrency: tuple[int, ...]) -> dict:
@@ -751,6 +752,11 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--paired-rounds", type=int, help="rounds of batch 1 in turns")
     p.add_argument(
+        "--serve-quantization",
+        choices=("int8",),
+        help="serving only: llama-server on the q8_0 GGUF, baton serve --quantization int8",
+    )
+    p.add_argument(
         "--skip-build-check",
         action="store_true",
         help="use cached binaries even if built with other cmake flags",
@@ -820,7 +826,11 @@ def main() -> int:
         if not args.skip_llama_bench and gguf is not None:
             r["paired_batch1"] = paired_batch1(bin_dir, gguf, args.threads, dtype, sizes)
     if not args.skip_serving:
-        gguf = ggufs["bf16" if dtype == "bfloat16" else "f32"]
+        baton_extra: tuple[str, ...] = ()
+        if args.serve_quantization == "int8":  # the same precision on both sides
+            gguf, baton_extra = convert(src, MODEL, "q8_0"), ("--quantization", "int8")
+        else:
+            gguf = ggufs["bf16" if dtype == "bfloat16" else "f32"]
         args.out.parent.mkdir(parents=True, exist_ok=True)
         r["serving"] = serving(
             bin_dir,
@@ -830,6 +840,7 @@ def main() -> int:
             sizes["cell_seconds"],
             args.out.parent,
             [t for t in args.spec_types.split(",") if t],
+            baton_extra,
         )
     r["machine"]["loadavg_end"] = os.getloadavg()
     r["ratios"] = ratios(r, sizes)
