@@ -173,8 +173,8 @@ static inline int baton_first_visible(int start, int window, int floor) {
  * worker in [0, threads) tells a task's thread (scratch memory). */
 typedef void (*baton_task)(void *ctx, int task, int worker);
 void baton_parallel(baton_task fn, void *ctx, int tasks, int threads);
-/* The same on the OpenMP runtime's threads (pool.c: a large call among torch's ops), or
- * baton_parallel where none was registered. */
+/* The same on OpenMP's threads, the runtime torch loaded (pool.c: a large call among torch's
+ * ops, whose spinning worker would share a core with this pool's helper). */
 void baton_parallel_openmp(baton_task fn, void *ctx, int tasks, int threads);
 /* Threads a parallel region of `work` units gets: one per `per_thread` units of it, at least
  * 1, at most `threads` -- a small region is not spread over every core (its threads would
