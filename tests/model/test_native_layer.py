@@ -350,9 +350,7 @@ def test_generation_with_the_fused_layer_equals_the_torch_layers(
                 top = logprobs[same]
                 assert want_tokens[same] in top, (same, top)
                 assert top[tokens[same]] - top[want_tokens[same]] <= 0.05, (same, top)
-                # early only where the fused run's two bf16 log-probabilities are equal
-                exact_tie = top[tokens[same]] == top[want_tokens[same]]
-                assert same >= 10 or exact_tie, f"diverged at token {same}: {top}"
+                assert same >= 10, f"diverged at token {same}"
             # Acceptance of the verify steps that committed only tokens before the divergence
             # (after it the two runs verify different texts). tokens[0] is the prefill's.
             steps = min(_steps_before(got, same - 1), _steps_before(want, same - 1))

@@ -85,15 +85,13 @@ class LLMEngine:
         if config.num_threads or not RuntimeEnv.from_environ().omp_threads_set:
             torch.set_num_threads(config.num_threads or read_topology().usable)
         kernels.set_small_step_threads(config.small_step_threads)
-        # NOTE: what a dropped engine freed (its weights, its pools) and what the fusing
-        # frees (the checkpoint's tensors) sit in glibc's heap until trimmed: 1.75 GB of a
-        # dropped Qwen3-0.6B engine's 2.1 GB, which a benchmark's next engine did not reuse
-        # (a process of two 1.7B engines in turn reached 15 GB); 1.3 GB of a Qwen3-1.7B's
-        # 6.2 GB loaded in fp32. (A finalizer cannot do the first: it runs before the dropped
-        # engine's members are freed.)
+        # NOTE: what a dropped engine freed (its weights, its pools) and what fusing frees
+        # (the checkpoints' tensors) sit in glibc's heap until trimmed, here and once the
+        # draft is fused too: 1.75 GB of a dropped Qwen3-0.6B engine's 2.1 GB, which the next
+        # engine did not reuse; 1.3 GB of a Qwen3-1.7B's 6.2 GB loaded in fp32. (A finalizer
+        # cannot do the first: it runs before the dropped engine's members are freed.)
         platform.release_free_memory()
         self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
-        platform.release_free_memory()
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -120,6 +118,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler.for_model(model_dir, spec.vocab_size, self.eos_token_ids)
         """Structured outputs' grammars for this model's tokenizer (None: no tokenizer)."""
         self.proposer = self._build_state(dtype, allocator)
+        platform.release_free_memory()
         proposer = self.proposer
         for factory in extra_state:
             factory(self.registry, config, allocator)
@@ -164,7 +163,6 @@ class LLMEngine:
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
             draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
-            platform.release_free_memory()
         if config.speculative and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"

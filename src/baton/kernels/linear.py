@@ -292,8 +292,6 @@ def linear_rows(
     None. round_once: the epilogue on the fp32 result, one rounding (see ``ROUND_ONCE``).
     threads: at most this many (default ``small_step_threads``; linear.c sizes the call by
     its work)."""
-    if x.numel() == 0 and max_rows is None and x.shape[-1] == weight.k:
-        return x.new_empty((*x.shape[:-1], weight.n))
     if not takes(x, weight, bias, max_rows) or (lib := library()) is None:
         return None
     k, n = x.shape[-1], weight.n

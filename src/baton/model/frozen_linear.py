@@ -290,6 +290,8 @@ class FrozenLinear:
         """Any number of rows through the panels, on torch's OpenMP threads (as BLAS would
         run: ``kernels.prompt_step_threads``)."""
         weight, bias = self._rows
+        if x.numel() == 0:
+            return x.new_empty((*x.shape[:-1], weight.n))
         threads = prompt_step_threads()
         y = linear_rows(x.contiguous(), weight, bias, op, other, max_rows=None, threads=threads)
         assert y is not None, "linear.c takes every call of a panels-only weight"
@@ -329,9 +331,10 @@ class FrozenLinear:
         return self._binary_blas(x, other, op)
 
     def _binary_blas(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
-        if self.packed is not None and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
+        fused = other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]  # inside the matmul
+        if fused and self.packed is not None:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
-        if self.panels_only and other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]:
+        if fused and self.panels_only:
             return self._panels(x, Epilogue.MUL if op == "mul" else Epilogue.ADD, other)
         y = self._blas(x)
         return y * other if op == "mul" else y + other
