@@ -40,6 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
         speculative=None if args.speculative else False,
+        speculative_method=args.speculative_method,
     )
     print(f"--- {llm.engine.platform_line}")
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=0)

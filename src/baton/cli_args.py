@@ -105,6 +105,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="draft tokens verified per step (default: 4 in bf16, 3 in fp32)",
     )
+    _add_speculative_method_arg(p)
     from baton.config import SLIDING_MODES  # light: torch is not imported for --help
 
     p.add_argument(
@@ -165,6 +166,17 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
         dest="speculative",
         action="store_false",
         help="do not use the MTP draft even if the model has one",
+    )
+    _add_speculative_method_arg(gen)
+
+
+def _add_speculative_method_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--speculative-method",
+        choices=("mtp", "ngram"),
+        default="mtp",
+        help="what proposes draft tokens: the model's MTP head (default; none: no "
+        "speculation), or ngram: continuations of the request's own n-grams (any model)",
     )
 
 

@@ -48,6 +48,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         options["speculative"] = False
     if args.num_speculative_tokens is not None:
         options["num_speculative_tokens"] = args.num_speculative_tokens
+    if args.speculative_method != "mtp":
+        options["speculative_method"] = args.speculative_method
     if args.sliding_mode is not None:
         options["sliding_mode"] = args.sliding_mode
     return options

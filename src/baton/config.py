@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16")
 """``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
 
 QUANTIZATIONS = ("int8", "int4")
+SPECULATIVE_METHODS = ("mtp", "ngram")
 """``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
 KV_CACHE_DTYPES = ("auto", "int8")
 """``CacheConfig.kv_cache_dtype`` values: ``baton.memory.kv_format``."""
@@ -236,7 +237,12 @@ class EngineConfig:
     seed: int = 0
     """Seeds unseeded sampling so a whole run is reproducible."""
     speculative: bool | None = None
-    """Speculative decoding with the model's MTP draft; None = on when the model has one."""
+    """Speculative decoding; None = on when ``speculative_method`` has what it needs (an MTP
+    draft: the model has one; n-grams: always)."""
+    speculative_method: str = "mtp"
+    """What proposes the tokens (``SPECULATIVE_METHODS``): ``mtp``, the model's MTP draft;
+    ``ngram``, continuations of the request's own n-grams (``baton.speculative.ngram``: no
+    draft model, for the models without an MTP head)."""
     num_speculative_tokens: int | None = None
     """Draft tokens proposed (and verified) per decode step; None: by the compute dtype
     (``LLMEngine``'s ``DRAFT_TOKENS``: 4 in bf16, 3 in fp32)."""
@@ -257,6 +263,11 @@ class EngineConfig:
             )
         if self.keep_warm_s < 0:
             raise ValueError(f"keep_warm_s must be >= 0 seconds, got {self.keep_warm_s}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {self.speculative_method!r}"
+            )
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 1:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"

@@ -353,6 +353,7 @@ def _serve_args(model: str, options: dict, served_model_name: str | None) -> lis
         "num_threads": "--threads",
         "max_model_len": "--max-model-len",
         "num_speculative_tokens": "--num-speculative-tokens",
+        "speculative_method": "--speculative-method",
         "sliding_mode": "--sliding-mode",
         "small_step_threads": "--small-step-threads",
         "keep_warm_s": "--keep-warm-s",

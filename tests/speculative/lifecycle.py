@@ -57,3 +57,5 @@ def assert_all_returned(llm: LLMEngine) -> None:
     assert not llm.scheduler.running and not llm.scheduler.waiting
     if llm.proposer is not None:
         assert not llm.proposer.pending and not llm.proposer.context_floor
+    if llm.lookup is not None:
+        assert not llm.lookup.indexes and not llm.lookup.found

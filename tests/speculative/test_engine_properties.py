@@ -2,11 +2,12 @@
 
 Random streams of greedy requests (random arrival steps, prompt lengths, output lengths) and
 aborts (at random steps, of requests in any state, finished ones included) run on an engine
-with speculation on, a small token budget (chunked prefill, chunks ending anywhere) and a
-small full-attention pool (preemption). Whatever happens: every request ends, finished or
-aborted, and nothing is reported for it afterwards; every request that was not aborted
-produced exactly the tokens of a no-pressure run of its prompt; every unit of every pool is
-free again and no per-request state is left behind.
+with speculation on (the MTP draft, or n-grams: some prompts repeat), a small token budget
+(chunked prefill, chunks ending anywhere) and a small full-attention pool (preemption).
+Whatever happens: every request ends, finished or aborted, and nothing is reported for it
+afterwards; every request that was not aborted produced exactly the tokens of a
+no-pressure run of its prompt; every unit of every pool is free again and no per-request
+state is left behind.
 """
 
 from __future__ import annotations
@@ -40,11 +41,14 @@ class Arrival:
     max_tokens: int
     logprobs: int | None
     """0 takes the general (non-kernel) verification path."""
+    period: int
+    """The prompt repeats its first ``period`` tokens (0: no repeats): n-gram chains."""
 
     @property
     def prompt(self) -> list[int]:
         g = torch.Generator().manual_seed(self.prompt_seed)
-        return torch.randint(0, 256, (self.prompt_len,), generator=g).tolist()
+        ids = torch.randint(0, 256, (self.prompt_len,), generator=g).tolist()
+        return (ids[: self.period] * self.prompt_len)[: self.prompt_len] if self.period else ids
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ arrivals = st.builds(
     prompt_seed=st.integers(0, 3),
     max_tokens=st.integers(1, MAX_OUTPUT),
     logprobs=st.sampled_from([None, None, 0]),
+    period=st.sampled_from([0, 0, 2, 5]),
 )
 
 
@@ -72,6 +77,7 @@ def streams(draw) -> Stream:
         max_num_batched_tokens=draw(st.sampled_from([4, 5, 8, 16, 64])),
         num_pages=draw(st.integers(8, 10)),
         max_num_seqs=draw(st.integers(2, 4)),
+        speculative_method=draw(st.sampled_from(["mtp", "ngram"])),
     )
     stream_arrivals = draw(st.lists(arrivals, min_size=2, max_size=6))
     aborts = draw(
@@ -143,3 +149,4 @@ def check_stream(spec_dir, reference, stream: Stream) -> None:
     # What the examples covered (pytest --hypothesis-show-statistics).
     event(f"preempted: {llm.scheduler.num_preemptions > 0}")
     event(f"aborted before finishing: {bool(aborted)}")
+    event(f"speculative method: {stream.options['speculative_method']}")

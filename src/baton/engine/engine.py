@@ -44,6 +44,7 @@ from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
 from baton.sampling.sampling_state import SamplingState
+from baton.speculative.ngram import NgramProposer
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
 
@@ -135,9 +136,11 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler,
             StateGroup(self.registry, self.prefix_cache),
-            self._num_lookahead_tokens if proposer else None,
+            self._num_lookahead_tokens if self.num_speculative_tokens else None,
         )
-        self.runner = ModelRunner(self.model, self.cache, Sampler(self.eos_token_ids), proposer)
+        self.runner = ModelRunner(
+            self.model, self.cache, Sampler(self.eos_token_ids), proposer or self.lookup
+        )
         self.tracks: dict[str, Track] = {}
         """Every live request (not finished), whatever its status."""
         self.intake = RequestIntake(
@@ -159,19 +162,23 @@ class LLMEngine:
         """The target's pools, the draft (if the directory has one, and speculation is not
         off) with its pools, and the aux record; returns the draft's proposer."""
         config, spec = self.config, self.model.spec
-        use_draft = config.speculative is not False
+        use_draft = config.speculative is not False and config.speculative_method == "mtp"
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
             draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
-        if config.speculative and draft is None:
+        if config.speculative and use_draft and draft is None:
             raise ValueError(
-                f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json)"
+                f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json); "
+                "speculative_method='ngram' speculates without one"
             )
+        ngram = config.speculative is not False and config.speculative_method == "ngram"
         num_tokens = config.num_speculative_tokens or DRAFT_TOKENS.get(dtype, 3)
-        self.num_speculative_tokens = num_tokens if draft is not None else 0
+        self.num_speculative_tokens = num_tokens if draft is not None or ngram else 0
         """Draft tokens proposed per step (``DRAFT_TOKENS`` when not configured; 0: none)."""
+        self.lookup = NgramProposer(num_tokens) if ngram else None
+        """N-gram speculation (``speculative_method="ngram"``), or None."""
         # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
-        slack = self.num_speculative_tokens + 1 if draft is not None else 0
+        slack = self.num_speculative_tokens + 1 if self.num_speculative_tokens else 0
         self.cache = ModelCache(
             spec,
             config.cache,
@@ -311,6 +318,8 @@ class LLMEngine:
             component.owner.free(request_id)
         if self.proposer is not None:
             self.proposer.free(request_id)
+        if self.lookup is not None:
+            self.lookup.free(request_id)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request_id)
 
@@ -364,9 +373,9 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        if self.proposer is not None:
-            for request in batch.preempted:
-                self.proposer.preempted(request.request_id)
+        for proposer in (self.proposer, self.lookup):
+            for request in batch.preempted if proposer is not None else ():
+                proposer.preempted(request.request_id)
         if batch.is_empty:
             return []
         now = time.monotonic()
@@ -427,6 +436,8 @@ class LLMEngine:
             self.held[request_id] = HeldRequest(track.request, committed, hidden)
             if self.proposer is not None:
                 self.proposer.free(request_id)
+            if self.lookup is not None:
+                self.lookup.free(request_id)
         else:
             self.scheduler.finish(track.request, FINISH[track.finish_reason])
             self.free_units(request_id)
@@ -439,7 +450,10 @@ class LLMEngine:
 
     def _num_lookahead_tokens(self, request: Request) -> int:
         """Draft tokens ``request`` may verify this step: ``num_speculative_tokens``, fewer
-        near its ``max_tokens`` or the context's end."""
+        near its ``max_tokens`` or the context's end -- with n-grams, as many as matched."""
         remaining = self.tracks[request.request_id].max_tokens - request.num_output_tokens
         room = self.max_model_len - request.num_tokens
-        return max(0, min(self.num_speculative_tokens, remaining - 1, room))
+        limit = max(0, min(self.num_speculative_tokens, remaining - 1, room))
+        if self.lookup is None or not limit:
+            return limit
+        return self.lookup.lookahead(request.request_id, request.token_ids_view, limit)

@@ -30,6 +30,7 @@ from baton.model.frozen_linear import step_invariant_rows
 from baton.model.layers import take_rows
 from baton.model.paged_attention import PagedAttention, Segment
 from baton.sampling.sampler import Sampler, SamplerOutput, SamplingState
+from baton.speculative.ngram import NgramProposer
 from baton.speculative.proposer import DraftProposer, PendingPairs
 from baton.speculative.verify import greedy_chain, verify_chain
 
@@ -56,7 +57,7 @@ class ModelRunner:
         model: CausalLM,
         cache: ModelCache,
         sampler: Sampler,
-        proposer: DraftProposer | None = None,
+        proposer: DraftProposer | NgramProposer | None = None,
     ) -> None:
         self.model = model
         self.executor = NativeExecutor(model)
@@ -65,6 +66,9 @@ class ModelRunner:
         self.cache = cache
         self.sampler = sampler
         self.proposer = proposer
+        """Proposes the chains verified (the MTP draft, or n-gram lookup), or None."""
+        self.draft = proposer if isinstance(proposer, DraftProposer) else None
+        """The MTP draft's proposer: fed the target's hidden states after every step."""
         self.grammar_greedy = GreedyUnderGrammar(model)
         """Greedy picks of structured requests on the argmax paths (``_plain_greedy``)."""
         self.num_computed_tokens = 0
@@ -124,7 +128,7 @@ class ModelRunner:
             ]
             if verified:
                 self._verify(verified, hidden, chains, states, result, greedy)
-            if self.proposer is not None:
+            if self.draft is not None:
                 with step_invariant_rows(computes_prompt):
                     self._feed_draft(batch.chunks, segments, hidden, result)
         return result
@@ -138,8 +142,8 @@ class ModelRunner:
         for chunk, seg in zip(chunks, segments, strict=True):
             n = chunk.num_tokens
             tail = n if chunk.num_lookahead else 1
-            if self.proposer is not None and not chunk.num_lookahead:
-                tail = min(n, self.proposer.pairs_kept(n) + 1)
+            if self.draft is not None and not chunk.num_lookahead:
+                tail = min(n, self.draft.pairs_kept(n) + 1)
             rows.extend(range(seg.offset + n - tail, seg.offset + n))
         return torch.tensor(rows) if len(rows) < num_tokens else None
 
@@ -333,7 +337,7 @@ class ModelRunner:
             if chunk.num_lookahead:
                 # Slots L .. L+n_ok: the accepted proposals and the bonus token.
                 h = hidden[seg.offset : seg.offset + len(committed.token_ids)]
-                self.proposer.set_pending(rid, PendingPairs(chunk.start, h, committed.token_ids))
+                self.draft.set_pending(rid, PendingPairs(chunk.start, h, committed.token_ids))
                 continue
             h = hidden[seg.offset : seg.offset + chunk.num_tokens]
             # Slot s pairs h_s with token s+1: known for every s of the chunk but the last,
@@ -343,7 +347,7 @@ class ModelRunner:
             pairs = PendingPairs(
                 chunk.start, h[:num_pairs], tokens[chunk.start + 1 : chunk.start + 1 + num_pairs]
             )
-            old = self.proposer.pending.pop(rid, None)
+            old = self.draft.pending.pop(rid, None)
             if old is not None:  # a decode step that verified nothing: run its pairs too
                 assert old.start_slot + len(old.token_ids) == chunk.start
                 pairs = PendingPairs(
@@ -361,7 +365,7 @@ class ModelRunner:
                     pairs.hidden[-1:],
                     pairs.token_ids[-1:],
                 )
-                self.proposer.set_pending(rid, seed)
+                self.draft.set_pending(rid, seed)
                 pairs = PendingPairs(pairs.start_slot, pairs.hidden[:-1], pairs.token_ids[:-1])
             prefill.append((rid, pairs.start_slot, pairs.hidden, pairs.token_ids))
-        self.proposer.prefill(prefill)
+        self.draft.prefill(prefill)

@@ -126,9 +126,12 @@ def build_hello(
     regions: dict[str, dict[str, Any]] | None = None,
 ) -> Hello:
     """This worker's declaration. Speculation is on exactly when the engine loads a draft:
-    ``config.speculative`` is not False and the directory has ``mtp_config.json``."""
+    ``config.speculative`` is not False, its method is ``mtp`` and the directory has
+    ``mtp_config.json``. (N-gram speculation is the decode worker's own: it reads the
+    request's tokens, which both sides have, so a pair need not agree on it.)"""
     config = engine.config
-    draft = draft_identity(model_dir) if config.speculative is not False else None
+    uses_draft = config.speculative is not False and config.speculative_method == "mtp"
+    draft = draft_identity(model_dir) if uses_draft else None
     schema = engine.registry.schema()
     return Hello(
         protocol_version=PROTOCOL_VERSION,
