@@ -32,11 +32,13 @@ PROMPTS = ["def parse(data):", "The record is ", "import json\n", "x"]
 
 @pytest.fixture(scope="module")
 def engines():
-    """An engine with its MTP draft and one without, fp32."""
-    return {
+    """An engine with its MTP draft, one speculating with n-grams, one without, fp32."""
+    found = {
         spec: LLMEngine(MODEL, EngineConfig.from_kwargs(dtype="float32", speculative=spec))
         for spec in (None, False)
     }
+    config = EngineConfig.from_kwargs(dtype="float32", speculative_method="ngram")
+    return {**found, "ngram": LLMEngine(MODEL, config)}
 
 
 def _run(engine: LLMEngine, prompts, params) -> list:
@@ -153,16 +155,22 @@ def test_every_output_follows_its_random_schema(engines, schema, sampling, specu
     ],
     ids=["json", "json_object", "regex", "choice", "lark"],
 )
-def test_greedy_speculation_equals_greedy_decoding_under_a_grammar(engines, spec):
+@pytest.mark.parametrize("method", [None, "ngram"], ids=["mtp", "ngram"])
+def test_greedy_speculation_equals_greedy_decoding_under_a_grammar(engines, spec, method):
+    """With the MTP draft every request verifies chains; with n-grams, those whose text
+    repeats (a chain, repaired to the grammar, is verified like the draft's)."""
     params = SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=spec)
-    with_draft = _run(engines[None], PROMPTS, params)
+    with_draft = _run(engines[method], PROMPTS, params)
     plain = _run(engines[False], PROMPTS, params)
     assert [o.outputs[0].token_ids for o in with_draft] == [o.outputs[0].token_ids for o in plain]
     for output in with_draft:
-        _follows(engines[None], output, spec)
-        assert output.metrics.accepted_lengths, "no speculative step ran"
+        _follows(engines[method], output, spec)
+        if method is None:
+            assert output.metrics.accepted_lengths, "no speculative step ran"
     if spec.regex or spec.choice:  # short languages: every output is complete
         assert all(o.outputs[0].finish_reason == "stop" for o in with_draft)
+    if method == "ngram" and not (spec.regex or spec.choice):  # long outputs repeat
+        assert any(o.metrics.accepted_lengths for o in with_draft), "no n-gram chain ran"
 
 
 def test_the_per_step_draft_path_masks_its_guesses_and_matches_too(engines):

@@ -363,8 +363,9 @@ def test_launch_restarts_a_dead_child_and_its_children_die_with_it(text_model_di
 
 
 def test_engine_switches_reach_every_worker_as_given():
-    """``baton serve`` / ``baton launch`` switches (speculation off, draft length, prefix
-    caching off, sliding mode) become engine options, and launch hands each worker the same ones."""
+    """``baton serve`` / ``baton launch`` switches (speculation off, draft length and method,
+    prefix caching off, sliding mode) become engine options, and launch hands each worker the
+    same ones."""
     from baton.cli import build_parser
     from baton.cli_serve import engine_options
     from baton.config import EngineConfig
@@ -388,12 +389,15 @@ def test_engine_switches_reach_every_worker_as_given():
         "int4",
         "--kv-cache-dtype",
         "int8",
+        "--speculative-method",
+        "ngram",
     ]
     options = engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
     assert config.quantization == "int4"
     assert config.cache.kv_cache_dtype == "int8"
     assert config.speculative is False and config.num_speculative_tokens == 2
+    assert config.speculative_method == "ngram"
     assert config.cache.enable_prefix_caching is False
     assert config.cache.sliding_mode == "ring"
     assert config.small_step_threads == 2
@@ -404,7 +408,7 @@ def test_engine_switches_reach_every_worker_as_given():
     assert "speculative" not in default and "enable_prefix_caching" not in default
     assert "sliding_mode" not in default and "kv_cache_dtype" not in default
     assert "small_step_threads" not in default  # as --threads
-    assert "quantization" not in default
+    assert "quantization" not in default and "speculative_method" not in default
     assert "keep_warm_s" not in default and EngineConfig().keep_warm_s == 0
     as_torch = engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
     assert "small_step_threads" not in as_torch

@@ -37,30 +37,34 @@ def pd_dir(hf_checkpoint, tmp_path_factory):
     return directory
 
 
-def _config(mode: str) -> EngineConfig:
+def _config(mode: str, **options) -> EngineConfig:
     return EngineConfig.from_kwargs(
-        dtype="float32", page_size=8, sliding_mode=mode, max_num_batched_tokens=40
+        dtype="float32", page_size=8, sliding_mode=mode, max_num_batched_tokens=40, **options
     )
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(period: int = 0) -> list[list[int]]:
+    """Random prompts of ``LENGTHS``; with a ``period``, each repeats its first tokens."""
     g = torch.Generator().manual_seed(4)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    return [(p[:period] * len(p))[: len(p)] if period else p for p in prompts]
 
 
-def _colocated(directory, mode, params):
-    engine = LLMEngine(directory, _config(mode))
-    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in _prompts()]
+def _colocated(directory, mode, params, prompts=None, **options):
+    engine = LLMEngine(directory, _config(mode, **options))
+    ids = [engine.add_request({"prompt_token_ids": p}, params) for p in prompts or _prompts()]
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return [done[i] for i in ids]
 
 
-def _pd(directory, mode, params, skip=()):
-    prefill_engine, decode_engine, prefill, decode = _pair(directory, mode)
+def _pd(directory, mode, params, prompts=None, prefill_options=None, **options):
+    prefill_engine, decode_engine, prefill, decode = _pair(
+        directory, mode, prefill_options or options, options
+    )
     rooms = {}
-    for room, prompt in enumerate(_prompts(), start=100):
+    for room, prompt in enumerate(prompts or _prompts(), start=100):
         msg = decode.reserve(room, prompt, params)
         rooms[room] = msg.request_id
         assert prefill.on_reserve(msg) is None
@@ -99,6 +103,36 @@ def test_pd_equals_colocated(pd_dir, mode, temperature):
         for cache in engine.caches:
             assert cache.num_free_units() == {p.name: p.component.num_units for p in cache.pools}
         assert engine.aux.num_free_units == engine.aux.component.num_units
+
+
+@pytest.mark.parametrize("prefill_method", ["ngram", "none"])
+def test_pd_with_ngrams_equals_colocated(pd_dir, prefill_method):
+    """A decode speculating with n-grams needs nothing more from prefill: it pairs with a
+    prefill speculating alike or not at all (neither loads the draft), gives the colocated
+    tokens and acceptance, and its chains were verified (the prompts repeat)."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = _prompts(period=5)
+    expected = _colocated(pd_dir, "paged", params, prompts, speculative_method="ngram")
+    prefill_options = {"speculative": False} if prefill_method == "none" else None
+    outs, *_, d_engine = _pd(
+        pd_dir, "paged", params, prompts, prefill_options, speculative_method="ngram"
+    )
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in expected]
+    accepted = [o.metrics.accepted_lengths for o in outs]
+    assert accepted == [o.metrics.accepted_lengths for o in expected]
+    assert any(a > 1 for lengths in accepted for a in lengths)
+    assert d_engine.runner.num_computed_prompt_tokens == 0
+    assert not d_engine.lookup.indexes and not d_engine.lookup.found
+    assert d_engine.units_in_use() == {c.name: 0 for c in d_engine.registry}
+
+
+def test_a_prefill_with_the_draft_and_a_decode_without_are_refused(pd_dir):
+    mtp = LLMEngine(pd_dir, _config("paged"))
+    ngram = LLMEngine(pd_dir, _config("paged", speculative_method="ngram"))
+    hello_p = build_hello(mtp, pd_dir, worker_id="p", role="prefill", backend="loopback")
+    hello_d = build_hello(ngram, pd_dir, worker_id="d", role="decode", backend="loopback")
+    with pytest.raises(PairingError, match="uses a draft model"):
+        check_pairing(hello_d, hello_p)
 
 
 def test_handshake_refuses_a_missing_component(pd_dir):
@@ -202,11 +236,11 @@ def _cold_each(pd_dir, prompts, params) -> list:
     return expected
 
 
-def _pair(pd_dir, mode="paged"):
+def _pair(pd_dir, mode="paged", prefill_options=None, decode_options=None):
     """A prefill sender (keeping checksums) and a decode over loopback, both engines with
-    ``_config(mode)`` (prefix caching on)."""
-    prefill_engine = LLMEngine(pd_dir, _config(mode))
-    decode_engine = LLMEngine(pd_dir, _config(mode))
+    ``_config(mode)`` (prefix caching on) and their ``*_options``."""
+    prefill_engine = LLMEngine(pd_dir, _config(mode, **(prefill_options or {})))
+    decode_engine = LLMEngine(pd_dir, _config(mode, **(decode_options or {})))
     receiver = LoopbackBackend()
     regions = {
         c.name: receiver.register(c.name, c.storage).to_dict() for c in decode_engine.registry
