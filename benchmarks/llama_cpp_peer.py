@@ -289,10 +289,12 @@ def llama_bench(bin_dir: Path, gguf: Path, threads: int, sizes: dict) -> dict:
 
 
 # -- 2. baton offline, batch 1 -------------------------------------------------------------------
-def modes() -> list[tuple[str, bool]]:
-    """baton's batch-1 modes: plain, and MTP where the model has a draft."""
+def modes() -> list[tuple[str, dict]]:
+    """baton's batch-1 modes (name, engine options): plain, n-gram speculation (any model),
+    and MTP where the model has a draft."""
     has_draft = (MODEL / "mtp_config.json").is_file()
-    return [("plain", False)] + ([("mtp", True)] if has_draft else [])
+    found = [("plain", {"speculative": False}), ("ngram", {"speculative_method": "ngram"})]
+    return found + ([("mtp", {"speculative": True})] if has_draft else [])
 
 
 def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
@@ -309,12 +311,10 @@ def baton_batch1(threads: int, dtype: str, sizes: dict) -> dict:
     prompt, long_prompt = stream[: sizes["prompt_tokens"]], stream[sizes["prompt_tokens"] :]
     result: dict = {"prompts": source, "dtype": dtype}
     with torch.inference_mode():
-        for name, speculative in modes():
+        for name, options in modes():
             # NOTE: no prefix caching: every timed run repeats its prompt, and llama-bench
             # computes every prompt afresh.
-            llm = offline.new_llm(
-                MODEL, args, n_pp + n_new, speculative=speculative, enable_prefix_caching=False
-            )
+            llm = offline.new_llm(MODEL, args, n_pp + n_new, **options, enable_prefix_caching=False)
             result[name] = offline.bench_batch1(llm, None, prompt, n_new, sizes["repeats"])
             if name == "plain":
                 runs = {"pp": lambda llm=llm: offline.baton_generate(llm, [long_prompt], [1])}
@@ -343,9 +343,9 @@ def paired_batch1(bin_dir: Path, gguf: Path, threads: int, dtype: str, sizes: di
     with torch.inference_mode():
         llms = {
             name: offline.new_llm(
-                MODEL, args, n_prompt + n_new, speculative=spec, enable_prefix_caching=False
+                MODEL, args, n_prompt + n_new, **options, enable_prefix_caching=False
             )
-            for name, spec in modes()
+            for name, options in modes()
         }
         for i in range(sizes["paired_rounds"]):
             row = {}
@@ -491,13 +491,16 @@ def serving(
     log_dir: Path,
     spec_types: list[str],
     baton_extra: tuple[str, ...] = (),
+    baton_methods: tuple[str, ...] = (),
 ) -> dict:
     """llama-server, then llama-server with each speculative type, then baton serve (never two
     at once), each through ``bench_cells``. llama-server is started for each concurrency with
     as many slots (its best configuration there: 32 slots served 8 clients at 2,116 tok/s
     where 8 slots had served 2,599-3,563 in earlier runs); each speculative type at
     concurrency 1, and the best of them (by output tok/s there) at every other concurrency;
-    baton serve once, with its defaults, for every concurrency."""
+    baton serve with its defaults (MTP where the model has a draft), then with each of
+    ``baton_methods`` (``--speculative-method``), every concurrency each -- baton's best
+    beside llama-server's best (``ratios``)."""
     ctx_per_slot = 2 * (sizes["serve_prompt_tokens"] + sizes["serve_output_tokens"])
 
     def llama_server(slots: int, spec_type: str | None = None) -> list[str]:
@@ -540,7 +543,20 @@ def serving(
                 key = f"llama_server_{best}_c{c}"
                 spec[best].update(run_cells(key, llama_server(c, best), (c,)))
     result["baton"] = run_cells("baton", baton, tuple(sizes["concurrency"]))
+    methods = result["baton_spec"] = {}
+    for method in baton_methods:
+        cmd = [*baton, "--speculative-method", method]
+        methods[method] = run_cells(f"baton_{method}", cmd, tuple(sizes["concurrency"]))
     return result
+
+
+def best_baton_cell(serve: dict, concurrency: str) -> tuple[str, dict]:
+    """baton's best configuration at ``concurrency`` by output tok/s: its defaults or one of
+    its speculative methods (its name, its cell)."""
+    found = [("defaults", serve["baton"][concurrency])]
+    for method, cells in serve.get("baton_spec", {}).items():
+        found.append((f"--speculative-method {method}", cells[concurrency]))
+    return max(found, key=lambda f: f[1]["output_tokens_per_s"])
 
 
 def best_llama_cell(serve: dict, concurrency: str) -> tuple[str, dict]:
@@ -623,6 +639,14 @@ def ratios(r: dict, sizes: dict) -> dict:
                 "llama_config": name,
                 "output_tokens_per_s": ours["output_tokens_per_s"] / best["output_tokens_per_s"],
             }
+            if serve.get("baton_spec"):
+                mine, ours = best_baton_cell(serve, c)
+                out[f"serving_c{c}_best_vs_best"] = {
+                    "baton_config": mine,
+                    "llama_config": name,
+                    "output_tokens_per_s": ours["output_tokens_per_s"]
+                    / best["output_tokens_per_s"],
+                }
     return out
 
 
@@ -666,12 +690,12 @@ def print_report(r: dict, sizes: dict) -> None:
                 f"{m['baton_decode_only_tokens_per_s']:.1f} decode only"
             )
     if p := r.get("paired_batch1"):
+        names = [name for name, _ in modes()]
         print(
             f"in turns, {len(p['rounds'])} rounds (tok/s): llama-bench tg{sizes['tg_tokens']}"
-            f"@d{d} / baton plain / baton mtp decode only: "
+            f"@d{d} / baton {' / '.join(names)} decode only: "
             + "; ".join(
-                f"{x['llama_tg']:.0f} / {x['plain']:.0f} / {x.get('mtp', float('nan')):.0f}"
-                for x in p["rounds"]
+                " / ".join(f"{x[k]:.0f}" for k in ["llama_tg", *names]) for x in p["rounds"]
             )
         )
     if s := r.get("serving"):
@@ -694,7 +718,9 @@ def print_report(r: dict, sizes: dict) -> None:
         )
         rows = [("llama_server", s["llama_server"])]
         rows += [(f"llama {t}", cells) for t, cells in s.get("llama_server_spec", {}).items()]
-        for name, cells in [*rows, ("baton", s["baton"])]:
+        rows += [("baton", s["baton"])]
+        rows += [(f"baton {m}", cells) for m, cells in s.get("baton_spec", {}).items()]
+        for name, cells in rows:
             for c, cell in cells.items():
                 vals = "".join(
                     f"{cell[k]:>{w}.1f}" if cell[k] is not None else f"{'-':>{w}}"
@@ -733,6 +759,12 @@ def parse_args() -> argparse.Namespace:
         "--spec-types",
         default="ngram-simple,ngram-mod",
         help="llama-server speculative types to try (comma-separated; '' for none)",
+    )
+    p.add_argument(
+        "--baton-methods",
+        default="ngram",
+        help="baton serve --speculative-method values to try beside its defaults "
+        "(comma-separated; '' for none)",
     )
     p.add_argument("--cell-seconds", type=float, help="target length of a serving cell")
     p.add_argument("--skip-llama-bench", action="store_true")
@@ -812,7 +844,12 @@ def main() -> int:
             dtype, threads=args.threads, loadavg_start=os.getloadavg(), avx2_stand_in=stand_in
         ),
         "model": str(MODEL),
-        "settings": {**sizes, "quick": args.quick, "spec_types": args.spec_types},
+        "settings": {
+            **sizes,
+            "quick": args.quick,
+            "spec_types": args.spec_types,
+            "baton_methods": args.baton_methods,
+        },
         "build": build_info,
         "gguf": {t: str(g) for t, g in ggufs.items()},
     }
@@ -841,6 +878,7 @@ def main() -> int:
             args.out.parent,
             [t for t in args.spec_types.split(",") if t],
             baton_extra,
+            tuple(m for m in args.baton_methods.split(",") if m),
         )
     r["machine"]["loadavg_end"] = os.getloadavg()
     r["ratios"] = ratios(r, sizes)
