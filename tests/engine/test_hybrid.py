@@ -140,6 +140,19 @@ def test_speculative_greedy_equals_plain_greedy_and_rolls_the_state_back(hybrid_
     assert engine.registry.get("target.linear").unit_shape[0] == 4
 
 
+def test_ngram_speculation_rolls_the_recurrent_state_back_too(hybrid_dir):
+    """A hybrid without a draft, n-gram chains on repeating prompts: the state's slots are
+    sized for the lookahead and a rejection continues from the last accepted token's."""
+    prompts = [(p[:6] * 20)[: len(p)] for p in _prompts()]
+    plain = run(hybrid_dir, prompts, GREEDY, speculative=False)
+    spec = run(hybrid_dir, prompts, GREEDY, speculative_method="ngram", num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    accepted = [n for o in spec for n in o.metrics.accepted_lengths]
+    assert 1 in accepted and max(accepted) > 1, accepted
+    engine = LLMEngine(hybrid_dir, _config(speculative_method="ngram", num_speculative_tokens=3))
+    assert engine.registry.get("target.linear").unit_shape[0] == 4
+
+
 def _one_after_another(directory, prompts, params, engine=None, **kw):
     engine = engine or LLMEngine(directory, _config(**kw))
     outs = []
