@@ -6,7 +6,9 @@ One run, same engine settings throughout:
   overall and over the first 16 verify steps vs later ones -- also with the draft's prompt
   state emptied (the ablation switch), which shows what a missing draft state costs;
 - greedy decode tokens/s with vs without speculation at batch 1 and batch 8;
-- a check that speculative and plain greedy outputs are identical.
+- a check that speculative and plain greedy outputs are identical;
+- the same for n-gram speculation (``speculative_method="ngram"``, no draft): its acceptance
+  per verify step, the share of decode steps that found a chain, and its speed.
 
     python benchmarks/speculative.py [--model DIR] [--new-tokens 128] [--threads 2]
 """
@@ -96,6 +98,7 @@ def main() -> None:
     spec = LLM(args.model, speculative=True, **options, **k)
     plain = LLM(args.model, speculative=False, **options)
     ablated = LLM(args.model, speculative=True, debug_empty_draft_prompt_state=True, **options, **k)
+    ngram = LLM(args.model, speculative_method="ngram", **options, **k)
     prompts = held_out_prompts(spec, args.num_prompts, args.prompt_len)
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
 
@@ -107,19 +110,36 @@ def main() -> None:
     ]
     identical = acc.pop("token_ids") == plain_ids
     acc_ablated.pop("token_ids")
+    acc_ngram = acceptance(ngram, prompts, params)
+    acc_ngram["identical_to_plain"] = acc_ngram.pop("token_ids") == plain_ids
+    # A decode step without a match verifies nothing: tokens per decode step, chains or not.
+    acc_ngram["tokens_per_decode_step"] = (len(prompts) * (args.new_tokens - 1)) / (
+        acc_ngram["verify_steps"]
+        + len(prompts) * (args.new_tokens - 1)
+        - acc_ngram["mean"] * acc_ngram["verify_steps"]
+    )
 
     speed = {}
     for batch, subset in ((1, prompts[:4]), (8, prompts[:8])):
         tokens_per_s(spec, subset[:1], params, 1)  # warm-up
         s = tokens_per_s(spec, subset, params, batch)
         p = tokens_per_s(plain, subset, params, batch)
-        speed[f"batch_{batch}"] = {"spec_tok_s": s, "plain_tok_s": p, "speedup": s / p}
+        tokens_per_s(ngram, subset[:1], params, 1)
+        n = tokens_per_s(ngram, subset, params, batch)
+        speed[f"batch_{batch}"] = {
+            "spec_tok_s": s,
+            "plain_tok_s": p,
+            "speedup": s / p,
+            "ngram_tok_s": n,
+            "ngram_speedup": n / p,
+        }
 
     result = {
         "model": args.model,
         "k": spec.engine.num_speculative_tokens,
         "acceptance": acc,
         "acceptance_without_draft_prompt_state": acc_ablated,
+        "ngram": acc_ngram,
         "greedy_identical_with_and_without_speculation": identical,
         "speed": speed,
         "threads": args.threads,
@@ -139,11 +159,18 @@ def main() -> None:
         f"{a[f'first_{FIRST_STEPS}_steps']:.2f}   later {a['later_steps']:.2f}"
     )
     print(f"greedy output identical with and without speculation: {identical}")
+    g = acc_ngram
+    print(
+        f"n-grams: {g['mean']:.2f} tokens per verify step ({g['verify_steps']} steps), "
+        f"{g['tokens_per_decode_step']:.2f} per decode step; identical to plain: "
+        f"{g['identical_to_plain']}"
+    )
     for name, s in speed.items():
         target = "  (target >= 1.5x)" if name == "batch_1" else ""
         print(
             f"{name}: {s['spec_tok_s']:.1f} tok/s with vs {s['plain_tok_s']:.1f} without "
-            f"-> {s['speedup']:.2f}x{target}"
+            f"-> {s['speedup']:.2f}x{target}; n-grams {s['ngram_tok_s']:.1f} -> "
+            f"{s['ngram_speedup']:.2f}x"
         )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
