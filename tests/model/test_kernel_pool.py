@@ -196,3 +196,44 @@ def test_a_prompt_steps_call_on_openmps_threads_changes_no_bit():
         assert results == {0: True, 1: True}
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_small_steps_norms_and_argmax_run_on_the_pool_and_change_no_bit(threads, dtype):
+    """Wide norms and argmaxes inside a small step (``layer.c``'s, ``chain.c``'s: ``pooled``)
+    run on pool.c's threads, not OpenMP's -- an OpenMP region there woke torch's worker onto
+    the helper's core (norm.c's ``run_norm``) -- with the one-thread bits, and the OpenMP
+    path's (the Python callers')."""
+    from baton.kernels.logits import argmax_rows
+    from baton.kernels.norm import rms_norm, rms_norm_rotary
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1024, 1024, generator=g).to(dtype)  # > 32 K elements: wide
+    weight = torch.randn(1024, generator=g).to(dtype)
+    heads = torch.randn(1, 256, 24, 128, generator=g).to(dtype)  # Qwen3-0.6B's q|k heads
+    head_weight = torch.randn(24, 128, generator=g).to(dtype)
+    cos = torch.randn(1, 256, 1, 128, generator=g).to(dtype)
+    sin = torch.randn(1, 256, 1, 128, generator=g).to(dtype)
+    scores = torch.randn(32, 50000, generator=g).to(dtype)
+
+    def calls(pooled: bool) -> list[torch.Tensor]:
+        return [
+            rms_norm(x, weight, 1e-6, 0.0, pooled=pooled),
+            rms_norm_rotary(heads, head_weight, 1e-6, cos, sin, pooled=pooled),
+            *argmax_rows(scores, pooled=pooled),
+        ]
+
+    threads(1)
+    alone = calls(pooled=True)
+    threads(2)
+    before = library().baton_pool_helper_tasks()
+    for _ in range(50):  # until a helper, woken by the first calls, has taken a task
+        for got, want in zip(calls(pooled=True), alone, strict=True):
+            assert torch.equal(got, want)
+        if library().baton_pool_helper_tasks() > before:
+            break
+    assert library().baton_pool_helper_tasks() > before, "no helper took a norm's task"
+    before = library().baton_pool_helper_tasks()
+    for got, want in zip(calls(pooled=False), alone, strict=True):
+        assert torch.equal(got, want)
+    assert library().baton_pool_helper_tasks() == before, "the OpenMP path used the pool"

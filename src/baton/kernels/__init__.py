@@ -276,8 +276,14 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_rms_norm.argtypes = [*rows, ptr, i32, f32, f32, i32, i32, i32]
     lib.baton_rms_norm_rotary.restype = None
     lib.baton_rms_norm_rotary.argtypes = [*rows, ptr, ptr, i64, ptr, i32, f32, i32, i32, i32]
+    lib.baton_rms_norm_on.restype = None
+    lib.baton_rms_norm_on.argtypes = [*lib.baton_rms_norm.argtypes, i32]
+    lib.baton_rms_norm_rotary_on.restype = None
+    lib.baton_rms_norm_rotary_on.argtypes = [*lib.baton_rms_norm_rotary.argtypes, i32]
     lib.baton_argmax_rows.restype = None
     lib.baton_argmax_rows.argtypes = [ptr, i64, i64, i64, i32, ptr, ptr, i32]
+    lib.baton_argmax_rows_on.restype = None
+    lib.baton_argmax_rows_on.argtypes = [*lib.baton_argmax_rows.argtypes, i32]
     lib.baton_logsumexp_rows.restype = None
     lib.baton_logsumexp_rows.argtypes = [ptr, ptr, i64, i64, i64, i32, ptr, i32]
     lib.baton_linear_rows.restype = ctypes.c_int

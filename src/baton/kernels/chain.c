@@ -63,10 +63,10 @@ static int draft_step(const Chain *c, const ChainStep *s, const void *hidden, co
     const size_t row = (size_t)hid * (bf ? 2 : 4);
     char *e = scratch, *en = e + n * row, *eh = en + n * row;
     baton_gather_rows(e, c->embed, ids, n, row);
-    baton_rms_norm(e, n, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf, s->lanes,
-                   nt);
-    baton_rms_norm(hidden, n, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,
-                   s->lanes, nt);
+    baton_rms_norm_on(e, n, hid, 1, 0, c->enorm, 0, en, (int)hid, c->eps, c->offset, bf,
+                      s->lanes, nt, 1);
+    baton_rms_norm_on(hidden, n, hid, 1, 0, c->hnorm, 0, e, (int)hid, c->eps, c->offset, bf,
+                      s->lanes, nt, 1);
     for (int r = 0; r < n; r++) { /* cat(enorm(embed), hnorm(h)) */
         memcpy(eh + 2 * r * row, en + r * row, row);
         memcpy(eh + (2 * r + 1) * row, e + r * row, row);
@@ -141,14 +141,14 @@ static int draft_chain(const Chain *c, const ChainStep *s) {
         status |= draft_step(c, s, s->first_hidden, s->first_ids, s->pairs, cos, sin,
                              s->first_attn, (int32_t)b, rest, x);
         for (int r = 0; r < b; r++) memmove(x + r * row, x + s->last_rows[r] * row, row);
-        baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
-                       c->norm_offset, bf, s->lanes, nt);
+        baton_rms_norm_on(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
+                          c->norm_offset, bf, s->lanes, nt, 1);
     }
     for (int i = 0; status == 0; i++) {
         status |= baton_linear_rows(s->hidden, hid, (int)b, (int)hid, c->head, (int)vocab,
                                     c->head_bias, NULL, 0, c->head_op, scores, vocab, bf,
                                     c->head_w_format, nt);
-        baton_argmax_rows(scores, b, vocab, vocab, bf, best, value, nt);
+        baton_argmax_rows_on(scores, b, vocab, vocab, bf, best, value, nt, 1);
         for (int r = 0; r < b; r++) s->tokens[r * s->steps + i] = best[r];
         if (i == s->steps - 1) break;
         Args a;
@@ -156,8 +156,8 @@ static int draft_chain(const Chain *c, const ChainStep *s) {
         for (int r = 0; r < b; r++) at[r] = s->attn->q_start[r] + i + 1;
         baton_rotary_rows(cos, sin, s->cos, s->sin, s->table_rows, at, b, rot); /* checked */
         status |= draft_step(c, s, s->hidden, best, b, cos, sin, &a, (int32_t)b, rest, x);
-        baton_rms_norm(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
-                       c->norm_offset, bf, s->lanes, nt);
+        baton_rms_norm_on(x, b, hid, 1, 0, c->norm, 0, s->hidden, (int)hid, c->norm_eps,
+                          c->norm_offset, bf, s->lanes, nt, 1);
     }
     free(scratch);
     free(best);

@@ -52,6 +52,18 @@ void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, i
                            const void *cos, const void *sin, int64_t table_stride, void *out,
                            int dim, float eps, int is_bf16, int lanes, int num_threads);
 
+/* The same, pooled: on pool.c's threads (a small step's call: layer.c, chain.c) rather than
+ * OpenMP's (the Python callers', among torch's ops). */
+void baton_rms_norm_on(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                       int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                       void *out, int dim, float eps, float offset, int is_bf16, int lanes,
+                       int num_threads, int pooled);
+void baton_rms_norm_rotary_on(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                              int64_t inner_stride, const void *weight,
+                              int64_t weight_inner_stride, const void *cos, const void *sin,
+                              int64_t table_stride, void *out, int dim, float eps, int is_bf16,
+                              int lanes, int num_threads, int pooled);
+
 /* y = epilogue(x w^T + bias, other) for m rows, w packed in linear.c's panels; 0, or 1 without
  * scratch memory. */
 int baton_linear_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, const void *w,
@@ -126,6 +138,9 @@ int baton_head_greedy(const void *x, int64_t x_stride, int32_t m, int32_t k, con
 /* logits.c: per row its first maximum's index and value. */
 void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
                        int is_bf16, int64_t *best, float *best_value, int num_threads);
+void baton_argmax_rows_on(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
+                          int is_bf16, int64_t *best, float *best_value, int num_threads,
+                          int pooled);
 
 /* dst[r] = table[ids[r]] for n rows of row_bytes (an embedding lookup). */
 static inline void baton_gather_rows(void *dst, const void *table, const int64_t *ids, int64_t n,

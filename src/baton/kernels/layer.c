@@ -34,12 +34,12 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     char *att = qk + t * qk_dim * elem, *g = att + t * heads * d * elem, *u = g + t * inter * elem;
     int status = 0;
 
-    baton_rms_norm(s->x, t, hid, 1, 0, L->input_norm, 0, h, (int)hid, L->eps, L->norm_offset,
-                   bf, s->lanes, nt);
+    baton_rms_norm_on(s->x, t, hid, 1, 0, L->input_norm, 0, h, (int)hid, L->eps,
+                      L->norm_offset, bf, s->lanes, nt, 1);
     status |= baton_linear_rows(h, hid, (int)t, (int)hid, L->qkv, (int)qkv_dim, L->qkv_bias,
                                 NULL, 0, EPI_NONE | once, qkv, qkv_dim, bf, L->w_format, nt);
-    baton_rms_norm_rotary(qkv, t, qkv_dim, heads + kv, d, L->qk_norm, d, s->cos, s->sin, d, qk,
-                          (int)d, L->qk_eps, bf, s->lanes, nt);
+    baton_rms_norm_rotary_on(qkv, t, qkv_dim, heads + kv, d, L->qk_norm, d, s->cos, s->sin, d,
+                             qk, (int)d, L->qk_eps, bf, s->lanes, nt, 1);
 
     Args a = *s->attn;
     a.q = qk, a.q_token_stride = qk_dim, a.q_head_stride = d;
@@ -53,8 +53,8 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     /* The residual adds write x in place: each element is read, then written, by one thread. */
     status |= baton_linear_rows(att, heads * d, (int)t, (int)(heads * d), L->o, (int)hid,
                                 L->o_bias, s->x, hid, EPI_ADD | once, s->x, hid, bf, L->w_format, nt);
-    baton_rms_norm(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset, bf,
-                   s->lanes, nt);
+    baton_rms_norm_on(s->x, t, hid, 1, 0, L->post_norm, 0, h, (int)hid, L->eps, L->norm_offset,
+                      bf, s->lanes, nt, 1);
     status |= baton_gated_rows(h, hid, (int)t, (int)hid, L->gate, L->gate_bias, L->act | once, g,
                                L->up, L->up_bias, EPI_MUL | once, u, (int)inter, bf, L->w_format, nt);
     status |= baton_linear_rows(u, inter, (int)t, (int)inter, L->down, (int)hid, L->down_bias,
@@ -141,8 +141,8 @@ int baton_decoder_stack(Stack *s) {
                            s->act_bf16, s->lanes, s->num_threads};
         status |= baton_decoder_layer(l->layer, &step);
     }
-    baton_rms_norm(x, t, hid, 1, 0, s->norm, 0, s->out, (int)hid, s->eps, s->offset, s->act_bf16,
-                   s->lanes, s->num_threads);
+    baton_rms_norm_on(x, t, hid, 1, 0, s->norm, 0, s->out, (int)hid, s->eps, s->offset,
+                      s->act_bf16, s->lanes, s->num_threads, 1);
     free(x);
     if (status == 0 && s->head != NULL)
         status = baton_head_greedy(s->out, hid, (int32_t)t, (int32_t)hid, s->head, s->vocab,

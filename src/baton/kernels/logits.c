@@ -64,15 +64,41 @@ static inline __attribute__((always_inline)) float logsumexp_row(const void *x, 
     return logsumexp_given(x, at, vocab, is_bf16, m);
 }
 
-/* best[r], best_value[r]: argmax and maximum of row r (rows row_stride elements apart). */
+typedef struct {
+    const void *x;
+    int64_t vocab, row_stride;
+    int is_bf16;
+    int64_t *best;
+    float *best_value;
+} Argmax;
+
+static void argmax_task(void *ctx, int r, int worker) {
+    (void)worker;
+    const Argmax *A = ctx;
+    if (A->is_bf16) /* a constant dtype: branch-free loops */
+        argmax_row(A->x, r * A->row_stride, A->vocab, 1, &A->best[r], &A->best_value[r]);
+    else
+        argmax_row(A->x, r * A->row_stride, A->vocab, 0, &A->best[r], &A->best_value[r]);
+}
+
+/* best[r], best_value[r]: argmax and maximum of row r (rows row_stride elements apart); a row
+ * a task, on pool.c's threads where pooled (a small step's call: chain.c) -- an OpenMP region
+ * there would wake torch's worker onto pool.c's cores (norm.c's run_norm says what that
+ * cost) -- else on OpenMP's (the Python callers', among torch's ops). */
+void baton_argmax_rows_on(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
+                          int is_bf16, int64_t *best, float *best_value, int num_threads,
+                          int pooled) {
+    Argmax A = {x, vocab, row_stride, is_bf16, best, best_value};
+    if (num_threads <= 1 || rows * vocab <= 65536 || rows <= 1)
+        for (int r = 0; r < rows; r++) argmax_task(&A, r, 0);
+    else
+        (pooled ? baton_parallel : baton_parallel_openmp)(argmax_task, &A, (int)rows,
+                                                          num_threads);
+}
+
 void baton_argmax_rows(const void *x, int64_t rows, int64_t vocab, int64_t row_stride,
                        int is_bf16, int64_t *best, float *best_value, int num_threads) {
-    PARALLEL_FOR(r, rows, rows * vocab > 65536, {
-        if (is_bf16) /* a constant dtype: branch-free loops */
-            argmax_row(x, r * row_stride, vocab, 1, &best[r], &best_value[r]);
-        else
-            argmax_row(x, r * row_stride, vocab, 0, &best[r], &best_value[r]);
-    });
+    baton_argmax_rows_on(x, rows, vocab, row_stride, is_bf16, best, best_value, num_threads, 0);
 }
 
 /* out[i] = log-sum-exp of row row_ids[i]. */

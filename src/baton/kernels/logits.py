@@ -28,14 +28,17 @@ def _usable(scores: torch.Tensor) -> bool:
     )
 
 
-def argmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """[R, V] -> (first index of each row's maximum [R] int64, the maximum [R] fp32)."""
+def argmax_rows(
+    scores: torch.Tensor, pooled: bool = False
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[R, V] -> (first index of each row's maximum [R] int64, the maximum [R] fp32); a
+    wide call on OpenMP's threads, or with ``pooled`` on pool.c's (``chain.c``'s)."""
     if not _usable(scores):
         return None
     rows, vocab = scores.shape
     best = torch.empty(rows, dtype=torch.int64)
     value = torch.empty(rows, dtype=torch.float32)
-    library().baton_argmax_rows(
+    library().baton_argmax_rows_on(
         scores.data_ptr(),
         rows,
         vocab,
@@ -43,7 +46,8 @@ def argmax_rows(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
         DTYPES[scores.dtype],
         best.data_ptr(),
         value.data_ptr(),
-        torch.get_num_threads(),
+        small_step_threads() if pooled else torch.get_num_threads(),
+        pooled,
     )
     return best, value
 

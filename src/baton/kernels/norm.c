@@ -116,25 +116,6 @@ static inline __attribute__((always_inline)) void norm_row(
     }
 }
 
-/* out[o, i, :] = norm(x[o, i, :]) * weight[i or 0, :]; weight_inner_stride 0 shares one row. */
-void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
-                    int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
-                    void *out, int dim, float eps, float offset, int is_bf16, int lanes,
-                    int num_threads) {
-    if (dim > 4096) return; /* the caller checks; never here */
-    PARALLEL_FOR(r, outer * inner, outer * inner * dim > 32768, {
-        const int64_t at = (r / inner) * outer_stride + (r % inner) * inner_stride;
-        const int64_t w_at = (r % inner) * weight_inner_stride;
-        /* constant dtypes and offsets: branch-free loops */
-        if (is_bf16 && offset == 0.0f)
-            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, lanes, NULL, out, r * dim);
-        else if (is_bf16)
-            norm_row(x, at, weight, w_at, dim, eps, offset, 1, lanes, NULL, out, r * dim);
-        else
-            norm_row(x, at, weight, w_at, dim, eps, offset, 0, lanes, NULL, out, r * dim);
-    });
-}
-
 /* One head: normed, times its weight row, rotated (constant sizes unroll at the call). */
 static inline __attribute__((always_inline)) void norm_rotary_row(
     const void *x, int64_t at, const void *weight, int64_t w_at, const void *cos,
@@ -156,24 +137,129 @@ static inline __attribute__((always_inline)) void norm_rotary_row(
     }
 }
 
+/* A norm call's arguments, for its rows' tasks (cos / sin: the rotary's, else unused). */
+typedef struct {
+    const void *x, *weight, *cos, *sin;
+    void *out;
+    int64_t outer_stride, inner, inner_stride, weight_inner_stride, table_stride, rows_per_task;
+    int dim, is_bf16, lanes;
+    float eps, offset;
+} Norm;
+
+/* Rows [first, stop) of baton_rms_norm. */
+static void norm_rows(const Norm *N, int64_t first, int64_t stop) {
+    const void *x = N->x, *weight = N->weight;
+    const int dim = N->dim, lanes = N->lanes;
+    const float eps = N->eps, offset = N->offset;
+    for (int64_t r = first; r < stop; r++) {
+        const int64_t at = (r / N->inner) * N->outer_stride + (r % N->inner) * N->inner_stride;
+        const int64_t w_at = (r % N->inner) * N->weight_inner_stride;
+        /* constant dtypes and offsets: branch-free loops */
+        if (N->is_bf16 && offset == 0.0f)
+            norm_row(x, at, weight, w_at, dim, eps, 0.0f, 1, lanes, NULL, N->out, r * dim);
+        else if (N->is_bf16)
+            norm_row(x, at, weight, w_at, dim, eps, offset, 1, lanes, NULL, N->out, r * dim);
+        else
+            norm_row(x, at, weight, w_at, dim, eps, offset, 0, lanes, NULL, N->out, r * dim);
+    }
+}
+
+/* Outer rows [first, stop) of baton_rms_norm_rotary: each its `inner` heads. */
+static void norm_rotary_rows(const Norm *N, int64_t first, int64_t stop) {
+    const void *x = N->x, *weight = N->weight, *cos = N->cos, *sin = N->sin;
+    const int dim = N->dim, lanes = N->lanes, bf = N->is_bf16;
+    const float eps = N->eps;
+    for (int64_t o = first; o < stop; o++)
+        for (int64_t i = 0; i < N->inner; i++) {
+            const int64_t at = o * N->outer_stride + i * N->inner_stride;
+            const int64_t w_at = i * N->weight_inner_stride, t = o * N->table_stride;
+            const int64_t out_at = (o * N->inner + i) * dim;
+            if (bf && dim == 64)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, N->out, out_at, 64, eps, 1,
+                                lanes);
+            else if (bf && dim == 128)
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, N->out, out_at, 128, eps, 1,
+                                lanes);
+            else
+                norm_rotary_row(x, at, weight, w_at, cos, sin, t, N->out, out_at, dim, eps, bf,
+                                lanes);
+        }
+}
+
+typedef struct {
+    const Norm *N;
+    int64_t rows;
+    void (*rows_fn)(const Norm *, int64_t, int64_t);
+} NormJob;
+
+static void norm_task(void *ctx, int task, int worker) {
+    (void)worker;
+    const NormJob *J = ctx;
+    const int64_t first = task * J->N->rows_per_task, stop = first + J->N->rows_per_task;
+    J->rows_fn(J->N, first, stop < J->rows ? stop : J->rows);
+}
+
+/* `rows` rows by rows_fn: here where the call is narrow (32 K elements or fewer); else a
+ * few tasks per thread on pool.c's threads (pooled: a small step's call, from layer.c or
+ * chain.c) or on OpenMP's (a call among torch's ops, from Python). NOTE: an OpenMP region
+ * inside a small step woke torch's worker, which then spun on the core pool.c's helper
+ * needed: on a 2-core Zen 4 with AVX2 kernels, Qwen3-0.6B's 32-row decode step (q/k norm:
+ * 32 x 24 heads x 128 > 32 K) took 471 ms, and 354 ms with that worker passive. */
+static void run_norm(Norm *N, int64_t rows, void (*rows_fn)(const Norm *, int64_t, int64_t),
+                     int64_t elements, int num_threads, int pooled) {
+    if (num_threads <= 1 || elements <= 32768 || rows <= 1) {
+        rows_fn(N, 0, rows);
+        return;
+    }
+    int64_t tasks = 4 * (int64_t)num_threads;
+    tasks = tasks < rows ? tasks : rows;
+    N->rows_per_task = (rows + tasks - 1) / tasks;
+    tasks = (rows + N->rows_per_task - 1) / N->rows_per_task;
+    NormJob job = {N, rows, rows_fn};
+    (pooled ? baton_parallel : baton_parallel_openmp)(norm_task, &job, (int)tasks, num_threads);
+}
+
+/* out[o, i, :] = norm(x[o, i, :]) * weight[i or 0, :]; weight_inner_stride 0 shares one row. */
+void baton_rms_norm_on(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                       int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                       void *out, int dim, float eps, float offset, int is_bf16, int lanes,
+                       int num_threads, int pooled) {
+    if (dim > 4096) return; /* the caller checks; never here */
+    Norm N = {.x = x, .weight = weight, .out = out, .outer_stride = outer_stride,
+              .inner = inner, .inner_stride = inner_stride,
+              .weight_inner_stride = weight_inner_stride, .dim = dim, .is_bf16 = is_bf16,
+              .lanes = lanes, .eps = eps, .offset = offset};
+    run_norm(&N, outer * inner, norm_rows, outer * inner * dim, num_threads, pooled);
+}
+
+void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                    int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
+                    void *out, int dim, float eps, float offset, int is_bf16, int lanes,
+                    int num_threads) {
+    baton_rms_norm_on(x, outer, outer_stride, inner, inner_stride, weight, weight_inner_stride,
+                      out, dim, eps, offset, is_bf16, lanes, num_threads, 0);
+}
+
 /* The q/k heads of x (as baton_rms_norm, per-head weight rows) normed, then rotated:
  * cos/sin are [outer, dim] rows of the token's table (rotate_half layout). */
+void baton_rms_norm_rotary_on(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
+                              int64_t inner_stride, const void *weight,
+                              int64_t weight_inner_stride, const void *cos, const void *sin,
+                              int64_t table_stride, void *out, int dim, float eps, int is_bf16,
+                              int lanes, int num_threads, int pooled) {
+    if (dim > 4096 || dim % 2) return; /* the caller checks; never here */
+    Norm N = {.x = x, .weight = weight, .cos = cos, .sin = sin, .out = out,
+              .outer_stride = outer_stride, .inner = inner, .inner_stride = inner_stride,
+              .weight_inner_stride = weight_inner_stride, .table_stride = table_stride,
+              .dim = dim, .is_bf16 = is_bf16, .lanes = lanes, .eps = eps};
+    run_norm(&N, outer, norm_rotary_rows, outer * inner * dim, num_threads, pooled);
+}
+
 void baton_rms_norm_rotary(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                            int64_t inner_stride, const void *weight, int64_t weight_inner_stride,
                            const void *cos, const void *sin, int64_t table_stride, void *out,
                            int dim, float eps, int is_bf16, int lanes, int num_threads) {
-    if (dim > 4096 || dim % 2) return; /* the caller checks; never here */
-    PARALLEL_FOR(o, outer, outer * inner * dim > 32768, {
-        for (int64_t i = 0; i < inner; i++) {
-            const int64_t at = o * outer_stride + i * inner_stride, w_at = i * weight_inner_stride;
-            const int64_t t = o * table_stride, out_at = (o * inner + i) * dim;
-            if (is_bf16 && dim == 64)
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 64, eps, 1, lanes);
-            else if (is_bf16 && dim == 128)
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, 128, eps, 1, lanes);
-            else
-                norm_rotary_row(x, at, weight, w_at, cos, sin, t, out, out_at, dim, eps, is_bf16,
-                                lanes);
-        }
-    });
+    baton_rms_norm_rotary_on(x, outer, outer_stride, inner, inner_stride, weight,
+                             weight_inner_stride, cos, sin, table_stride, out, dim, eps,
+                             is_bf16, lanes, num_threads, 0);
 }

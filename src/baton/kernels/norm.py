@@ -13,7 +13,7 @@ from functools import cache
 import numpy as np
 import torch
 
-from baton.kernels import DTYPES, library
+from baton.kernels import DTYPES, library, small_step_threads
 
 MAX_DIM = 4096  # the kernel's row buffer
 
@@ -59,14 +59,16 @@ def _usable(*tensors: torch.Tensor) -> bool:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, pooled: bool = False
 ) -> torch.Tensor | None:
-    """[..., dim] -> [..., dim]: ``RMSNorm.forward`` (weight [dim] in x's dtype)."""
+    """[..., dim] -> [..., dim]: ``RMSNorm.forward`` (weight [dim] in x's dtype). A wide call
+    runs on OpenMP's threads, as torch's ops around it do; ``pooled``: on pool.c's, as
+    ``layer.c``'s small steps call it (``kernels.small_step_threads``)."""
     if not (_usable(x, weight) and x.is_contiguous() and weight.is_contiguous()):
         return None
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    library().baton_rms_norm(
+    library().baton_rms_norm_on(
         x.data_ptr(),
         x.numel() // dim,
         dim,
@@ -80,16 +82,23 @@ def rms_norm(
         offset,
         DTYPES[x.dtype],
         torch_lanes(),
-        torch.get_num_threads(),
+        small_step_threads() if pooled else torch.get_num_threads(),
+        pooled,
     )
     return out
 
 
 def rms_norm_rotary(
-    heads: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor
+    heads: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    pooled: bool = False,
 ) -> torch.Tensor | None:
     """heads: [B, T, n, D] (rows of D contiguous, tokens evenly strided), weight: [n, D] per
-    head, cos/sin: [B, T, 1, D] -> new [B, T, n, D]: per-head RMSNorm times weight, rotated."""
+    head, cos/sin: [B, T, 1, D] -> new [B, T, n, D]: per-head RMSNorm times weight, rotated
+    (``pooled`` as ``rms_norm``'s)."""
     b, t, n, d = heads.shape
     if not (
         _usable(heads, weight, cos, sin)
@@ -103,7 +112,7 @@ def rms_norm_rotary(
     ):
         return None
     out = torch.empty(heads.shape, dtype=heads.dtype)
-    library().baton_rms_norm_rotary(
+    library().baton_rms_norm_rotary_on(
         heads.data_ptr(),
         b * t,
         heads.stride(1),
@@ -119,6 +128,7 @@ def rms_norm_rotary(
         eps,
         DTYPES[heads.dtype],
         torch_lanes(),
-        torch.get_num_threads(),
+        small_step_threads() if pooled else torch.get_num_threads(),
+        pooled,
     )
     return out
