@@ -534,3 +534,38 @@ def test_the_stack_builds_its_pools_plans_in_its_own_call(dtype, mode, monkeypat
     assert "asked" not in events
     assert run("in_call") == before and "asked" in events
     assert run("short") == before and "grow" in events
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_models_without_qk_norms_take_the_native_stack_with_the_torch_tokens(
+    hf_checkpoint, arch, dtype, monkeypatch
+):
+    """Llama, Qwen2 (q|k|v biases) and Mistral (a sliding window) have no q/k norm: the
+    native layer rotates their heads as they are. The stack runs their small steps, and
+    greedy tokens equal the op-by-op layers' (fp32 exactly; bf16 up to a rounding tie)."""
+    from baton import LLM, SamplingParams
+    from tests.hf_tiny import VOCAB
+
+    directory, _ = hf_checkpoint(arch)
+    g = torch.Generator().manual_seed(3)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()}
+        for n in (5, 23, 40)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+    def run() -> tuple[list[list[int]], bool]:
+        llm = LLM(directory, dtype=dtype, page_size=8, speculative=False)
+        outs = llm.generate(prompts, params)
+        return [o.outputs[0].token_ids for o in outs], llm.engine.runner.executor.stack is not None
+
+    fused, had_stack = run()
+    monkeypatch.setenv("BATON_NATIVE_LAYERS", "0")
+    reference, reference_stack = run()
+    assert had_stack and not reference_stack
+    if dtype == "float32":
+        assert fused == reference
+    else:
+        firsts = [_first_difference(a, b) for a, b in zip(fused, reference, strict=True)]
+        assert min(firsts) >= 8, firsts

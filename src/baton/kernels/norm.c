@@ -123,7 +123,10 @@ static inline __attribute__((always_inline)) void norm_rotary_row(
     const int is_bf16, int lanes) {
     float row[dim], rotated[dim];
     const int half = dim / 2;
-    norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, lanes, row, NULL, 0);
+    if (weight == NULL) /* no q/k norm (Llama, Qwen2, Mistral): the rotary alone */
+        for (int e = 0; e < dim; e++) row[e] = to_f32(x, at + e, is_bf16);
+    else
+        norm_row(x, at, weight, w_at, dim, eps, 0.0f, is_bf16, lanes, row, NULL, 0);
 #pragma omp simd
     for (int e = 0; e < half; e++) { /* rotate_half: (-x2, x1) */
         rotated[e] = -row[e + half];
@@ -241,7 +244,8 @@ void baton_rms_norm(const void *x, int64_t outer, int64_t outer_stride, int64_t 
 }
 
 /* The q/k heads of x (as baton_rms_norm, per-head weight rows) normed, then rotated:
- * cos/sin are [outer, dim] rows of the token's table (rotate_half layout). */
+ * cos/sin are [outer, dim] rows of the token's table (rotate_half layout). weight NULL: no
+ * norm, the heads rotated as they are. */
 void baton_rms_norm_rotary_on(const void *x, int64_t outer, int64_t outer_stride, int64_t inner,
                               int64_t inner_stride, const void *weight,
                               int64_t weight_inner_stride, const void *cos, const void *sin,

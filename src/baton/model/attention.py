@@ -195,9 +195,10 @@ class Attention(nn.Module):
 
     def native_weights(self) -> dict[str, object] | None:
         """After ``fuse_projections``: the weights ``baton.kernels.layer`` reads (q|k|v and o
-        as ``PackedRows``, per-head q/k norms), or None where it cannot (no q/k norm, an
-        output gate or partial rotary: the kernel has neither, native layers off)."""
-        if self._qkv is None or self._qk_norm is None:
+        as ``PackedRows``, per-head q/k norms -- None for a model without them: the kernel
+        rotates the heads as they are), or None where it cannot (an output gate or partial
+        rotary: the kernel has neither; native layers off)."""
+        if self._qkv is None or (self._qk_norm is None and self.q_norm is not None):
             return None
         if self.has_output_gate or self.is_partial_rotary:
             return None
@@ -207,7 +208,7 @@ class Attention(nn.Module):
         return {
             "qkv": qkv[0],
             "qkv_bias": qkv[1],
-            "qk_norm": self._qk_norm[0],
+            "qk_norm": self._qk_norm[0] if self._qk_norm is not None else None,
             "o": o[0],
             "o_bias": o[1],
         }

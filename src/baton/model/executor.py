@@ -37,9 +37,9 @@ Rotary = tuple[torch.Tensor, torch.Tensor]
 
 def native_layer(layer: DecoderLayer) -> NativeLayer | None:
     """After ``fuse_projections``: the whole layer as one native call for small steps
-    (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers with Qwen3's
-    q/k norms; bf16 or fp32 (bf16 weights oneDNN packs for large steps are read from
-    linear.c's panels here too); else None (a linear-attention layer, Qwen3.5's gated
+    (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers, with Qwen3's
+    q/k norms or none (Llama, Qwen2, Mistral); bf16 or fp32 (bf16 weights oneDNN packs for
+    large steps are read from linear.c's panels here too); else None (a linear-attention layer, Qwen3.5's gated
     attention: the kernel has no recurrence, output gate or partial rotary)."""
     if layer.self_attn is None:
         return None
@@ -59,7 +59,7 @@ def native_layer(layer: DecoderLayer) -> NativeLayer | None:
         act=layer.mlp.act_name,
         eps=layer.input_layernorm.eps,
         norm_offset=layer.input_layernorm.offset,
-        qk_eps=a.q_norm.eps,
+        qk_eps=a.q_norm.eps if a.q_norm is not None else 0.0,
         round_once=layer.mlp.rounds_once,
     )
 
