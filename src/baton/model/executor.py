@@ -39,8 +39,9 @@ def native_layer(layer: DecoderLayer) -> NativeLayer | None:
     """After ``fuse_projections``: the whole layer as one native call for small steps
     (``baton.kernels.layer``), where the kernels cover it -- pre-norm layers, with Qwen3's
     q/k norms or none (Llama, Qwen2, Mistral); bf16 or fp32 (bf16 weights oneDNN packs for
-    large steps are read from linear.c's panels here too); else None (a linear-attention layer, Qwen3.5's gated
-    attention: the kernel has no recurrence, output gate or partial rotary)."""
+    large steps are read from linear.c's panels here too); else None (a linear-attention
+    layer, Qwen3.5's gated attention: the kernel has no recurrence, output gate or partial
+    rotary; Gemma2's sandwich norms)."""
     if layer.self_attn is None:
         return None
     attn, mlp = layer.self_attn.native_weights(), layer.mlp.native_weights()
