@@ -171,9 +171,11 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_speculative_method_arg(p: argparse.ArgumentParser) -> None:
+    from baton.config import SPECULATIVE_METHODS  # light: torch is not imported for --help
+
     p.add_argument(
         "--speculative-method",
-        choices=("mtp", "ngram"),
+        choices=SPECULATIVE_METHODS,
         default="mtp",
         help="what proposes draft tokens: the model's MTP head (default; none: no "
         "speculation), or ngram: continuations of the request's own n-grams (any model)",

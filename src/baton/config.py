@@ -24,8 +24,9 @@ DTYPES = ("auto", "float32", "bfloat16")
 """``EngineConfig.dtype`` values (None: the checkpoint's dtype as it is)."""
 
 QUANTIZATIONS = ("int8", "int4")
-SPECULATIVE_METHODS = ("mtp", "ngram")
 """``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
+SPECULATIVE_METHODS = ("mtp", "ngram")
+"""``EngineConfig.speculative_method`` values: ``baton.speculative``."""
 KV_CACHE_DTYPES = ("auto", "int8")
 """``CacheConfig.kv_cache_dtype`` values: ``baton.memory.kv_format``."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")

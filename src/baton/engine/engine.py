@@ -316,10 +316,8 @@ class LLMEngine:
         a PD release). The scheduler's preemption frees computed state only (``StateGroup``)."""
         for component in self.registry:
             component.owner.free(request_id)
-        if self.proposer is not None:
-            self.proposer.free(request_id)
-        if self.lookup is not None:
-            self.lookup.free(request_id)
+        for proposer in self._proposers():
+            proposer.free(request_id)
         if self.prefix_cache is not None:
             self.prefix_cache.forget(request_id)
 
@@ -373,8 +371,8 @@ class LLMEngine:
     # -- stepping --------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        for proposer in (self.proposer, self.lookup):
-            for request in batch.preempted if proposer is not None else ():
+        for proposer in self._proposers():
+            for request in batch.preempted:
                 proposer.preempted(request.request_id)
         if batch.is_empty:
             return []
@@ -434,14 +432,16 @@ class LLMEngine:
             seed = self.proposer.pending.pop(request_id, None) if self.proposer else None
             hidden = seed.hidden[-1] if seed is not None else None
             self.held[request_id] = HeldRequest(track.request, committed, hidden)
-            if self.proposer is not None:
-                self.proposer.free(request_id)
-            if self.lookup is not None:
-                self.lookup.free(request_id)
+            for proposer in self._proposers():
+                proposer.free(request_id)
         else:
             self.scheduler.finish(track.request, FINISH[track.finish_reason])
             self.free_units(request_id)
         del self.tracks[request_id]
+
+    def _proposers(self) -> tuple[DraftProposer | NgramProposer, ...]:
+        """The proposers that keep per-request state (the MTP draft's, n-gram lookup's)."""
+        return tuple(p for p in (self.proposer, self.lookup) if p is not None)
 
     def _offer_pages(self, request: Request) -> None:
         cache = self.prefix_cache

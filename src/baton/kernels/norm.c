@@ -144,7 +144,7 @@ static inline __attribute__((always_inline)) void norm_rotary_row(
 typedef struct {
     const void *x, *weight, *cos, *sin;
     void *out;
-    int64_t outer_stride, inner, inner_stride, weight_inner_stride, table_stride, rows_per_task;
+    int64_t outer_stride, inner, inner_stride, weight_inner_stride, table_stride;
     int dim, is_bf16, lanes;
     float eps, offset;
 } Norm;
@@ -191,14 +191,14 @@ static void norm_rotary_rows(const Norm *N, int64_t first, int64_t stop) {
 
 typedef struct {
     const Norm *N;
-    int64_t rows;
+    int64_t rows, rows_per_task;
     void (*rows_fn)(const Norm *, int64_t, int64_t);
 } NormJob;
 
 static void norm_task(void *ctx, int task, int worker) {
     (void)worker;
     const NormJob *J = ctx;
-    const int64_t first = task * J->N->rows_per_task, stop = first + J->N->rows_per_task;
+    const int64_t first = task * J->rows_per_task, stop = first + J->rows_per_task;
     J->rows_fn(J->N, first, stop < J->rows ? stop : J->rows);
 }
 
@@ -208,18 +208,17 @@ static void norm_task(void *ctx, int task, int worker) {
  * inside a small step woke torch's worker, which then spun on the core pool.c's helper
  * needed: on a 2-core Zen 4 with AVX2 kernels, Qwen3-0.6B's 32-row decode step (q/k norm:
  * 32 x 24 heads x 128 > 32 K) took 471 ms, and 354 ms with that worker passive. */
-static void run_norm(Norm *N, int64_t rows, void (*rows_fn)(const Norm *, int64_t, int64_t),
-                     int64_t elements, int num_threads, int pooled) {
+static void run_norm(const Norm *N, int64_t rows,
+                     void (*rows_fn)(const Norm *, int64_t, int64_t), int64_t elements,
+                     int num_threads, int pooled) {
     if (num_threads <= 1 || elements <= 32768 || rows <= 1) {
         rows_fn(N, 0, rows);
         return;
     }
-    int64_t tasks = 4 * (int64_t)num_threads;
-    tasks = tasks < rows ? tasks : rows;
-    N->rows_per_task = (rows + tasks - 1) / tasks;
-    tasks = (rows + N->rows_per_task - 1) / N->rows_per_task;
-    NormJob job = {N, rows, rows_fn};
-    (pooled ? baton_parallel : baton_parallel_openmp)(norm_task, &job, (int)tasks, num_threads);
+    const int64_t wanted = 4 * (int64_t)num_threads < rows ? 4 * (int64_t)num_threads : rows;
+    const NormJob job = {N, rows, (rows + wanted - 1) / wanted, rows_fn};
+    const int tasks = (int)((rows + job.rows_per_task - 1) / job.rows_per_task);
+    (pooled ? baton_parallel : baton_parallel_openmp)(norm_task, (void *)&job, tasks, num_threads);
 }
 
 /* out[o, i, :] = norm(x[o, i, :]) * weight[i or 0, :]; weight_inner_stride 0 shares one row. */
