@@ -77,6 +77,8 @@ def test_preemption_under_memory_pressure_keeps_outputs(hf_checkpoint):
         ("gemma2", "ring", "auto"),
         ("qwen3", "paged", "int8"),  # int8 rows: kv_format's torch ops against the kernel
         ("gemma2", "ring", "int8"),
+        ("qwen3", "paged", "bfloat16"),  # an fp32 model's bf16 rows
+        ("gemma2", "ring", "bfloat16"),
     ],
 )
 def test_torch_paths_give_the_kernels_tokens(

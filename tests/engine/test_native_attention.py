@@ -56,7 +56,7 @@ def step_with_history(pool, segments: list[Segment], heads: int, dtype: torch.dt
     request's full history (its keys and values by position, the step's own at the end),
     the positions before each segment written to ``pool`` as earlier steps would have."""
     kv_heads, head_dim = pool.storage.shape[-2], pool.component.unit_shape[-1]
-    head_dim -= 4 if pool.quantized else 0
+    head_dim -= 4 if pool.kv_dtype == "int8" else 0
     num_tokens = sum(s.num_tokens for s in segments)
     q = torch.randn(1, num_tokens, heads, head_dim).to(dtype)
     k = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)

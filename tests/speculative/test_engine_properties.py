@@ -94,8 +94,16 @@ def reference(spec_dir):
 
 
 @pytest.fixture(scope="module")
-def int8_reference(spec_dir):
-    return Reference(spec_dir, kv_cache_dtype="int8")
+def row_references(spec_dir):
+    """A reference per K/V row format, built when first drawn."""
+    references: dict[str, Reference] = {}
+
+    def get(kv: str) -> Reference:
+        if kv not in references:
+            references[kv] = Reference(spec_dir, kv_cache_dtype=kv)
+        return references[kv]
+
+    return get
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -105,13 +113,14 @@ def test_every_request_ends_right_and_returns_every_unit(spec_dir, reference, st
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=streams())
-def test_with_int8_kv_rows_too(spec_dir, int8_reference, stream):
-    """Every pool holding int8 rows (``kv_cache_dtype="int8"``): the step's own rows are
-    attended as stored, so chunks, verification steps and preemption's recomputation still
-    give the tokens of one whole-prompt run with the same cache."""
-    options = {**stream.options, "kv_cache_dtype": "int8"}
-    check_stream(spec_dir, int8_reference, Stream(options, stream.arrivals, stream.aborts))
+@given(stream=streams(), kv=st.sampled_from(["int8", "bfloat16"]))
+def test_with_kv_rows_held_otherwise_too(spec_dir, row_references, stream, kv):
+    """Every pool holding int8 rows, or this fp32 model's rows in bf16 (``kv_cache_dtype``):
+    the step's own rows are attended as stored, so chunks, verification steps and
+    preemption's recomputation still give the tokens of one whole-prompt run with the same
+    cache."""
+    options = {**stream.options, "kv_cache_dtype": kv}
+    check_stream(spec_dir, row_references(kv), Stream(options, stream.arrivals, stream.aborts))
 
 
 def check_stream(spec_dir, reference, stream: Stream) -> None:

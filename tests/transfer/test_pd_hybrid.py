@@ -34,10 +34,11 @@ def _pd(directory, skip: frozenset[str] = frozenset(), prompts=None, **kw):
     return outs, prefill, decode, arrived, (prefill_engine, decode_engine)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "bfloat16"])
 def test_pd_of_a_hybrid_model_equals_colocated(hybrid_mtp_checkpoint, kv_cache_dtype):
-    """With an int8 K/V cache too: the attention layers' pools hold int8 rows, the recurrent
-    state stays fp32, and the handoff still equals colocated."""
+    """With K/V rows held otherwise too (int8; bf16 under this fp32 model): the attention
+    layers' pools hold them so, the recurrent state stays fp32, and the handoff still equals
+    colocated."""
     kv = {"kv_cache_dtype": kv_cache_dtype}
     expected = run(hybrid_mtp_checkpoint, _prompts(), PARAMS, num_speculative_tokens=3, **kv)
     outs, prefill, decode, arrived, (p_engine, d_engine) = _pd(hybrid_mtp_checkpoint, **kv)

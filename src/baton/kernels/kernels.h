@@ -32,6 +32,7 @@ typedef struct {
     float scale, softcap;
     int32_t is_bf16;
     int32_t kv_int8; /* the pool's rows are int8 + an fp32 scale (paged_attention.c's top) */
+    int32_t kv_bf16; /* the pool's rows are bf16 (under fp32 activations: rounded) */
 } Args;
 
 /* pooled: run on pool.c's threads (a small step's call) instead of OpenMP's. */

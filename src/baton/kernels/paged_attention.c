@@ -30,6 +30,9 @@
  * and the stored rows are those bytes. A task reads each block's rows once, as q * s
  * rounded to bf16 where the AVX-512 BF16 path takes them (rounded once, to nearest even),
  * else to fp32, and attends them as such a pool's.
+ * A bf16 pool under fp32 activations (kv_bf16 without is_bf16): the step's own K/V rows are
+ * rounded to bf16 once per call (to nearest even, as torch's .to(bfloat16)) and attended and
+ * stored as such, the same way; queries, arithmetic and outputs stay fp32.
  * Built and loaded by baton/kernels/__init__.py; the reference is the torch path of
  * baton/model/paged_attention.py, which tests compare it with.
  */
@@ -111,6 +114,11 @@ static inline void dequantize_row(void *dst, const int8_t *restrict row, int d, 
     float *restrict out = dst;
 #pragma omp simd
     for (int e = 0; e < d; e++) out[e] = (float)row[e] * s;
+}
+
+/* Bytes of one element of a pool row (int8 rows: their values). */
+static inline int row_element(const Args *a) {
+    return a->kv_int8 ? 1 : a->is_bf16 || a->kv_bf16 ? 2 : 4;
 }
 
 #define BLOCK 16 /* keys scored and accumulated together (one AVX-512 register of scores) */
@@ -350,7 +358,7 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
 static inline void fill_block(const Args *a, int b, int g, int p0, int p_lo, int p_end,
                               Block *blk) {
     /* element bytes, pool and step rows alike (int8: the step's rows quantize_step made) */
-    const int size = a->kv_int8 ? 1 : a->is_bf16 ? 2 : 4, start = a->q_start[b];
+    const int size = row_element(a), start = a->q_start[b];
     const int32_t *units = a->units + (int64_t)b * a->max_units;
     const int k0 = p_lo > p0 ? p_lo - p0 : 0; /* the first row that is not padding */
     const int j = a->is_ring ? (p0 + k0) % a->rows : p0 + k0 - a->key_base[b];
@@ -396,6 +404,16 @@ static inline void dequantize_block(Block *blk, int which, int d, float *deq, in
     }
 }
 
+/* A block's bf16 rows of `which` (0: keys, 1: values; padding too) widened to fp32 into
+ * `deq` (exact), where the block then points: once per block, not once per query. */
+static inline void widen_block(Block *blk, int which, int d, float *deq) {
+    for (int kk = 0; kk < BLOCK; kk++) {
+        float *row = deq + (int64_t)kk * d;
+        load_row(row, which ? blk->v[kk] : blk->k[kk], 0, d, 1);
+        blk->k[kk] = blk->v[kk] = row;
+    }
+}
+
 static inline void prefetch_rows(const void *const rows[BLOCK], int row_bytes) {
     for (int kk = 0; kk < BLOCK; kk++)
         for (int at = 0; at < row_bytes; at += 64) __builtin_prefetch((const char *)rows[kk] + at);
@@ -418,7 +436,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int padded = (p_last - base + 1 + BLOCK - 1) / BLOCK * BLOCK;
     float *qf = scratch, *acc = qf + (size_t)MAX_QUERIES * d, *rows = acc + (size_t)MAX_QUERIES * d;
     float *scores = rows + (size_t)BLOCK * d;
-    float *deq = scores + (size_t)MAX_QUERIES * stride; /* the block's int8 rows, converted */
+    float *deq = scores + (size_t)MAX_QUERIES * stride; /* a block's int8 or bf16 rows, converted */
     int64_t q_at[MAX_QUERIES];
     for (int i = 0; i < nq; i++) {
         q_at[i] = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->q_token_stride +
@@ -427,15 +445,19 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
     /* int8 rows are read as bf16 where the AVX-512 BF16 path takes them, else as fp32 */
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
-    const int row_bf16 = a->is_bf16 && (!a->kv_int8 || fast);
+    const int stored_bf16 = (a->is_bf16 || a->kv_bf16) && (!a->kv_int8 || fast);
+    /* bf16 rows off the AVX-512 BF16 path: widened once per block, then read as fp32 */
+    const int widen = stored_bf16 && !fast && !a->kv_int8;
+    const int row_bf16 = stored_bf16 && !widen;
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
-    const int row_bytes = a->kv_int8 ? d + 4 : d * (a->is_bf16 ? 2 : 4);
+    const int row_bytes = a->kv_int8 ? d + 4 : d * row_element(a);
     (void)avx2;
     Block blk, next;
     fill_block(a, b, g, base, lo, p_last, &next);
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next; /* and the rows of the block after it on their way into the cache */
         if (a->kv_int8) dequantize_block(&blk, 0, d, deq, fast);
+        if (widen) widen_block(&blk, 0, d, deq);
         if (j0 + BLOCK < padded) {
             fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
             prefetch_rows(next.k, row_bytes);
@@ -488,6 +510,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         blk = next;
         if (a->kv_int8 && !fast) dequantize_block(&blk, 1, d, deq, 0); /* else paired below */
+        if (widen) widen_block(&blk, 1, d, deq);
         if (j0 + BLOCK < padded) {
             fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
             prefetch_rows(next.v, row_bytes);
@@ -573,7 +596,7 @@ typedef struct {
 /* Store the step's K/V row `n` (every kv head) in the pool: as it is, or (int8 pool) the
  * call's quantized rows `qz`. */
 static inline void store_token(const Args *a, int n, const Quantized *qz) {
-    const size_t size = a->is_bf16 ? 2 : 4, row_bytes = (size_t)a->head_dim * size;
+    const size_t size = row_element(a), row_bytes = (size_t)a->head_dim * size;
     const int64_t t = a->store_token[n];
     for (int g = 0; g < a->kv_heads; g++) {
         const int64_t at = (int64_t)a->store_unit[n] * a->unit_stride +
@@ -613,18 +636,54 @@ static void quantize_step(const Args *a, const Quantized *qz, int num_threads, i
     });
 }
 
+/* The step's K/V rows [0, n) rounded to bf16 into rows (keys, then values; token t, kv head
+ * g at (w * n + t) * kv_heads + g rows of head_dim) for a bf16 pool under fp32 activations. */
+static void round_step(const Args *a, uint16_t *rows, int64_t n, int num_threads, int pooled) {
+    const int d = a->head_dim, kv = a->kv_heads;
+    if (pooled) num_threads = 1; /* a small step: no OpenMP region on pool.c's cores */
+    PARALLEL_FOR(t, n, n * kv * d > 65536, {
+        for (int w = 0; w < 2; w++) {
+            const float *src = (const float *)(w ? a->fresh_v : a->fresh_k) +
+                               t * (w ? a->fv_token_stride : a->fk_token_stride);
+            const int64_t head = w ? a->fv_head_stride : a->fk_head_stride;
+            uint16_t *dst = rows + (w * n + t) * kv * d;
+            for (int g = 0; g < kv; g++)
+                for (int e = 0; e < d; e++) store(dst, (int64_t)g * d + e, src[g * head + e], 1);
+        }
+    });
+}
+
 static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
                   const Quantized *qz);
+
+/* The step's tokens a call reads or stores. */
+static int64_t step_tokens(const Args *a, int32_t batch) {
+    int64_t n = 0;
+    for (int b = 0; b < batch; b++)
+        n = a->q_offset[b] + a->q_count[b] > n ? a->q_offset[b] + a->q_count[b] : n;
+    for (int i = 0; i < a->num_stores; i++) n = a->store_token[i] + 1 > n ? a->store_token[i] + 1 : n;
+    return n;
+}
 
 /* Returns 0, or -1 when a size is beyond this kernel or memory is short (the caller then
  * takes the torch path). pooled: the tasks run on pool.c's threads (a small step's call from
  * layer.c), else on OpenMP's (torch's). */
 int baton_paged_attention_on(const Args *a, int32_t batch, int32_t num_threads, int pooled) {
+    if (a->kv_bf16 && !a->is_bf16) { /* attends and stores the step's rows rounded */
+        const int64_t n = step_tokens(a, batch), width = (int64_t)a->kv_heads * a->head_dim;
+        uint16_t *rows = malloc((size_t)(2 * n * width > 0 ? 2 * n * width : 1) * 2);
+        if (rows == NULL) return -1;
+        round_step(a, rows, n, num_threads, pooled);
+        Args r = *a;
+        r.fresh_k = rows, r.fresh_v = rows + n * width;
+        r.fk_token_stride = r.fv_token_stride = width;
+        r.fk_head_stride = r.fv_head_stride = a->head_dim;
+        const int status = attend(&r, batch, num_threads, pooled, NULL);
+        free(rows);
+        return status;
+    }
     if (!a->kv_int8) return attend(a, batch, num_threads, pooled, NULL);
-    int64_t n = 0; /* the step's tokens the call reads or stores */
-    for (int b = 0; b < batch; b++)
-        n = a->q_offset[b] + a->q_count[b] > n ? a->q_offset[b] + a->q_count[b] : n;
-    for (int i = 0; i < a->num_stores; i++) n = a->store_token[i] + 1 > n ? a->store_token[i] + 1 : n;
+    const int64_t n = step_tokens(a, batch);
     const size_t rows = (size_t)(2 * n * a->kv_heads > 0 ? 2 * n * a->kv_heads : 1);
     const int64_t width = a->head_dim + 4;
     Quantized qz = {malloc(rows * width), malloc(rows * sizeof(float)), n};
@@ -657,7 +716,7 @@ static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
     const int stride = (span + 2 * (BLOCK - 1)) / BLOCK * BLOCK;
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
                               (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride +
-                              (a->kv_int8 ? (size_t)BLOCK * a->head_dim : 0);
+                              (size_t)BLOCK * a->head_dim; /* a block's rows, widened */
     /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
     int num_tiles = 0;
     for (int b = 0; b < batch; b++) num_tiles += (a->q_count[b] + tile - 1) / tile;

@@ -58,6 +58,7 @@ class _Args(ctypes.Structure):
         ("softcap", ctypes.c_float),
         ("is_bf16", ctypes.c_int32),
         ("kv_int8", ctypes.c_int32),
+        ("kv_bf16", ctypes.c_int32),
     ]
 
 
@@ -173,7 +174,8 @@ class PagedAttentionCall:
     @staticmethod
     def supports(storage: torch.Tensor) -> bool:
         """Whether the kernel can read this pool (and attend the model's activations): rows
-        in the activations' dtype, or int8 ones with their scales (``kv_format``)."""
+        in the activations' dtype, bf16 ones under fp32 activations, or int8 ones with their
+        scales (``kv_format``)."""
         return (
             library() is not None
             and (storage.dtype in DTYPES or storage.dtype == torch.int8)
@@ -197,7 +199,7 @@ class PagedAttentionCall:
         if storage is not self._layer_storage or fields != self._layer_fields:
             assert self.supports(storage)
             a = self.args
-            a.kv_int8 = storage.dtype == torch.int8
+            a.kv_int8, a.kv_bf16 = storage.dtype == torch.int8, storage.dtype == torch.bfloat16
             # storage: [units, layers, 2 (k, v), rows, kv_heads, D]
             a.unit_stride, a.row_stride, a.head_stride = (storage.stride(i) for i in (0, 3, 4))
             a.heads, a.kv_heads, a.head_dim = heads, storage.shape[-2], head_dim
@@ -222,10 +224,11 @@ class PagedAttentionCall:
     ) -> None:
         """q, out: [N, heads, D] and k, v: [N, kv_heads, D], the step's rows (last dim
         contiguous); storage: [units, layers, 2, rows, kv_heads, D] of a pool it ``supports``
-        (int8: D + 4 bytes a row), holding every position before each segment. Writes the
+        (int8: D + 4 bytes a row; bf16 under fp32 q), holding every position before each
+        segment. Writes the
         segments' rows of ``out``, then stores the kept rows of k, v in the pool."""
         assert all(t.dtype == q.dtype and t.stride(-1) == 1 for t in (q, k, v, out))
-        assert storage.dtype in (q.dtype, torch.int8), (storage.dtype, q.dtype)
+        assert storage.dtype in (q.dtype, torch.int8, torch.bfloat16), (storage.dtype, q.dtype)
         a = self.args
         a.fresh_k, a.fk_token_stride, a.fk_head_stride = k.data_ptr(), k.stride(0), k.stride(1)
         a.fresh_v, a.fv_token_stride, a.fv_head_stride = v.data_ptr(), v.stride(0), v.stride(1)
@@ -237,6 +240,7 @@ class PagedAttentionCall:
         a.heads, a.kv_heads, a.head_dim = q.shape[1], storage.shape[-2], q.shape[2]
         a.scale, a.softcap = scale, softcap or 0.0
         a.is_bf16, a.kv_int8 = DTYPES[q.dtype], storage.dtype == torch.int8
+        a.kv_bf16 = storage.dtype == torch.bfloat16
         self._layer_storage = None  # the fields above are this call's, not ``for_layer``'s
         num_threads = torch.get_num_threads()
         status = library().baton_paged_attention(ctypes.byref(a), self.batch, num_threads)

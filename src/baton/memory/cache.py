@@ -87,15 +87,15 @@ class ModelCache:
         (``PagedAttention.stack_plans``), by the layer list it is asked with."""
         page_size = cache_config.page_size
         kv = (spec.num_kv_heads, spec.head_dim, dtype, registry)
-        quantized = cache_config.kv_cache_dtype == "int8"
-        handoff = {"allocator": allocator, "token_lag": token_lag, "quantized": quantized}
+        kv_dtype = cache_config.kv_cache_dtype
+        handoff = {"allocator": allocator, "token_lag": token_lag, "kv_dtype": kv_dtype}
         full_push = PushPhase.STREAMED if token_lag == 0 else PushPhase.FINAL
         full = tuple(i for i, t in enumerate(spec.layer_types) if t == FULL_ATTENTION)
         sliding = tuple(i for i, t in enumerate(spec.layer_types) if t == SLIDING_ATTENTION)
         if full:
             num_pages = cache_config.num_pages
             if num_pages is None:
-                row_bytes = kv_format.row_bytes(spec.head_dim, dtype, quantized)
+                row_bytes = kv_format.row_bytes(spec.head_dim, dtype, kv_dtype)
                 page_bytes = len(full) * 2 * page_size * spec.num_kv_heads * row_bytes
                 num_pages = full_pool_pages(
                     cache_config.kv_cache_memory_mb,

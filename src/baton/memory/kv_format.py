@@ -1,6 +1,9 @@
 """How a K/V pool holds its rows (``CacheConfig.kv_cache_dtype``).
 
-``auto``: as the model computes them, in the activations' dtype. ``int8``: each row (one
+``auto``: as the model computes them, in the activations' dtype. ``bfloat16``: bf16 values
+(rounded to nearest even) for a model computing in fp32 -- a CPU without native bf16 reads
+half the bytes per key and value, what a batched decode over long contexts is bound by (for
+a bf16 model the same as ``auto``). ``int8``: each row (one
 position, one kv head) as ``head_dim`` int8 values q and, in the 4 bytes after them, its
 fp32 scale s = max |x| / 127 -- q = round(x * 127 / max |x|), ties to even, the rounding
 ``linear.c``'s ``quantize_row`` does for activations -- standing for q * s in the
@@ -27,22 +30,49 @@ import torch
 SCALE_BYTES = 4
 INT8_ROWS = "int8 x head_dim, then fp32 scale max|x|/127"
 """The schema's ``row_format`` of an int8 pool (None: rows in the component's dtype)."""
+BF16_ROWS = "bf16 x head_dim of fp32 activations"
+"""The schema's ``row_format`` of a bf16 pool under an fp32 model."""
 
 
-def row_width(head_dim: int, quantized: bool) -> int:
+def normalized(dtype: torch.dtype, kv_dtype: str) -> str:
+    """``kv_dtype`` for activations in ``dtype``: ``auto`` where it stores them as they are
+    (``bfloat16`` under a bf16 model)."""
+    return "auto" if kv_dtype == "bfloat16" and dtype == torch.bfloat16 else kv_dtype
+
+
+def row_format(dtype: torch.dtype, kv_dtype: str) -> str | None:
+    """The schema's ``row_format`` for activations in ``dtype``: None where rows are held as
+    computed."""
+    kv_dtype = normalized(dtype, kv_dtype)
+    return {"int8": INT8_ROWS, "bfloat16": BF16_ROWS}.get(kv_dtype)
+
+
+def row_width(head_dim: int, kv_dtype: str) -> int:
     """Elements of one stored row: ``head_dim``, or its int8 values and scale bytes."""
-    return head_dim + SCALE_BYTES if quantized else head_dim
+    return head_dim + SCALE_BYTES if kv_dtype == "int8" else head_dim
 
 
-def stored_dtype(dtype: torch.dtype, quantized: bool) -> torch.dtype:
+def stored_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
     """The pool storage's dtype for activations in ``dtype``."""
-    return torch.int8 if quantized else dtype
+    return {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(kv_dtype, dtype)
 
 
-def row_bytes(head_dim: int, dtype: torch.dtype, quantized: bool) -> int:
+def row_bytes(head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:
     """Bytes of one stored row (one position, one kv head)."""
-    element = torch.empty((), dtype=stored_dtype(dtype, quantized)).element_size()
-    return row_width(head_dim, quantized) * element
+    element = torch.empty((), dtype=stored_dtype(dtype, kv_dtype)).element_size()
+    return row_width(head_dim, kv_dtype) * element
+
+
+def to_rows(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """Keys or values [..., d] (activations) as a pool of ``kv_dtype`` stores them."""
+    if kv_dtype == "int8":
+        return quantize(x)
+    return x.to(torch.bfloat16) if kv_dtype == "bfloat16" else x
+
+
+def from_rows(rows: torch.Tensor, dtype: torch.dtype, kv_dtype: str) -> torch.Tensor:
+    """Stored rows as keys or values [..., d] in the activations' ``dtype``."""
+    return dequantize(rows, dtype) if kv_dtype == "int8" else rows.to(dtype)
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +92,6 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (rows[..., :d].float() * scale).to(dtype)
 
 
-def rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as an int8 pool gives it back: what attention reads of a step's own rows."""
-    return dequantize(quantize(x), x.dtype)
+def rounded(x: torch.Tensor, kv_dtype: str = "int8") -> torch.Tensor:
+    """x as a pool of ``kv_dtype`` gives it back: what attention reads of a step's own rows."""
+    return from_rows(to_rows(x, kv_dtype), x.dtype, kv_dtype)

@@ -42,7 +42,7 @@ class PagedPool(StatePool):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
-        quantized: bool = False,
+        kv_dtype: str = "auto",
         store_all: int = 0,
     ) -> None:
         """``store_all`` (prefix caching; the largest chunk, in tokens): a sliding pool stores
@@ -70,7 +70,7 @@ class PagedPool(StatePool):
             allocator=allocator,
             token_lag=token_lag,
             push=push,
-            quantized=quantized,
+            kv_dtype=kv_dtype,
             caching=caching,
         )
         self.page_size = page_size

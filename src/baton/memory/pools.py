@@ -69,24 +69,25 @@ class StatePool(ABC):
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
         caching: Caching = Caching.NONE,
-        quantized: bool = False,
+        kv_dtype: str = "auto",
     ) -> None:
         """``token_lag`` and ``push``: what a PD handoff moves and when; ``caching``: how a
-        prefix-cache hit restores it (``StateComponent``); ``quantized``: rows held as int8
-        with their scales (``kv_format``), ``dtype`` being the activations'."""
+        prefix-cache hit restores it (``StateComponent``); ``kv_dtype``: how rows are held
+        (``kv_format``: as computed, bf16, int8 with their scales), ``dtype`` being the
+        activations'."""
         self.name = name
         self.layer_ids = layer_ids
         self.rows = rows
         self.dtype = dtype
         """The activations' dtype: what ``read`` gives back."""
-        self.quantized = quantized
-        stored = kv_format.stored_dtype(dtype, quantized)
+        self.kv_dtype = kv_format.normalized(dtype, kv_dtype)
+        stored = kv_format.stored_dtype(dtype, self.kv_dtype)
         unit_shape = (
             len(layer_ids),
             2,
             rows,
             num_kv_heads,
-            kv_format.row_width(head_dim, quantized),
+            kv_format.row_width(head_dim, self.kv_dtype),
         )
         # The allocator decides where storage lives: heap, or shared memory for a PD peer.
         allocator = allocator if allocator is not None else HeapAllocator()
@@ -102,7 +103,7 @@ class StatePool(ABC):
             unit_bytes=self.storage[0].numel() * self.storage.element_size(),
             num_units=num_units,
             dtype=_dtype_name(stored),
-            row_format=kv_format.INT8_ROWS if quantized else None,
+            row_format=kv_format.row_format(dtype, self.kv_dtype),
             page_size=page_size,
             window=window,
             ring_rows=ring_rows,
@@ -195,11 +196,11 @@ class StatePool(ABC):
 
     def to_rows(self, x: torch.Tensor) -> torch.Tensor:
         """Keys or values [..., d] as the pool stores them."""
-        return kv_format.quantize(x) if self.quantized else x
+        return kv_format.to_rows(x, self.kv_dtype)
 
     def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """Stored rows as keys or values [..., d] in the activations' dtype."""
-        return kv_format.dequantize(rows, self.dtype) if self.quantized else rows
+        return kv_format.from_rows(rows, self.dtype, self.kv_dtype)
 
     def read(
         self, layer: int, request_id: str, start: int, end: int

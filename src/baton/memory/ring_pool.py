@@ -34,7 +34,7 @@ class RingPool(StatePool):
         allocator: StorageAllocator | None = None,
         token_lag: int = 0,
         push: PushPhase = PushPhase.FINAL,
-        quantized: bool = False,
+        kv_dtype: str = "auto",
     ) -> None:
         rows = window + slack
         super().__init__(
@@ -53,7 +53,7 @@ class RingPool(StatePool):
             allocator=allocator,
             token_lag=token_lag,
             push=push,
-            quantized=quantized,
+            kv_dtype=kv_dtype,
         )
         self.window = window
         self.rings: dict[str, int] = {}

@@ -147,8 +147,9 @@ class StateComponent:
     push: PushPhase = PushPhase.FINAL
     caching: Caching = Caching.NONE
     row_format: str | None = None
-    """How a K/V row is stored when not as ``dtype`` values: ``kv_format.INT8_ROWS`` (int8
-    values and their scale). In the schema: a pair holding rows differently does not pair."""
+    """How a K/V row is stored when not as the model computes it: ``kv_format.INT8_ROWS``
+    (int8 values and their scale), ``kv_format.BF16_ROWS`` (an fp32 model's rows in bf16).
+    In the schema: a pair holding rows differently does not pair."""
     derived: tuple[str, ...] = ()
     """State the receiving side rebuilds from this component's content instead of receiving
     its bytes, each with what rebuilding it depends on (the aux record: ``grammar: llguidance

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from baton.config import EngineConfig
+from baton.memory import kv_format
 from baton.transfer.protocol import PROTOCOL_VERSION, Hello, PeerInfo, Role, SpeculativeConfig
 
 CONFIG_FILE = "config.json"
@@ -315,8 +316,8 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
 
 
 def _dtypes(schema: list[dict[str, Any]]) -> set[str]:
-    """The dtypes a schema's components hold (the model's compute dtype; not an int8 pool's,
-    ``_kv_cache_dtype``)."""
+    """The dtypes a schema's components hold (the model's compute dtype; not those of K/V
+    pools holding rows otherwise, ``_kv_cache_dtype``)."""
     return {
         c["dtype"]
         for c in schema
@@ -325,9 +326,12 @@ def _dtypes(schema: list[dict[str, Any]]) -> set[str]:
 
 
 def _kv_cache_dtype(schema: list[dict[str, Any]]) -> str:
-    """``int8`` when a schema's K/V components hold int8 rows (``kv_format``), else ``auto``."""
-    quantized = any(isinstance(c, dict) and c.get("row_format") for c in schema)
-    return "int8" if quantized else "auto"
+    """How a schema's K/V components hold rows (``kv_format``): ``int8``, ``bfloat16`` (an
+    fp32 model's bf16 rows) or ``auto`` (as computed)."""
+    formats = {c.get("row_format") for c in schema if isinstance(c, dict)}
+    if kv_format.INT8_ROWS in formats:
+        return "int8"
+    return "bfloat16" if kv_format.BF16_ROWS in formats else "auto"
 
 
 def check_pairing(local: PeerInfo, remote: PeerInfo) -> None:

@@ -1,9 +1,10 @@
-"""int8 K/V pools (``kv_cache_dtype="int8"``, ``baton.memory.kv_format``): rows quantize as
-``linear.c`` quantizes activations; the C kernel stores the bytes the torch path stores and
-attends what it attends (every instruction-set level this CPU runs); a query's bits do not
-depend on how its prompt was split; a prefix-cache hit equals a cold run and a PD handoff
-equals colocated, byte for byte; a prefill and a decode holding rows differently do not
-pair; the unquantized model is the oracle for the outputs (within stated bounds).
+"""K/V pools holding rows otherwise than computed (``kv_cache_dtype``, ``baton.memory.kv_format``):
+int8 rows quantize as ``linear.c`` quantizes activations; bf16 rows under an fp32 model round
+as torch does; the C kernel stores the bytes the torch path stores and attends what it
+attends (every instruction-set level this CPU runs); a query's bits do not depend on how its
+prompt was split; a prefix-cache hit equals a cold run and a PD handoff equals colocated,
+byte for byte; a prefill and a decode holding rows differently do not pair; the model with
+rows as computed is the oracle for the outputs (within stated bounds).
 """
 
 from __future__ import annotations
@@ -38,14 +39,13 @@ OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNE
 WINDOW, PAGE, SLACK = 12, 4, 8
 
 
-def _pool(kind: str, dtype: torch.dtype, kv_heads: int, head_dim: int, quantized: bool = True):
+def _pool(kind: str, dtype: torch.dtype, kv_heads: int, head_dim: int, kv_dtype: str = "int8"):
     args = (kv_heads, head_dim, dtype, StateRegistry())
     if kind == "full":
-        return PagedPool("t.full", (0,), 96, PAGE, *args, quantized=quantized), None
+        return PagedPool("t.full", (0,), 96, PAGE, *args, kv_dtype=kv_dtype), None
     if kind == "sliding":
-        pool = PagedPool("t.swa", (0,), 96, PAGE, *args, window=WINDOW, quantized=quantized)
-        return pool, WINDOW
-    return RingPool("t.swa", (0,), 8, WINDOW, *args, slack=SLACK, quantized=quantized), WINDOW
+        return PagedPool("t.swa", (0,), 96, PAGE, *args, window=WINDOW, kv_dtype=kv_dtype), WINDOW
+    return RingPool("t.swa", (0,), 8, WINDOW, *args, slack=SLACK, kv_dtype=kv_dtype), WINDOW
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)
@@ -73,20 +73,22 @@ def test_rows_quantize_as_linear_c_quantizes_activations(dtype):
 @pytest.mark.usefixtures("kernel_level")
 @pytest.mark.parametrize("kind", ["full", "sliding", "ring"])
 @pytest.mark.parametrize(
-    "dtype,heads,kv_heads,head_dim",
+    "dtype,heads,kv_heads,head_dim,kv_dtype",
     [
-        (torch.bfloat16, 4, 2, 64),  # the AVX-512 BF16 path
-        (torch.bfloat16, 3, 3, 48),  # d % 32 != 0: the portable path
-        (torch.float32, 4, 1, 32),
+        (torch.bfloat16, 4, 2, 64, "int8"),  # the AVX-512 BF16 path
+        (torch.bfloat16, 3, 3, 48, "int8"),  # d % 32 != 0: the portable path
+        (torch.float32, 4, 1, 32, "int8"),
+        (torch.float32, 4, 2, 64, "bfloat16"),  # bf16 rows, fp32 queries
+        (torch.float32, 3, 3, 48, "bfloat16"),
     ],
 )
 @pytest.mark.parametrize("with_prefill", [False, True])
 def test_kernel_stores_the_torch_paths_bytes_and_attends_the_stored_rows(
-    kind, dtype, heads, kv_heads, head_dim, with_prefill, monkeypatch
+    kind, dtype, heads, kv_heads, head_dim, kv_dtype, with_prefill, monkeypatch
 ):
-    rng = random.Random(f"int8-{kind}-{heads}-{head_dim}-{with_prefill}")
+    rng = random.Random(f"{kv_dtype}-{kind}-{heads}-{head_dim}-{with_prefill}")
     torch.manual_seed(rng.randint(0, 1000))
-    pool, window = _pool(kind, dtype, kv_heads, head_dim)
+    pool, window = _pool(kind, dtype, kv_heads, head_dim, kv_dtype)
     segments = _segments(rng, with_prefill)
     q, k, v, history = step_with_history(pool, segments, heads, dtype)
     cache = SimpleNamespace(layer_map={7: (pool, 0)})
@@ -100,25 +102,28 @@ def test_kernel_stores_the_torch_paths_bytes_and_attends_the_stored_rows(
     torch_path = PagedAttention(cache, segments).attend(7, q, k, v, window, scale, None)
 
     assert not torch.equal(stored, before)  # the step stored rows
-    assert torch.equal(stored, pool.storage)  # the same bytes, int8 values and scales
+    assert torch.equal(stored, pool.storage)  # the same bytes (int8: values and scales)
     tol = dict(atol=2e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(native.float(), torch_path.float(), **tol)
     for seg in segments:
         rows = slice(seg.offset, seg.offset + seg.num_tokens)
         k_all, v_all = history[seg.request_id]
         # What the rows stand for (the step's own included) is the reference's K/V ...
-        rk, rv = kv_format.rounded(k_all), kv_format.rounded(v_all)
+        rk, rv = kv_format.rounded(k_all, kv_dtype), kv_format.rounded(v_all, kv_dtype)
         want = _reference(pool, seg, q[0, rows], rk, rv, window, scale, None)
         torch.testing.assert_close(native[0, rows].double(), want, **tol)
-        # ... within int8's rounding of the unquantized attention.
+        # ... within the format's rounding of the attention of the rows as computed.
         exact = _reference(pool, seg, q[0, rows], k_all, v_all, window, scale, None)
         torch.testing.assert_close(native[0, rows].double(), exact, atol=0.06, rtol=0.06)
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)
 @pytest.mark.parametrize("kind", ["full", "sliding", "ring"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype):
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [(torch.bfloat16, "int8"), (torch.float32, "int8"), (torch.float32, "bfloat16")],
+)
+def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype, kv_dtype):
     """The step's own rows are attended as stored: a prompt in one chunk, or its first S
     tokens from the pool and the rest as a chunk, give equal bits and equal pool bytes."""
     heads, kv_heads, head_dim, num_tokens = 4, 2, 64, 45
@@ -128,7 +133,7 @@ def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype):
     v = torch.randn(1, num_tokens, kv_heads, head_dim).to(dtype)
 
     def attend(start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool, window = _pool(kind, dtype, kv_heads, head_dim)
+        pool, window = _pool(kind, dtype, kv_heads, head_dim, kv_dtype)
         cache = SimpleNamespace(layer_map={7: (pool, 0)})
         outs = []
         for a, b in ((0, start), (start, num_tokens)):
@@ -158,7 +163,7 @@ def test_a_query_gives_the_same_bits_however_the_prompt_is_split(kind, dtype):
 def test_an_int8_pool_takes_about_half_the_bytes_and_the_schema_says_how():
     registry = StateRegistry()
     plain = PagedPool("t.full", (0, 1), 8, 16, 8, 128, torch.bfloat16, StateRegistry())
-    int8 = PagedPool("t.full", (0, 1), 8, 16, 8, 128, torch.bfloat16, registry, quantized=True)
+    int8 = PagedPool("t.full", (0, 1), 8, 16, 8, 128, torch.bfloat16, registry, kv_dtype="int8")
     assert int8.component.unit_bytes == 2 * 2 * 16 * 8 * 132
     assert int8.component.unit_bytes / plain.component.unit_bytes == pytest.approx(0.515625)
     schema = int8.component.schema()
@@ -166,8 +171,26 @@ def test_an_int8_pool_takes_about_half_the_bytes_and_the_schema_says_how():
     assert plain.component.schema()["row_format"] is None
 
 
+def test_a_bf16_pool_holds_an_fp32_models_rows_in_half_the_bytes():
+    fp32 = PagedPool("t.full", (0, 1), 8, 16, 8, 128, torch.float32, StateRegistry())
+    bf16 = PagedPool(
+        "t.full", (0, 1), 8, 16, 8, 128, torch.float32, StateRegistry(), kv_dtype="bfloat16"
+    )
+    assert bf16.storage.dtype == torch.bfloat16
+    assert bf16.component.unit_bytes * 2 == fp32.component.unit_bytes
+    schema = bf16.component.schema()
+    assert schema["dtype"] == "bfloat16" and schema["row_format"] == kv_format.BF16_ROWS
+    # under a bf16 model the same as ``auto``: nothing to say in the schema
+    same = PagedPool(
+        "t.full", (0, 1), 8, 16, 8, 128, torch.bfloat16, StateRegistry(), kv_dtype="bfloat16"
+    )
+    assert same.kv_dtype == "auto" and same.component.schema()["row_format"] is None
+
+
 def test_a_bad_kv_cache_dtype_is_named():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, got 'fp8'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype must be one of auto, bfloat16, int8, got 'fp8'"
+    ):
         CacheConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig.from_kwargs(kv_cache_dtype="int4")
@@ -179,17 +202,18 @@ def spec_dir(hf_checkpoint, tmp_path_factory):
     return prefix_cache_model(hf_checkpoint, tmp_path_factory)
 
 
-def test_a_prefix_cache_hit_equals_a_cold_run(spec_dir):
+@pytest.mark.parametrize("kv", ["int8", "bfloat16"])
+def test_a_prefix_cache_hit_equals_a_cold_run(spec_dir, kv):
     params = SamplingParams(temperature=0.8, max_tokens=20, seed=7, ignore_eos=True)
-    warm = _engine(spec_dir, kv_cache_dtype="int8")
-    assert all(c.dtype == "int8" for c in warm.registry if c.row_format)
+    warm = _engine(spec_dir, kv_cache_dtype=kv)
+    assert all(c.dtype == kv for c in warm.registry if c.row_format)
     assert {c.name for c in warm.registry if c.row_format} == {
         "target.full",
         "target.swa",
         "draft.swa",
     }
     for i, shared in enumerate((16, 24, 83)):
-        cold = _engine(spec_dir, kv_cache_dtype="int8")
+        cold = _engine(spec_dir, kv_cache_dtype=kv)
         prefix = _tokens(shared, 100 + i)
         second = prefix + _tokens(13, 300 + i)
         _run(warm, prefix + _tokens(9, 200 + i), params)
@@ -214,11 +238,11 @@ def _pd_engines(directory, prefill_kv: str, decode_kv: str) -> tuple[LLMEngine, 
     )
 
 
-def test_pd_with_int8_pools_equals_colocated_and_moves_fewer_bytes(spec_dir):
+def test_pd_with_int8_or_bf16_pools_equals_colocated_and_moves_fewer_bytes(spec_dir):
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = [_tokens(n, 400 + n) for n in (5, 30, 61)]
     moved = {}
-    for kv in ("auto", "int8"):
+    for kv in ("auto", "int8", "bfloat16"):
         colocated = _engine(spec_dir, kv_cache_dtype=kv)
         expected = [_run(colocated, p, params) for p in prompts]
         p_engine, d_engine = _pd_engines(spec_dir, kv, kv)
@@ -235,6 +259,7 @@ def test_pd_with_int8_pools_equals_colocated_and_moves_fewer_bytes(spec_dir):
     for name in ("target.full", "target.swa", "draft.swa"):
         # fp32 here, head_dim 16: (16 + 4) bytes a row where fp32 takes 64
         assert moved["int8"][name] / moved["auto"][name] == pytest.approx(20 / 64, rel=0.01)
+        assert moved["bfloat16"][name] / moved["auto"][name] == pytest.approx(0.5, rel=0.01)
 
 
 def test_a_prefill_holding_rows_otherwise_is_refused_by_name(spec_dir):
@@ -249,12 +274,21 @@ def test_a_prefill_holding_rows_otherwise_is_refused_by_name(spec_dir):
     assert "kv_cache_dtype differs (decode 'int8', prefill 'auto')" in message
     assert "--kv-cache-dtype" in message and "--dtype" not in message
     assert "component `target.full`: row_format differs" in message
+    p_engine, d_engine = _pd_engines(spec_dir, "bfloat16", "auto")
+    with pytest.raises(
+        PairingError, match="kv_cache_dtype differs .decode 'auto', prefill 'bfloat16'"
+    ):
+        check_pairing(
+            build_hello(d_engine, spec_dir, worker_id="d", role="decode", **hello),
+            build_hello(p_engine, spec_dir, worker_id="p", role="prefill", **hello),
+        )
 
 
-def test_the_bundled_model_with_int8_rows_keeps_the_unquantized_tokens():
-    """The oracle is the unquantized cache: greedy continuations of code agree (here all
-    48 tokens of each prompt did; the bound leaves int8's rounding room to flip a late
-    near-tie), acceptance within 10 %."""
+@pytest.mark.parametrize("dtype,kv", [("auto", "int8"), ("float32", "bfloat16")])
+def test_the_bundled_model_with_rows_held_otherwise_keeps_the_tokens(dtype, kv):
+    """The oracle is the cache holding rows as computed: greedy continuations of code agree
+    (here all 48 tokens of each prompt did; the bound leaves the format's rounding room to
+    flip a late near-tie), acceptance within 10 %."""
     prompts = [
         'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
         "class Point:\n    def __init__(self, x, y):\n        self.x = x\n",
@@ -262,12 +296,12 @@ def test_the_bundled_model_with_int8_rows_keeps_the_unquantized_tokens():
     ]
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     runs = {}
-    for kv in ("auto", "int8"):
-        engine = LLMEngine(BUNDLED, EngineConfig.from_kwargs(kv_cache_dtype=kv))
-        runs[kv] = [_run(engine, engine.tokenizer.encode(p), params) for p in prompts]
-    for plain, int8 in zip(runs["auto"], runs["int8"], strict=True):
-        a, b = plain.outputs[0].token_ids, int8.outputs[0].token_ids
+    for rows in ("auto", kv):
+        engine = LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype, kv_cache_dtype=rows))
+        runs[rows] = [_run(engine, engine.tokenizer.encode(p), params) for p in prompts]
+    for plain, held in zip(runs["auto"], runs[kv], strict=True):
+        a, b = plain.outputs[0].token_ids, held.outputs[0].token_ids
         agree = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
         assert agree >= 16, (agree, a, b)
-        lengths = plain.metrics.acceptance_length, int8.metrics.acceptance_length
+        lengths = plain.metrics.acceptance_length, held.metrics.acceptance_length
         assert lengths[1] == pytest.approx(lengths[0], rel=0.1), lengths
