@@ -27,7 +27,7 @@ QUANTIZATIONS = ("int8", "int4")
 """``EngineConfig.quantization`` values (None: none): ``baton.model.quantize``."""
 SPECULATIVE_METHODS = ("mtp", "ngram")
 """``EngineConfig.speculative_method`` values: ``baton.speculative``."""
-KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")
 """``CacheConfig.kv_cache_dtype`` values: ``baton.memory.kv_format``."""
 CPU_ISA_LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16")
 """``BATON_CPU_ISA`` values, lowest first (``baton.platform`` says what each needs)."""
@@ -153,7 +153,8 @@ class CacheConfig:
     (``memory.cache.full_pool_pages``)."""
     kv_cache_dtype: str = "auto"
     """How the K/V pools hold rows (``memory/kv_format.py``): ``auto``, in the compute
-    dtype; ``bfloat16``, bf16 under an fp32 model (half the bytes; a bf16 model's ``auto``);
+    dtype -- bf16 where ``--dtype auto`` computes a bf16 checkpoint in fp32; ``float32``
+    (an fp32 model only); ``bfloat16``, bf16 under an fp32 model (half the bytes);
     ``int8``, int8 values and an fp32 scale per position and kv head (0.52x the bytes of
     bf16 at head_dim 128: more tokens in the same memory, fewer moved by a PD handoff). The
     draft's pools too. Prefill and decode must agree (the schema says it)."""

@@ -13,6 +13,7 @@ engine; nothing outside ``engine/`` touches its internals.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -34,6 +35,7 @@ from baton.engine.scheduler import Scheduler
 from baton.engine.stats import EngineStats, prefix_stats, record_acceptance
 from baton.engine.tracks import HeldRequest, Track
 from baton.kernels import openmp
+from baton.memory import kv_format
 from baton.memory.allocator import StorageAllocator
 from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
@@ -102,13 +104,22 @@ class LLMEngine:
         dtype = resolve_dtype(config.dtype, spec.dtype)
         self.dtype_name = str(dtype).removeprefix("torch.")
         auto = f" (auto; checkpoint {spec.dtype})" if config.dtype == "auto" else ""
+        kv = config.cache.kv_cache_dtype
+        self.kv_cache_dtype = kv_format.resolved(kv, dtype, spec.dtype, config.dtype == "auto")
+        """How the K/V pools hold rows: ``--kv-cache-dtype``, ``auto`` resolved
+        (``kv_format.resolved``)."""
+        kv_auto = " (auto)" if kv == "auto" else ""
         fallback = ""
         if RuntimeEnv.from_environ().native_kernels and kernels.library() is None:
             fallback = " (native kernels unavailable: torch paths, see the warning above)"
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
             + (f"; weights {self.model.quantization}" if self.model.quantization else "")
-            + (f"; kv cache {kv}" if (kv := config.cache.kv_cache_dtype) != "auto" else "")
+            + (
+                f"; kv cache {self.kv_cache_dtype}{kv_auto}"
+                if self.kv_cache_dtype != "auto"
+                else ""
+            )
             + (f"; --threads {config.num_threads}" if config.num_threads else "")
         )
         """The start-up line: the CPU, its kernel level, and the dtype computed in."""
@@ -162,6 +173,7 @@ class LLMEngine:
         """The target's pools, the draft (if the directory has one, and speculation is not
         off) with its pools, and the aux record; returns the draft's proposer."""
         config, spec = self.config, self.model.spec
+        cache_config = dataclasses.replace(config.cache, kv_cache_dtype=self.kv_cache_dtype)
         use_draft = config.speculative is not False and config.speculative_method == "mtp"
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
@@ -181,7 +193,7 @@ class LLMEngine:
         slack = self.num_speculative_tokens + 1 if self.num_speculative_tokens else 0
         self.cache = ModelCache(
             spec,
-            config.cache,
+            cache_config,
             config.scheduler,
             dtype,
             self.registry,
@@ -193,7 +205,7 @@ class LLMEngine:
         if draft is not None:
             draft_cache = ModelCache(
                 draft.spec,
-                config.cache,
+                cache_config,
                 config.scheduler,
                 dtype,
                 self.registry,
@@ -230,7 +242,7 @@ class LLMEngine:
         info = {
             "dtype": self.dtype_name,
             "quantization": self.model.quantization or "none",
-            "kv_cache_dtype": self.config.cache.kv_cache_dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
         }
         return {**platform.current().as_dict(), **info}
 

@@ -34,10 +34,27 @@ BF16_ROWS = "bf16 x head_dim of fp32 activations"
 """The schema's ``row_format`` of a bf16 pool under an fp32 model."""
 
 
+def resolved(kv_dtype: str, dtype: torch.dtype, checkpoint: str, dtype_was_auto: bool) -> str:
+    """What ``kv_cache_dtype`` holds rows in for a model computing in ``dtype``: as given,
+    except ``auto`` where ``--dtype auto`` widened a bf16 checkpoint to fp32 (a CPU without
+    native bf16): ``bfloat16``, the checkpoint's precision -- half the bytes of fp32 rows to
+    hold and to read per step (llama.cpp's cache is f16 whatever it computes in). fp32 rows
+    there: ``float32`` (or ``--dtype float32``, which keeps ``auto`` as computed). Raises
+    ``ValueError`` for rows wider than the activations."""
+    if kv_dtype == "float32" and dtype != torch.float32:
+        raise ValueError(
+            f"kv_cache_dtype 'float32' is wider than the {str(dtype).removeprefix('torch.')} "
+            "the model computes in: use auto, bfloat16 or int8, or --dtype float32"
+        )
+    widened = dtype_was_auto and dtype == torch.float32 and checkpoint == "bfloat16"
+    return "bfloat16" if kv_dtype == "auto" and widened else normalized(dtype, kv_dtype)
+
+
 def normalized(dtype: torch.dtype, kv_dtype: str) -> str:
     """``kv_dtype`` for activations in ``dtype``: ``auto`` where it stores them as they are
-    (``bfloat16`` under a bf16 model)."""
-    return "auto" if kv_dtype == "bfloat16" and dtype == torch.bfloat16 else kv_dtype
+    (``bfloat16`` under a bf16 model, ``float32`` under an fp32 one)."""
+    same = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(kv_dtype) == dtype
+    return "auto" if same else kv_dtype
 
 
 def row_format(dtype: torch.dtype, kv_dtype: str) -> str | None:
