@@ -1,18 +1,19 @@
-"""Benchmark: baton's int8 K/V cache (``--kv-cache-dtype int8``) against the unquantized
-cache, and llama.cpp's q8_0 K/V cache against its f16 one, on this CPU (printed first).
+"""Benchmark: baton's K/V row formats (``--kv-cache-dtype``: int8; bf16 under an fp32 model)
+against rows as computed, and llama.cpp's q8_0 K/V cache against its f16 one, on this CPU
+(printed first). ``--formats``: the first is the baseline (default ``float32,bfloat16,int8``
+where the model computes in fp32, ``bfloat16,int8`` in bf16).
 
 1. Quality (the bundled model, baton's compute dtype on this CPU): perplexity on held-out
    code (``baton.corpus.held_out_texts``) computed *through the pools* -- each window as one
    request's prompt in chunks of ``chunk`` tokens, every position's logits from the engine's
-   own model and ``PagedAttention`` over its ``ModelCache`` -- with the cache as computed
-   and as int8; greedy agreement of ``agree_prompts`` continuations of ``agree_tokens``
-   tokens with the unquantized cache's; the MTP draft's acceptance length (its own window
-   is an int8 pool too).
+   own model and ``PagedAttention`` over its ``ModelCache`` -- per format; greedy agreement
+   of ``agree_prompts`` continuations of ``agree_tokens`` tokens with the first format's;
+   the MTP draft's acceptance length (its own window is held alike).
 2. Speed (``--model``: ``qwen3-0.6b`` by default, a random Qwen3-0.6B-shaped checkpoint,
    ``llama_cpp_peer``'s; weights as computed and ``--quantization int8``): decode tok/s of
    ``batch`` requests after ``context`` prompt tokens each -- the engine stepped until every
    request has its first token, then the next ``new_tokens`` steps timed -- per cache
-   format, configurations in turns (``rounds``), per-round ratios int8 / auto.
+   format, configurations in turns (``rounds``), per-round ratios over the first format.
 3. Capacity: K/V bytes per token of each format (every pool of the target and draft), the
    full-attention pool's tokens in the same memory, and the bytes a PD handoff moves per
    prompt token.
@@ -74,7 +75,6 @@ QUICK = FULL | dict(
     rounds=1,
     tg_tokens=8,
 )
-FORMATS = ("auto", "int8")
 
 
 @torch.inference_mode()
@@ -102,7 +102,7 @@ def pooled_perplexity(llm: LLM, windows: list[list[int]], chunk: int) -> float:
     return math.exp(total / count)
 
 
-def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
+def quality(model_dir: Path, dtype: str, threads: int, sizes: dict, formats: list[str]) -> dict:
     tokenizer = Tokenizer.from_dir(model_dir)
     windows = held_out_ids(tokenizer, sizes["windows"], sizes["window"])
     length = sizes["agree_prompt_tokens"]
@@ -111,7 +111,7 @@ def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=sizes["agree_tokens"], ignore_eos=True)
     r: dict = {"windows": len(windows), "window_tokens": sizes["window"], "chunk": sizes["chunk"]}
     texts = {}
-    for kv in FORMATS:
+    for kv in formats:
         llm = LLM(model_dir, dtype=dtype, num_threads=threads, kv_cache_dtype=kv)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         lengths = [x for o in outs for x in o.metrics.accepted_lengths]
@@ -122,20 +122,20 @@ def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
         }
         del llm
         gc.collect()
-    leading, equal, total = [], 0, 0
-    for a, b in zip(texts["auto"], texts["int8"], strict=True):
-        leading.append(
-            next((i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), len(a))
-        )
-        equal += sum(u == v for u, v in zip(a, b, strict=True))
-        total += len(a)
-    r["int8"]["greedy_leading_equal_mean"] = statistics.mean(leading)
-    r["int8"]["greedy_positions_equal"] = equal / total
-    r["int8"]["perplexity_ratio"] = r["int8"]["perplexity"] / r["auto"]["perplexity"]
-    if r["auto"]["acceptance_length"]:
-        r["int8"]["acceptance_ratio"] = (
-            r["int8"]["acceptance_length"] / r["auto"]["acceptance_length"]
-        )
+    base = formats[0]
+    for kv in formats[1:]:
+        leading, equal, total = [], 0, 0
+        for a, b in zip(texts[base], texts[kv], strict=True):
+            leading.append(
+                next((i for i, (u, v) in enumerate(zip(a, b, strict=True)) if u != v), len(a))
+            )
+            equal += sum(u == v for u, v in zip(a, b, strict=True))
+            total += len(a)
+        r[kv]["greedy_leading_equal_mean"] = statistics.mean(leading)
+        r[kv]["greedy_positions_equal"] = equal / total
+        r[kv]["perplexity_ratio"] = r[kv]["perplexity"] / r[base]["perplexity"]
+        if r[base]["acceptance_length"]:
+            r[kv]["acceptance_ratio"] = r[kv]["acceptance_length"] / r[base]["acceptance_length"]
     return r
 
 
@@ -167,14 +167,16 @@ def decode_rate(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
     return (sum(generated.values()) - first) / (time.perf_counter() - start)
 
 
-def speed(model_dir: Path, dtype: str, threads: int, sizes: dict, weights: list[str]) -> dict:
+def speed(
+    model_dir: Path, dtype: str, threads: int, sizes: dict, weights: list[str], formats: list[str]
+) -> dict:
     stream, _ = offline.token_stream(model_dir, 4096, 16384)
     longest = max(context for _, context in sizes["cases"])
     r: dict = {"cases": sizes["cases"], "weights": weights}
     for quant in weights:
         extra = {"quantization": quant} if quant != "none" else {}
         llms = {}
-        for kv in FORMATS:
+        for kv in formats:
             args = argparse.Namespace(dtype=dtype, threads=threads)
             llms[kv] = offline.new_llm(
                 model_dir,
@@ -190,16 +192,21 @@ def speed(model_dir: Path, dtype: str, threads: int, sizes: dict, weights: list[
             prompts = [stream[i * 997 : i * 997 + context] for i in range(batch)]
             rounds = []
             for i in range(sizes["rounds"]):
-                order = FORMATS if i % 2 == 0 else FORMATS[::-1]
+                order = formats if i % 2 == 0 else formats[::-1]
                 row = {kv: decode_rate(llms[kv], prompts, sizes["new_tokens"]) for kv in order}
                 rounds.append(row)
                 print(f"{quant} weights, batch {batch} @ {context}: {row}", flush=True)
             r[f"{quant}_b{batch}_c{context}"] = {
                 "rounds": rounds,
                 "median_tokens_per_s": {
-                    k: statistics.median(x[k] for x in rounds) for k in FORMATS
+                    k: statistics.median(x[k] for x in rounds) for k in formats
                 },
-                "int8_over_auto": statistics.median(x["int8"] / x["auto"] for x in rounds),
+                **{
+                    f"{k}_over_{formats[0]}": statistics.median(
+                        x[k] / x[formats[0]] for x in rounds
+                    )
+                    for k in formats[1:]
+                },
             }
         del llms
         gc.collect()
@@ -242,6 +249,7 @@ def main() -> int:
     p.add_argument("--model", default="qwen3-0.6b", help="speed: bundled, or a scale.py shape")
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--weights", default="none,int8", help="weight quantizations to time")
+    p.add_argument("--formats", default=None, help="K/V row formats, the baseline first")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
     p.add_argument("--skip-llama", action="store_true")
@@ -249,6 +257,8 @@ def main() -> int:
     args = p.parse_args()
     dtype = resolve_dtype_arg("auto")
     sizes = QUICK if args.quick else FULL
+    default = "float32,bfloat16,int8" if dtype == "float32" else "bfloat16,int8"
+    formats = (args.formats or default).split(",")
     model_dir = peer.BUNDLED
     if args.model != "bundled":
         model_dir = peer.real_size_model(args.model)
@@ -256,14 +266,14 @@ def main() -> int:
     r: dict = {
         "machine": machine_facts(dtype, threads=args.threads, loadavg_start=os.getloadavg()),
         "model": str(model_dir),
-        "settings": {**sizes, "quick": args.quick},
+        "settings": {**sizes, "quick": args.quick, "formats": formats},
     }
     print(json.dumps(r["machine"]), flush=True)
     start = time.perf_counter()
     if not args.skip_quality:
-        r["quality"] = quality(peer.BUNDLED, dtype, args.threads, sizes)
+        r["quality"] = quality(peer.BUNDLED, dtype, args.threads, sizes, formats)
         print(json.dumps(r["quality"], indent=1), flush=True)
-    r["speed"] = speed(model_dir, dtype, args.threads, sizes, args.weights.split(","))
+    r["speed"] = speed(model_dir, dtype, args.threads, sizes, args.weights.split(","), formats)
     if not args.skip_llama:
         r["llama_cpp"] = llama_side(model_dir, args.threads, sizes, r["speed"])
     r["seconds"] = time.perf_counter() - start
@@ -273,8 +283,9 @@ def main() -> int:
     out.write_text(json.dumps(r, indent=2, default=str) + "\n")
     print(json.dumps({k: v for k, v in r["speed"].items() if k.startswith("capacity")}, indent=1))
     for key, v in r["speed"].items():
-        if isinstance(v, dict) and "int8_over_auto" in v:
-            print(f"{key}: {v['median_tokens_per_s']} int8/auto {v['int8_over_auto']:.2f}x")
+        if isinstance(v, dict) and "median_tokens_per_s" in v:
+            ratios = ", ".join(f"{k} {x:.2f}x" for k, x in v.items() if "_over_" in k)
+            print(f"{key}: {v['median_tokens_per_s']}; {ratios}")
     print(f"wrote {out}")
     return 0
 

@@ -49,7 +49,32 @@ def test_cap_lowers_the_level_and_refuses_one_above_the_cpu():
     for level in above:
         with pytest.raises(ValueError, match=f"BATON_CPU_ISA={level} but this CPU"):
             platform.detect(RuntimeEnv(cpu_isa=level))
-    assert real.runnable_levels()[0] == "baseline" and real.runnable_levels()[-1] == real.isa
+    levels = real.runnable_levels()  # the CPU's, whatever BATON_CPU_ISA caps
+    assert levels[0] == "baseline" and levels[-1] == real.detected_isa
+
+
+def test_without_vnni_int8_matmuls_are_exact_sums_of_fp32_products(monkeypatch):
+    """oneDNN's int8 matmul saturates pair sums without VNNI (AVX2: ``vpmaddubsw``); there
+    ``int_mm`` multiplies the integers in fp32 chunks: the exact int32 sums, on any CPU."""
+    from baton.model.quantize import EXACT_FP32_DEPTH, int_mm
+
+    real = platform.current()
+    g = torch.Generator().manual_seed(3)
+    k = 2 * EXACT_FP32_DEPTH + 40  # three chunks
+    x = torch.randint(-127, 128, (37, k), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (24, k), generator=g, dtype=torch.int8)
+    x[0], w[0] = 127, 127  # the largest sums: k x 127^2, beyond fp32's exact 2^24
+    x[1], w[1] = -127, 127
+    exact = (x.long() @ w.long().t()).to(torch.int32)
+    for vnni in (False, True):
+        if vnni and not real.exact_int8_matmul:
+            continue  # oneDNN would saturate here
+        monkeypatch.setattr(
+            platform, "current", lambda v=vnni: dataclasses.replace(real, has_vnni=v)
+        )
+        assert torch.equal(int_mm(x, w), exact), vnni
+    forced = dataclasses.replace(real, detected_isa="avx512_bf16", isa="avx2", has_vnni=True)
+    assert not forced.exact_int8_matmul  # the AVX2 stand-in is a CPU without VNNI
 
 
 def test_summary_names_cpu_level_and_bf16():

@@ -102,6 +102,8 @@ class Platform:
     """The level in use: ``detected_isa``, or lower where ``BATON_CPU_ISA`` says so."""
     has_amx: bool
     """Intel AMX tiles (amx_bf16): oneDNN uses them for bf16 matmuls where present."""
+    has_vnni: bool
+    """AVX-512 VNNI or AVX-VNNI: int8 dot products summed into int32 in one instruction."""
     onednn_bf16: bool
     """oneDNN computes bf16 on this CPU (AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)."""
     num_cpus: int
@@ -117,6 +119,16 @@ class Platform:
         (forcing ``avx2`` stands for a CPU without AVX-512, where oneDNN has no bf16)."""
         forced_below = self.isa != self.detected_isa and isa_rank(self.isa) < isa_rank("avx512")
         return self.onednn_bf16 and not forced_below
+
+    @property
+    def exact_int8_matmul(self) -> bool:
+        """oneDNN's int8 matmul (``torch._int_mm``) sums exactly: with VNNI (or AMX). Without
+        it oneDNN multiplies unsigned by signed bytes with ``vpmaddubsw``, whose 16-bit pair
+        sums saturate (255 x 127 x 2 > 32767): on an AVX2 CPU a matmul of int8 values in
+        [-127, 127] was off by up to 73,637 of sums near 10^5. Forcing ``avx2`` stands for a
+        CPU without it, as for bf16."""
+        forced_below = self.isa != self.detected_isa and isa_rank(self.isa) < isa_rank("avx512")
+        return self.has_vnni and not forced_below
 
     def runnable_levels(self) -> tuple[str, ...]:
         """Every level this CPU executes, lowest first: what kernel tests run."""
@@ -169,6 +181,7 @@ def detect(env: RuntimeEnv | None = None) -> Platform:
         detected_isa=detected,
         isa=isa,
         has_amx="amx_bf16" in flags,
+        has_vnni=bool({"avx512_vnni", "avx_vnni", "amx_int8"} & flags),
         onednn_bf16=_onednn_bf16(),
         num_cpus=len(topology.cpus),
         cores=topology.describe(),

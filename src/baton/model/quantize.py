@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from baton import platform
 from baton.config import QUANTIZATIONS
 from baton.kernels import linear as linear_kernels
 from baton.kernels.linear import INT4_GROUP
@@ -123,13 +124,13 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
 def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """A quantized weight's prompt path, W8A8 like its small steps: each row of ``x``
     quantized to int8 with its own scale (max |x| / 127, ties to even: linear.c's), exact
-    int32 sums by ``torch._int_mm`` (oneDNN's int8 matmul: VNNI / AMX where the CPU has
-    them), then ``(sum * row scale) * weight row scale + bias`` in fp32, rounded once to x's
-    dtype. A row's result depends on that row alone, whatever the call's size. ``weight``:
-    the panels holding an int8 or int4 weight (``linear.PackedRows``: its ``int8_rows``; an
-    int4 weight requantized per row there), or an int8 ``QuantizedWeight`` (kernels off: the
-    same arithmetic in torch ops); at most ``DEQUANTIZE_BLOCK`` of its values taken out at
-    a time."""
+    int32 sums (``int_mm``: oneDNN's int8 matmul where it sums exactly, VNNI / AMX; fp32
+    matmuls of the integers elsewhere), then ``(sum * row scale) * weight row scale + bias``
+    in fp32, rounded once to x's dtype. A row's result depends on that row alone, whatever
+    the call's size. ``weight``: the panels holding an int8 or int4 weight
+    (``linear.PackedRows``: its ``int8_rows``; an int4 weight requantized per row there), or
+    an int8 ``QuantizedWeight`` (kernels off: the same arithmetic in torch ops); at most
+    ``DEQUANTIZE_BLOCK`` of its values taken out at a time."""
     n, k = weight.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
@@ -143,9 +144,28 @@ def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
     for j in range(0, n, rows):
         count = min(rows, n - j)
         q, scale = weight.int8_rows(j, count)
-        acc = torch._int_mm(xq, q.t())
+        acc = int_mm(xq, q)
         linear_kernels.scale_int32(acc, x_scale, scale, None if bias is None else bias[j:], y, j)
     return y.reshape(*lead, n)
+
+
+EXACT_FP32_DEPTH = 1024
+"""Products of int8 values in [-127, 127] summed in fp32 stay exact integers (< 2^24) over
+this many terms: 1024 x 127^2 = 16,516,096."""
+
+
+def int_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [m, k] int8 @ w [n, k]^T -> the exact int32 sums [m, n], the same on every CPU:
+    oneDNN's int8 matmul where it is exact (``Platform.exact_int8_matmul``), else fp32
+    matmuls of the integers over ``EXACT_FP32_DEPTH`` columns at a time (every partial sum an
+    exact integer in fp32, whatever the order), added in int32."""
+    if platform.current().exact_int8_matmul:
+        return torch._int_mm(x, w.t())
+    xf, acc = x.float(), None
+    for k0 in range(0, x.shape[1], EXACT_FP32_DEPTH):
+        part = xf[:, k0 : k0 + EXACT_FP32_DEPTH] @ w[:, k0 : k0 + EXACT_FP32_DEPTH].float().t()
+        acc = part.to(torch.int32) if acc is None else acc.add_(part.to(torch.int32))
+    return acc
 
 
 def _int8_linear_torch(
@@ -164,7 +184,7 @@ def _int8_linear_torch(
         count = min(rows, n - j)
         q, scale = weight.int8_rows(j, count)
         xk = xq if q.shape[1] == k else F.pad(xq, (0, q.shape[1] - k))  # whole quads: zeros
-        y = torch._int_mm(xk, q.t()).float() * x_scale * scale
+        y = int_mm(xk, q).float() * x_scale * scale
         if bias is not None:
             y = y + bias[j : j + count].float()
         outs.append(y)
