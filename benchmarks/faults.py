@@ -353,9 +353,10 @@ class Requests:
     wants: dict[str, str]
 
 
-def references(dtype: str, phases: tuple[str, ...] = PHASES) -> Requests:
-    """The bodies of ``phases`` and of the next request, with their offline greedy texts."""
-    llm = LLM(MODEL, dtype=dtype)
+def references(dtype: str, phases: tuple[str, ...] = PHASES, kv: str = "auto") -> Requests:
+    """The bodies of ``phases`` and of the next request, with their offline greedy texts
+    (``dtype`` and ``kv``: what ``baton launch`` resolves ``auto`` to, ``resolved_dtype``)."""
+    llm = LLM(MODEL, dtype=dtype, kv_cache_dtype=kv)
     source = (REPO / "src" / "baton" / "supervisor.py").read_text()
     long_prompt = llm.tokenizer.decode(llm.tokenizer.encode(source)[:LONG_PROMPT_TOKENS])
     name = MODEL.name
@@ -492,8 +493,8 @@ def main(argv: list[str] | None = None) -> int:
     phases = [p for p in PHASES if p in args.phases.split(",")]
     started = time.monotonic()
     print(platform.current().summary(), flush=True)
-    dtype = resolved_dtype(str(MODEL))
-    req = references(dtype, tuple(phases))
+    dtype, kv = resolved_dtype(str(MODEL))
+    req = references(dtype, tuple(phases), kv)
     logs = Path(args.out).parent / "faults-logs"  # each deployment's output
     shutil.rmtree(logs, ignore_errors=True)
     cells: list[dict] = []

@@ -140,7 +140,8 @@ def _child_engine_options(model: str, engine_options: dict | None) -> dict:
     """The engine options every worker gets: the ones set, ``dtype`` made concrete."""
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     if options.get("dtype", "auto") == "auto":
-        options["dtype"] = resolved_dtype(model)
+        kv = options.get("kv_cache_dtype", "auto")
+        options["dtype"], options["kv_cache_dtype"] = resolved_dtype(model, kv)
     return options
 
 
@@ -307,15 +308,22 @@ def _print_banner(
     )
 
 
-def resolved_dtype(model: str) -> str:
+def resolved_dtype(model: str, kv_cache_dtype: str = "auto") -> tuple[str, str]:
     """``--dtype auto`` made concrete once, here, so every child computes in the same dtype
-    (a prefill and a decode that differ cannot pair); printed with the platform line."""
+    (a prefill and a decode that differ cannot pair), and the K/V rows ``auto`` then holds
+    (``kv_format.resolved``: bf16 where fp32 computes a bf16 checkpoint); printed with the
+    platform line."""
     from baton import platform
+    from baton.memory import kv_format
     from baton.model.loader import load_spec, resolve_dtype
 
-    dtype = str(resolve_dtype("auto", load_spec(model).dtype)).removeprefix("torch.")
-    print(f"baton: {platform.current().summary()}; dtype {dtype} (auto)", file=sys.stderr)
-    return dtype
+    checkpoint = load_spec(model).dtype
+    dtype = resolve_dtype("auto", checkpoint)
+    kv = kv_format.resolved(kv_cache_dtype, dtype, checkpoint, True)
+    name = str(dtype).removeprefix("torch.")
+    rows = f"; kv cache {kv} (auto)" if kv != kv_cache_dtype else ""
+    print(f"baton: {platform.current().summary()}; dtype {name} (auto){rows}", file=sys.stderr)
+    return name, kv
 
 
 def admin_token_file(directory: str) -> tuple[str, str | None]:

@@ -34,7 +34,8 @@ def test_prefill_stopped_for_2_s_during_prefill(tmp_path):
     faults = _faults()
     from baton.launch import resolved_dtype
 
-    req = faults.references(resolved_dtype(str(faults.MODEL)), ("prefill",))
+    dtype, kv = resolved_dtype(str(faults.MODEL))
+    req = faults.references(dtype, ("prefill",), kv)
     dep = faults.start_deployment(tmp_path / "logs")
     try:
         cell = faults.run_cell(dep, "prefill", "stop2", "prefill", req)

@@ -76,7 +76,8 @@ def test_launch_serves_pd_and_stops_cleanly(text_model_dir, tmp_path):
 def test_launch_on_a_cpu_without_native_bf16(tmp_path):
     """The main job as on an AVX2-only CPU (the detection forced there on any machine): the
     bundled bf16 checkpoint with the default ``--dtype auto`` is computed in fp32 by both
-    workers, which say so at start-up, and answers as the offline fp32 engine does."""
+    workers, its K/V rows held in bf16 (``--kv-cache-dtype auto`` there), which they say at
+    start-up, and answers as the offline engine so configured does."""
     from tests.conftest import BUNDLED
 
     level = _forced_no_bf16_level()
@@ -85,10 +86,10 @@ def test_launch_on_a_cpu_without_native_bf16(tmp_path):
         tmp_path,
         [],
         {"BATON_CPU_ISA": level},
-        {"dtype": "float32", "num_threads": 1},
+        {"dtype": "float32", "kv_cache_dtype": "bfloat16", "num_threads": 1},
     )
     assert f"kernels {level}" in stderr and "native bf16 no" in stderr, stderr
-    assert "dtype float32 (auto" in stderr, stderr
+    assert "dtype float32 (auto" in stderr and "kv cache bfloat16" in stderr, stderr
 
 
 def _check_admin_token(base_url: str, banner: str) -> str:
