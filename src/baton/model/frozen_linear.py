@@ -204,6 +204,20 @@ class FrozenLinear:
         runs ``linear.c`` (``PANELS_FOR_EVERY_STEP``)."""
         return self.quantization is None and self.packed is None and self._source is None
 
+    @property
+    def _quantized_panels_only(self) -> bool:
+        """A quantized weight in the panels on a CPU whose oneDNN int8 matmul is not exact
+        (no VNNI: ``Platform.exact_int8_matmul``): every call, a prompt chunk's too, runs
+        linear.c's W8A8 / W4A8 -- exact integer sums, the small steps' function at any size.
+        On the AVX2 stand-in (0.6B, 512-token prefill) 1.22x the fp32 model, where
+        ``int8_linear``'s exact fp32 products ran 0.80x."""
+        return (
+            self.quantization is not None
+            and self.quantized is None
+            and self._rows is not None
+            and not platform.current().exact_int8_matmul
+        )
+
     def rows(self) -> tuple[PackedRows, torch.Tensor | None] | None:
         """What the native kernels read (``linear.c``'s packed weight, and its bias), packed
         on first use (a float weight oneDNN packs: at construction, then the weight itself
@@ -279,6 +293,8 @@ class FrozenLinear:
             return self._unary(x, self.packed, self.bias, attr, [], algo)
         if self.panels_only:
             return self._panels(x, ACTIVATIONS[self.activation], None)
+        if self._quantized_panels_only:
+            return self._panels(x, ACTIVATIONS[self.activation], None)
         if self.quantization is not None:
             weight = self.effective_weight
             if self.quantization == "int8" or isinstance(weight, PackedRows):
@@ -334,7 +350,7 @@ class FrozenLinear:
         fused = other.dtype == x.dtype and other.shape[:-1] == x.shape[:-1]  # inside the matmul
         if fused and self.packed is not None:
             return self._binary_op(x, other.contiguous(), self.packed, self.bias, op)
-        if fused and self.panels_only:
+        if fused and (self.panels_only or self._quantized_panels_only):
             return self._panels(x, Epilogue.MUL if op == "mul" else Epilogue.ADD, other)
         y = self._blas(x)
         return y * other if op == "mul" else y + other
