@@ -117,8 +117,7 @@ class Platform:
     def native_bf16(self) -> bool:
         """bf16 is computed natively: oneDNN can, and the level is not forced below AVX-512
         (forcing ``avx2`` stands for a CPU without AVX-512, where oneDNN has no bf16)."""
-        forced_below = self.isa != self.detected_isa and isa_rank(self.isa) < isa_rank("avx512")
-        return self.onednn_bf16 and not forced_below
+        return self.onednn_bf16 and not self._forced_below_avx512
 
     @property
     def exact_int8_matmul(self) -> bool:
@@ -127,8 +126,13 @@ class Platform:
         sums saturate (255 x 127 x 2 > 32767): on an AVX2 CPU a matmul of int8 values in
         [-127, 127] was off by up to 73,637 of sums near 10^5. Forcing ``avx2`` stands for a
         CPU without it, as for bf16."""
-        forced_below = self.isa != self.detected_isa and isa_rank(self.isa) < isa_rank("avx512")
-        return self.has_vnni and not forced_below
+        return self.has_vnni and not self._forced_below_avx512
+
+    @property
+    def _forced_below_avx512(self) -> bool:
+        """``BATON_CPU_ISA`` holds the level below AVX-512: this stands for a CPU without it
+        (oneDNN held there too)."""
+        return self.isa != self.detected_isa and isa_rank(self.isa) < isa_rank("avx512")
 
     def runnable_levels(self) -> tuple[str, ...]:
         """Every level this CPU executes, lowest first: what kernel tests run."""

@@ -32,6 +32,10 @@ INT8_ROWS = "int8 x head_dim, then fp32 scale max|x|/127"
 """The schema's ``row_format`` of an int8 pool (None: rows in the component's dtype)."""
 BF16_ROWS = "bf16 x head_dim of fp32 activations"
 """The schema's ``row_format`` of a bf16 pool under an fp32 model."""
+ROW_FORMATS = {"int8": INT8_ROWS, "bfloat16": BF16_ROWS}
+"""``kv_cache_dtype`` -> the schema's ``row_format`` where rows are not held as computed."""
+STORED = {"int8": torch.int8, "bfloat16": torch.bfloat16, "float32": torch.float32}
+"""``kv_cache_dtype`` -> the pool storage's dtype (``auto``: the activations')."""
 
 
 def resolved(kv_dtype: str, dtype: torch.dtype, checkpoint: str, dtype_was_auto: bool) -> str:
@@ -53,15 +57,13 @@ def resolved(kv_dtype: str, dtype: torch.dtype, checkpoint: str, dtype_was_auto:
 def normalized(dtype: torch.dtype, kv_dtype: str) -> str:
     """``kv_dtype`` for activations in ``dtype``: ``auto`` where it stores them as they are
     (``bfloat16`` under a bf16 model, ``float32`` under an fp32 one)."""
-    same = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(kv_dtype) == dtype
-    return "auto" if same else kv_dtype
+    return "auto" if STORED.get(kv_dtype) == dtype else kv_dtype
 
 
 def row_format(dtype: torch.dtype, kv_dtype: str) -> str | None:
     """The schema's ``row_format`` for activations in ``dtype``: None where rows are held as
     computed."""
-    kv_dtype = normalized(dtype, kv_dtype)
-    return {"int8": INT8_ROWS, "bfloat16": BF16_ROWS}.get(kv_dtype)
+    return ROW_FORMATS.get(normalized(dtype, kv_dtype))
 
 
 def row_width(head_dim: int, kv_dtype: str) -> int:
@@ -71,7 +73,7 @@ def row_width(head_dim: int, kv_dtype: str) -> int:
 
 def stored_dtype(dtype: torch.dtype, kv_dtype: str) -> torch.dtype:
     """The pool storage's dtype for activations in ``dtype``."""
-    return {"int8": torch.int8, "bfloat16": torch.bfloat16}.get(kv_dtype, dtype)
+    return STORED.get(kv_dtype, dtype)
 
 
 def row_bytes(head_dim: int, dtype: torch.dtype, kv_dtype: str) -> int:

@@ -329,9 +329,7 @@ def _kv_cache_dtype(schema: list[dict[str, Any]]) -> str:
     """How a schema's K/V components hold rows (``kv_format``): ``int8``, ``bfloat16`` (an
     fp32 model's bf16 rows) or ``auto`` (as computed)."""
     formats = {c.get("row_format") for c in schema if isinstance(c, dict)}
-    if kv_format.INT8_ROWS in formats:
-        return "int8"
-    return "bfloat16" if kv_format.BF16_ROWS in formats else "auto"
+    return next((kv for kv, f in kv_format.ROW_FORMATS.items() if f in formats), "auto")
 
 
 def check_pairing(local: PeerInfo, remote: PeerInfo) -> None:
