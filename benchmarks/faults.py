@@ -157,8 +157,20 @@ def inject(pid: int, fault: str) -> threading.Thread | None:
     return thread
 
 
-def start_deployment(log_dir: Path) -> Deployment:
-    """``baton launch --dtype auto`` on a free loopback port; back once its banner printed."""
+def start_deployment(log_dir: Path, attempts: int = 3) -> Deployment:
+    """``baton launch --dtype auto`` on a free loopback port; back once its banner printed.
+    A port found free can be taken by another process before the router binds it (the launch
+    then refuses it by name): another port, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        try:
+            return _start_deployment(log_dir)
+        except RuntimeError as e:
+            if "choose another with --port" not in str(e) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_deployment(log_dir: Path) -> Deployment:
     log_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     with open(log_dir / "stdout", "w") as out, open(log_dir / "stderr", "w") as err:
