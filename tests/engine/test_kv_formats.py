@@ -82,6 +82,7 @@ def test_rows_quantize_as_linear_c_quantizes_activations(dtype):
         (torch.bfloat16, 3, 3, 48, "int8"),  # d % 32 != 0: the portable path
         (torch.float32, 4, 1, 32, "int8"),
         (torch.float32, 4, 2, 64, "bfloat16"),  # bf16 rows, fp32 queries
+        (torch.float32, 16, 8, 128, "bfloat16"),  # Qwen3-0.6B's heads: the split path
         (torch.float32, 3, 3, 48, "bfloat16"),
     ],
 )
@@ -118,6 +119,64 @@ def test_kernel_stores_the_torch_paths_bytes_and_attends_the_stored_rows(
         # ... within the format's rounding of the attention of the rows as computed.
         exact = _reference(pool, seg, q[0, rows], k_all, v_all, window, scale, None)
         torch.testing.assert_close(native[0, rows].double(), exact, atol=0.06, rtol=0.06)
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.usefixtures("kernel_level")
+@pytest.mark.parametrize("window", [None, WINDOW])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [
+        (torch.bfloat16, "auto"),
+        (torch.bfloat16, "int8"),
+        (torch.float32, "auto"),
+        (torch.float32, "bfloat16"),
+        (torch.float32, "int8"),
+    ],
+)
+def test_a_task_of_several_kv_heads_gives_the_one_head_tasks_bits(window, dtype, kv_dtype):
+    """A step of many segments gives each task several kv heads, whole pool rows read
+    together (``baton_attention_heads_together``); each query's sums are still its own, in
+    the same order: the same output and the same stored bytes as one kv head per task."""
+    import ctypes
+
+    lib = library()
+    switch = ctypes.c_int32.in_dll(lib, "baton_attention_heads_together")
+    heads, kv_heads, head_dim, batch = 8, 4, 64, 40  # 40 tiles: several heads per task
+    rng = random.Random(f"{dtype}-{kv_dtype}-{window}")
+    torch.manual_seed(rng.randint(0, 1000))
+    segments, offset = [], 0
+    for i in range(batch):
+        n = rng.choice([1, 1, 1, 4])  # decode and verification segments
+        segments.append(Segment(f"r{i}", offset, rng.randint(0, 60), n))
+        offset += n
+
+    def attend(together: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool = PagedPool(
+            "t.full" if window is None else "t.swa",
+            (0,),
+            batch * 20,
+            PAGE,
+            kv_heads,
+            head_dim,
+            dtype,
+            StateRegistry(),
+            window=window,
+            kv_dtype=kv_dtype,
+        )
+        torch.manual_seed(7)
+        q, k, v, _ = step_with_history(pool, segments, heads, dtype)
+        cache = SimpleNamespace(layer_map={7: (pool, 0)})
+        switch.value = together
+        try:
+            out = PagedAttention(cache, segments).attend(7, q, k, v, window, head_dim**-0.5, None)
+        finally:
+            switch.value = 1
+        return out, pool.storage
+
+    (apart, stored_apart), (together, stored_together) = attend(0), attend(1)
+    assert torch.equal(together, apart)
+    assert torch.equal(stored_together, stored_apart)
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)
