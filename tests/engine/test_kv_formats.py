@@ -82,7 +82,7 @@ def test_rows_quantize_as_linear_c_quantizes_activations(dtype):
         (torch.bfloat16, 3, 3, 48, "int8"),  # d % 32 != 0: the portable path
         (torch.float32, 4, 1, 32, "int8"),
         (torch.float32, 4, 2, 64, "bfloat16"),  # bf16 rows, fp32 queries
-        (torch.float32, 16, 8, 128, "bfloat16"),  # Qwen3-0.6B's heads: the split path
+        (torch.float32, 16, 8, 128, "bfloat16"),  # Qwen3-0.6B's heads
         (torch.float32, 3, 3, 48, "bfloat16"),
     ],
 )

@@ -9,7 +9,8 @@
  * row converted to fp32 once), soft-maxed per query in fp32, the value rows accumulated the
  * same way. A step of many short segments (decode) gives a task several kv heads, one after
  * the other, the first reading every head's rows ahead: whole pool rows, not one head's
- * piece of each (see touch_spans); each query's arithmetic is the same either way. The query at position p of segment b sees positions
+ * piece of each (see touch_spans); each query's arithmetic is the same either way.
+ * The query at position p of segment b sees positions
  *     max(first[b], p - W + 1) .. p          (W: the window; none: no lower bound but first)
  * Position kp of the segment lives at
  *     kp >= q_start[b]:  fresh token q_offset[b] + kp - q_start[b]      (this step's K/V)
@@ -290,105 +291,6 @@ static inline void accumulate_block_bf16(const uint32_t *probs, const uint32_t *
 #define HAS_BF16_PATH 0
 #endif
 
-/* Where element e of a row sits in its split form (the split path below). */
-static inline int unsplit_at(int e) { return e / 16 * 16 + (e & 1) * 8 + (e % 16) / 2; }
-
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define HAS_SPLIT_PATH 1
-
-/* r[k] = sum of the lanes of v[k], k < 8. */
-static inline __m256 reduce8(const __m256 v[8]) {
-    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
-    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-/* bf16 rows under fp32 activations with AVX2 (d % 32 == 0): each row read as it is, 16
- * values per load, split into its even and odd elements by a shift and a mask (lane j of a
- * 32-bit word holds elements 2j and 2j + 1) -- no widened copy, one load per 16 products.
- * The query and the accumulator are held split alike: each 16 elements as their 8 even,
- * then their 8 odd values (`split_query`, `unsplit_at`). */
-static inline __m256 even8(const __m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
-static inline __m256 odd8(const __m256i v) {
-    return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
-}
-
-/* An fp32 row in split form, in place (d % 16 == 0). */
-static inline void split_query(float *q, int d) {
-    float t[16];
-    for (int c = 0; c < d; c += 16) {
-        for (int e = 0; e < 16; e++) t[unsplit_at(e)] = q[c + e];
-        memcpy(q + c, t, sizeof t);
-    }
-}
-
-/* score_block for bf16 rows and a split fp32 query qs (AVX2, d % 32 == 0). */
-static inline __attribute__((always_inline)) void score_block_split(
-    const Args *a, int b, const Block *blk, const float *qs, int p, float *scores, const int d) {
-    int lo = a->first[b] > 0 ? a->first[b] : 0;
-    if (a->window > 0 && p - a->window + 1 > lo) lo = p - a->window + 1;
-    for (int h = 0; h < BLOCK; h += 8) {
-        __m256 part[8];
-        _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {
-            const uint16_t *k = blk->k[h + kk];
-            __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-            for (int e = 0; e < d; e += 16) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(k + e));
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + e), even8(w), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qs + e + 8), odd8(w), s1);
-            }
-            part[kk] = _mm256_add_ps(s0, s1);
-        }
-        const __m256 sc = _mm256_mul_ps(reduce8(part), _mm256_set1_ps(a->scale));
-        const __m256i pos = _mm256_loadu_si256((const __m256i *)(blk->pos + h));
-        const __m256i keep = _mm256_andnot_si256(
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(lo), pos), /* pos >= lo (padding is -1) */
-            _mm256_cmpgt_epi32(_mm256_set1_epi32(p + 1), pos)); /* pos <= p */
-        _mm256_storeu_ps(scores + h, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sc,
-                                                      _mm256_castsi256_ps(keep)));
-    }
-}
-
-/* accumulate_block for bf16 value rows into split accumulators of up to two queries (acc1:
- * NULL for one), 32 elements at a time in registers: each element's sum in key order, as
- * accumulate_block_avx2's (the same bits). Padding rows weigh 0: never read. */
-static inline __attribute__((always_inline)) void accumulate_block_split(
-    const float *probs0, const float *probs1, const Block *blk, float *acc0, float *acc1,
-    const int d) {
-    for (int c = 0; c < d; c += 32) {
-        __m256 r0[4], r1[4];
-        for (int u = 0; u < 4; u++) {
-            r0[u] = _mm256_loadu_ps(acc0 + c + 8 * u);
-            r1[u] = acc1 != NULL ? _mm256_loadu_ps(acc1 + c + 8 * u) : _mm256_setzero_ps();
-        }
-        for (int kk = 0; kk < BLOCK; kk++) {
-            const float p0 = probs0[kk], p1 = acc1 != NULL ? probs1[kk] : 0.0f;
-            if (p0 == 0.0f && p1 == 0.0f) continue;
-            const uint16_t *v = blk->v[kk];
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(v + c));
-            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(v + c + 16));
-            const __m256 x[4] = {even8(w0), odd8(w0), even8(w1), odd8(w1)};
-            if (p0 != 0.0f) {
-                const __m256 b0 = _mm256_set1_ps(p0);
-                for (int u = 0; u < 4; u++) r0[u] = _mm256_fmadd_ps(b0, x[u], r0[u]);
-            }
-            if (p1 != 0.0f) {
-                const __m256 b1 = _mm256_set1_ps(p1);
-                for (int u = 0; u < 4; u++) r1[u] = _mm256_fmadd_ps(b1, x[u], r1[u]);
-            }
-        }
-        for (int u = 0; u < 4; u++) {
-            _mm256_storeu_ps(acc0 + c + 8 * u, r0[u]);
-            if (acc1 != NULL) _mm256_storeu_ps(acc1 + c + 8 * u, r1[u]);
-        }
-    }
-}
-#else
-#define HAS_SPLIT_PATH 0
-#endif
-
 #if !HAS_BF16_PATH && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAS_AVX2_PATH 1
@@ -400,6 +302,14 @@ static inline __m256 load8_row(const void *row, int e, const int is_bf16) {
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     return _mm256_loadu_ps((const float *)row + e);
+}
+
+/* r[k] = sum of the lanes of v[k], k < 8. */
+static inline __m256 reduce8(const __m256 v[8]) {
+    const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 /* score_block with AVX2 (d % 16 == 0): each key row read from the pool as it is, no copy;
@@ -447,7 +357,6 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
 #else
 #define HAS_AVX2_PATH 0
 #endif
-
 
 /* The block of positions p0 .. p0+BLOCK-1 of segment b (see the top of the file for where
  * a position lives); those before `p_lo` or past `p_end` are padding (they repeat the row of
@@ -557,16 +466,10 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     /* int8 rows are read as bf16 where the AVX-512 BF16 path takes them, else as fp32 */
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
     const int stored_bf16 = (a->is_bf16 || a->kv_bf16) && (!a->kv_int8 || fast);
-    /* bf16 rows off the AVX-512 BF16 path: read as they are, split, with AVX2 (d % 32 ==
-     * 0); else widened once per block, then read as fp32 */
-    const int split = HAS_SPLIT_PATH && stored_bf16 && !fast && !a->kv_int8 && d % 32 == 0;
-    const int widen = stored_bf16 && !fast && !a->kv_int8 && !split;
+    /* bf16 rows off the AVX-512 BF16 path: widened once per block, then read as fp32 */
+    const int widen = stored_bf16 && !fast && !a->kv_int8;
     const int row_bf16 = stored_bf16 && !widen;
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
-#if HAS_SPLIT_PATH
-    if (split)
-        for (int i = 0; i < nq; i++) split_query(qf + (int64_t)i * d, d);
-#endif
     const int row_bytes = a->kv_int8 ? d + 4 : d * row_element(a);
     (void)avx2;
     Block blk, next;
@@ -590,12 +493,6 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         for (int i = 0; i < nq; i++) {
             const int p = a->q_start[b] + t0 + i / rep;
             float *s = scores + (int64_t)i * stride + j0;
-#if HAS_SPLIT_PATH
-            if (split) {
-                score_block_split(a, b, &blk, qf + (int64_t)i * d, p, s, d);
-                continue;
-            }
-#endif
 #if HAS_BF16_PATH
             if (fast) {
                 score_block_bf16(a, b, &blk, (const uint16_t *)a->q + q_at[i], p, s, d);
@@ -658,19 +555,6 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
             continue;
         }
 #endif
-#if HAS_SPLIT_PATH
-        if (split) { /* two queries at a time: each value row split once for both */
-            for (int i = 0; i < nq; i += 2) {
-                const float *probs = scores + (int64_t)i * stride + j0;
-                float *acc_i = acc + (int64_t)i * d;
-                if (i + 1 < nq)
-                    accumulate_block_split(probs, probs + stride, &blk, acc_i, acc_i + d, d);
-                else
-                    accumulate_block_split(probs, NULL, &blk, acc_i, NULL, d);
-            }
-            continue;
-        }
-#endif
 #if HAS_AVX2_PATH
         if (avx2) { /* padding rows weigh 0: never read */
             for (int i = 0; i < nq; i++) {
@@ -700,9 +584,7 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         const float inv = 1.0f / sums[i];
         int64_t at = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->out_token_stride +
                      (int64_t)(g * rep + i % rep) * a->out_head_stride;
-        const float *sums_i = acc + (int64_t)i * d;
-        for (int e = 0; e < d; e++)
-            store(a->out, at + e, sums_i[split ? unsplit_at(e) : e] * inv, a->is_bf16);
+        for (int e = 0; e < d; e++) store(a->out, at + e, acc[(int64_t)i * d + e] * inv, a->is_bf16);
     }
 }
 
@@ -725,7 +607,7 @@ static void one_tile(void *ctx, int t, int worker) {
     const int t1 = t0 + J->tile < a->q_count[b] ? t0 + J->tile : a->q_count[b];
     const int first = t % groups * J->heads;
     for (int g = first; g < first + J->heads; g++) {
-        /* the first head prefetches every head's rows: the others find them in the cache */
+        /* the first head reads every head's rows ahead: the others find them in the cache */
         const int span = g == first && J->heads > 1 ? J->span : 0;
         if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
             one_task(a, b, g, t0, t1, scratch, J->stride, span, 64);
