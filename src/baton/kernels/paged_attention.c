@@ -7,7 +7,7 @@
  * One task per (tile of a segment's queries, kv head): the tile's queries of the heads that
  * share the kv head are scored against the positions they can see in one pass (each key
  * row converted to fp32 once), soft-maxed per query in fp32, the value rows accumulated the
- * same way. A step of many short segments (decode) gives a task several kv heads, one after
+ * same way. A short tile (decode, verification) may give a task several kv heads, one after
  * the other, the first reading every head's rows ahead: whole pool rows, not one head's
  * piece of each (see touch_spans); each query's arithmetic is the same either way.
  * The query at position p of segment b sees positions
@@ -53,6 +53,7 @@
 
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 #define TASKS_PER_THREAD 4 /* a task per tile and kv head, or per tile and several: at least these */
+#define SHORT_TILE 8       /* a tile of at most these tokens may take several kv heads */
 
 /* Whether a task may take several kv heads (1), or one (0; tests compare the two bit for bit). */
 int32_t baton_attention_heads_together = 1;
@@ -590,25 +591,24 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 
 typedef struct {
     const Args *a;
-    const int32_t *tiles; /* (segment, first token) of each tile */
+    const int32_t *tasks; /* (segment, first token of its tile, first kv head, kv heads) */
     float *buffers;       /* per_thread floats for each worker */
     size_t per_thread;
     int tile, stride;
-    int heads, span; /* kv heads per task; bytes of a row they span */
+    int head_bytes, width; /* bytes from one kv head's row to the next's; of one's row */
 } Job;
 
-/* One task: one tile of a segment's queries, one kv head. */
+/* One task: one tile of a segment's queries, one kv head or several. */
 static void one_tile(void *ctx, int t, int worker) {
     const Job *J = ctx;
     const Args *a = J->a;
     float *scratch = J->buffers + J->per_thread * worker;
-    const int groups = a->kv_heads / J->heads;
-    const int b = J->tiles[2 * (t / groups)], t0 = J->tiles[2 * (t / groups) + 1];
+    const int32_t *task = J->tasks + 4 * (int64_t)t;
+    const int b = task[0], t0 = task[1], first = task[2], heads = task[3];
     const int t1 = t0 + J->tile < a->q_count[b] ? t0 + J->tile : a->q_count[b];
-    const int first = t % groups * J->heads;
-    for (int g = first; g < first + J->heads; g++) {
+    for (int g = first; g < first + heads; g++) {
         /* the first head reads every head's rows ahead: the others find them in the cache */
-        const int span = g == first && J->heads > 1 ? J->span : 0;
+        const int span = g == first && heads > 1 ? (heads - 1) * J->head_bytes + J->width : 0;
         if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
             one_task(a, b, g, t0, t1, scratch, J->stride, span, 64);
         else if (a->head_dim == 128)
@@ -751,32 +751,40 @@ static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
     const size_t per_thread = (size_t)MAX_QUERIES * a->head_dim * 2 +
                               (size_t)BLOCK * a->head_dim + (size_t)MAX_QUERIES * stride +
                               (size_t)BLOCK * a->head_dim; /* a block's rows, widened */
-    /* Tasks: (segment, first token of its tile) x kv heads; long segments split in tiles. */
-    int num_tiles = 0;
-    for (int b = 0; b < batch; b++) num_tiles += (a->q_count[b] + tile - 1) / tile;
-    int32_t *tiles = malloc(sizeof(int32_t) * 2 * (num_tiles > 0 ? num_tiles : 1));
+    /* Tasks: (segment, first token of its tile) x kv heads, long segments split in tiles; a
+     * short tile (decode, verification: at most SHORT_TILE tokens) takes `heads` kv heads a
+     * task -- all of them (whole rows read), unless that leaves fewer than TASKS_PER_THREAD
+     * tasks per thread (batch-1 decode: one per kv head). A long tile (a prompt chunk's) is
+     * work enough per head, and its tasks balance the threads better one head each. */
+    const int kv = a->kv_heads;
+    int num_short = 0, num_long = 0;
+    for (int b = 0; b < batch; b++)
+        for (int t0 = 0; t0 < a->q_count[b]; t0 += tile)
+            *(a->q_count[b] - t0 <= SHORT_TILE ? &num_short : &num_long) += 1;
+    int heads = baton_attention_heads_together ? kv : 1;
+    while (heads > 1 && num_short * (kv / heads) + num_long * kv < TASKS_PER_THREAD * num_threads) {
+        do heads--;
+        while (kv % heads);
+    }
+    const int tasks = num_short * (kv / heads) + num_long * kv;
+    int32_t *list = malloc(sizeof(int32_t) * 4 * (tasks > 0 ? tasks : 1));
     float *buffers = malloc(per_thread * num_threads * sizeof(float));
-    if (tiles == NULL || buffers == NULL) {
-        free(tiles);
+    if (list == NULL || buffers == NULL) {
+        free(list);
         free(buffers);
         return -1;
     }
     for (int b = 0, n = 0; b < batch; b++)
-        for (int t0 = 0; t0 < a->q_count[b]; t0 += tile, n++) {
-            tiles[2 * n] = b;
-            tiles[2 * n + 1] = t0;
+        for (int t0 = 0; t0 < a->q_count[b]; t0 += tile) {
+            const int per_task = a->q_count[b] - t0 <= SHORT_TILE ? heads : 1;
+            for (int g = 0; g < kv; g += per_task, n++) {
+                int32_t *task = list + 4 * (int64_t)n;
+                task[0] = b, task[1] = t0, task[2] = g, task[3] = per_task;
+            }
         }
-    /* kv heads per task: all of them (whole rows read), unless that leaves fewer than
-     * TASKS_PER_THREAD tasks per thread (batch-1 decode: one per kv head) */
-    int heads = baton_attention_heads_together ? a->kv_heads : 1;
-    while (heads > 1 && num_tiles * (a->kv_heads / heads) < TASKS_PER_THREAD * num_threads) {
-        do heads--;
-        while (a->kv_heads % heads);
-    }
     const int size = row_element(a), width = a->kv_int8 ? a->head_dim + 4 : a->head_dim * size;
-    const int row_span = (int)((heads - 1) * a->head_stride * (a->kv_int8 ? 1 : size)) + width;
-    const int tasks = num_tiles * (a->kv_heads / heads);
-    const Job job = {a, tiles, buffers, per_thread, tile, stride, heads, row_span};
+    const int head_bytes = (int)(a->head_stride * (a->kv_int8 ? 1 : size));
+    const Job job = {a, list, buffers, per_thread, tile, stride, head_bytes, width};
     if (pooled) {
         baton_parallel(one_tile, (void *)&job, tasks, num_threads);
     } else if (num_threads > 1 && tasks > 1) {
@@ -785,7 +793,7 @@ static int attend(const Args *a, int32_t batch, int32_t num_threads, int pooled,
     } else {
         for (int t = 0; t < tasks; t++) one_tile((void *)&job, t, 0);
     }
-    free(tiles);
+    free(list);
     free(buffers);
     /* Then the step's K/V go into the pool (after every read: a ring row may be both). */
     PARALLEL_FOR(n, a->num_stores, a->num_stores > 256, store_token(a, (int)n, qz));
