@@ -321,7 +321,7 @@ def resolved_dtype(model: str, kv_cache_dtype: str = "auto") -> tuple[str, str]:
     dtype = resolve_dtype("auto", checkpoint)
     kv = kv_format.resolved(kv_cache_dtype, dtype, checkpoint, True)
     name = str(dtype).removeprefix("torch.")
-    rows = f"; kv cache {kv} (auto)" if kv_cache_dtype == "auto" != kv else ""
+    rows = f"; kv cache {kv} (auto)" if kv_cache_dtype == "auto" and kv != "auto" else ""
     print(f"baton: {platform.current().summary()}; dtype {name} (auto){rows}", file=sys.stderr)
     return name, kv
 

@@ -101,7 +101,7 @@ static inline __m512 load16(const void *p, int64_t i, const int w_format) {
         int i = 0;                                                                            \
         for (; i + U <= k; i += U)                                                            \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
-                AHEAD(R, p, (w_format == W_BF16 ? 32 : 64) * (int64_t)(i + u));                  \
+                AHEAD(R, p, (w_format == W_BF16 ? 32 : 64) * (int64_t)(i + u));               \
                 const __m512 w = load16(p, i + u, w_format);                                  \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[u][r] = _mm512_fmadd_ps( \
                     w, _mm512_set1_ps(x[(int64_t)r * k + i + u]), acc[u][r]);                 \
@@ -148,7 +148,7 @@ static inline void load16(const void *p, int64_t i, const int w_format, __m256 *
         for (; i + U <= k; i += U)                                                            \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                                                     \
                 __m256 lo, hi;                                                                \
-                AHEAD(R, p, (w_format == W_BF16 ? 32 : 64) * (int64_t)(i + u));                  \
+                AHEAD(R, p, (w_format == W_BF16 ? 32 : 64) * (int64_t)(i + u));               \
                 load16(p, i + u, w_format, &lo, &hi);                                         \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
                     const __m256 b = _mm256_broadcast_ss(x + (int64_t)r * k + i + u);         \
@@ -243,7 +243,7 @@ static const tile_fn TILES[GROUP + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, t
         for (; j + U <= pairs; j += U)                                                        \
             _Pragma("GCC unroll 8") for (int u = 0; u < U; u++) {                             \
                 _Pragma("GCC unroll 2") for (int q = 0; q < P; q++)                           \
-                    AHEAD(R, w[q], 64 * (int64_t)(j + u));                                       \
+                    AHEAD(R, w[q], 64 * (int64_t)(j + u));                                    \
                 _Pragma("GCC unroll 2") for (int q = 0; q < P; q++) v[q] = (__m512)           \
                     _mm512_permutexvar_epi16(pair_at,                                         \
                                              _mm512_loadu_si512(w[q] + 32 * (int64_t)(j + u))); \
@@ -329,7 +329,7 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
     const __m512i zero = _mm512_setzero_si512();                                              \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = zero;                        \
     for (int j = 0; j < quads; j++) {                                                         \
-        AHEAD(R, p, 64 * (int64_t)j);                                                            \
+        AHEAD(R, p, 64 * (int64_t)j);                                                         \
         const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)j));            \
         const __m512i a = _mm512_abs_epi8(w);                                                 \
         const __mmask64 negative = _mm512_movepi8_mask(w);                                    \
@@ -349,7 +349,7 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] =               \
         _mm256_setzero_si256();                                                               \
     for (int j = 0; j < quads; j++) {                                                         \
-        AHEAD(R, p, 64 * (int64_t)j);                                                            \
+        AHEAD(R, p, 64 * (int64_t)j);                                                         \
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j));        \
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(p + 64 * (int64_t)j + 32));   \
         const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);                     \
@@ -417,7 +417,7 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
         __m512i acc[R];                                                                       \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();  \
         _Pragma("GCC unroll 4") for (int h = 0; h < 4; h++) {                                 \
-            AHEAD(R, gp, 64 * h);                                                                \
+            AHEAD(R, gp, 64 * h);                                                             \
             const __m512i v = _mm512_loadu_si512((const void *)(gp + 64 * h));                \
             const __m512i u0 = _mm512_and_si512(v, low);                                      \
             const __m512i u1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);                \
@@ -453,7 +453,7 @@ static const int8_tile_fn INT8_TILES[GROUP + 1] = {
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] =           \
             _mm256_setzero_si256();                                                           \
         for (int h = 0; h < 4; h++) {                                                         \
-            AHEAD(R, gp, 64 * h);                                                                \
+            AHEAD(R, gp, 64 * h);                                                             \
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h));            \
             const __m256i v1 = _mm256_loadu_si256((const __m256i *)(gp + 64 * h + 32));       \
             _Pragma("GCC unroll 2") for (int s = 0; s < 2; s++) {                             \

@@ -485,10 +485,11 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
         if (widen) widen_block(&blk, 0, d, deq);
         if (j0 + BLOCK < padded) {
             fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
-            prefetch_rows(next.k, row_bytes);
             if (span > 0) { /* the values too: the second pass finds them in the cache */
                 touch_spans(next.k, span);
                 touch_spans(next.v, span);
+            } else {
+                prefetch_rows(next.k, row_bytes);
             }
         }
         for (int i = 0; i < nq; i++) {

@@ -291,9 +291,7 @@ class FrozenLinear:
         if self.packed is not None:
             attr, algo = self._post
             return self._unary(x, self.packed, self.bias, attr, [], algo)
-        if self.panels_only:
-            return self._panels(x, ACTIVATIONS[self.activation], None)
-        if self._quantized_panels_only:
+        if self.panels_only or self._quantized_panels_only:
             return self._panels(x, ACTIVATIONS[self.activation], None)
         if self.quantization is not None:
             weight = self.effective_weight
