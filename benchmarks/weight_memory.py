@@ -4,8 +4,9 @@ float weight only in linear.c's panels does to speed.
 For each model (``--models``: ``bundled``, or a ``scale.py`` shape -- a random checkpoint of it,
 written once into llama_cpp_peer's cache) and each mode, a fresh process loads the engine
 (``scale.engine_for``: no speculation, no prefix cache) and reports its RSS after loading
-(``VmRSS``; the load's peak ``VmHWM``), a 512-token prefill (``--prompt``) and batch-1 and
-batch-8 decode. Modes:
+(``VmRSS``; the load's peak ``VmHWM``, and sampled every 5 ms its anonymous and
+file-backed parts: the checkpoint's mapped pages are the latter), a 512-token prefill
+(``--prompt``) and batch-1 and batch-8 decode. Modes:
 
 * ``panels``: the engine as it ships (``frozen_linear.PANELS_FOR_EVERY_STEP``): a float weight
   oneDNN does not pack (fp32 compute) is held in the panels alone and every matmul, a prompt
@@ -31,6 +32,8 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -67,8 +70,28 @@ def child(name: str, dtype: str, mode: str, threads: int, prompt: int) -> dict:
 
     frozen_linear.PANELS_FOR_EVERY_STEP = mode == "panels"
     directory = model_dir(name)
+    peaks = {"RssAnon": 0, "RssFile": 0}
+    loading = threading.Event()
+
+    def sample() -> None:  # VmHWM has no anonymous / file-backed split: sampled every 5 ms
+        while not loading.wait(0.005):
+            for field in peaks:
+                peaks[field] = max(peaks[field], status_kb(field))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.perf_counter()
     engine = scale.engine_for(directory, dtype, threads, max_seqs=8)
-    loaded = {"rss_gb": status_kb("VmRSS") / 1e6, "load_peak_gb": status_kb("VmHWM") / 1e6}
+    load_s = time.perf_counter() - start
+    loading.set()
+    sampler.join()
+    loaded = {
+        "rss_gb": status_kb("VmRSS") / 1e6,
+        "load_peak_gb": status_kb("VmHWM") / 1e6,
+        "load_anon_peak_gb": peaks["RssAnon"] / 1e6,
+        "load_file_peak_gb": peaks["RssFile"] / 1e6,
+        "load_s": load_s,
+    }
     vocab = engine.model.spec.vocab_size
     prompt = min(prompt, engine.max_model_len - 16)  # the bundled model's context is 512
     with torch.inference_mode():

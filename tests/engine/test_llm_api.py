@@ -84,8 +84,8 @@ def test_an_engine_trims_the_heap_before_and_after_loading(text_model_dir, monke
 
     events: list[str] = []
     monkeypatch.setattr(platform, "release_free_memory", lambda: events.append("trim") or True)
-    load = engine.load_model
-    monkeypatch.setattr(engine, "load_model", lambda *a: events.append("load") or load(*a))
+    load = engine.load_fused_model
+    monkeypatch.setattr(engine, "load_fused_model", lambda *a: events.append("load") or load(*a))
     LLM(text_model_dir, speculative=False)
     assert events[:3] == ["trim", "load", "trim"]
 

@@ -41,7 +41,7 @@ from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry, check_declared
-from baton.model.loader import load_draft, load_model, resolve_dtype
+from baton.model.loader import load_draft, load_fused_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
@@ -94,7 +94,7 @@ class LLMEngine:
         # engine did not reuse; 1.3 GB of a Qwen3-1.7B's 6.2 GB loaded in fp32. (A finalizer
         # cannot do the first: it runs before the dropped engine's members are freed.)
         platform.release_free_memory()
-        self.model = load_model(model_dir, config.dtype).fuse_projections(config.quantization)
+        self.model = load_fused_model(model_dir, config.dtype, config.quantization)
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()

@@ -169,18 +169,20 @@ class Attention(nn.Module):
         self._o: FrozenLinear | None = None
         self._qk_norm: tuple[torch.Tensor, float] | None = None
 
-    def fuse_projections(self, quantization: str | None = None) -> None:
-        """Inference: one q|k|v matmul instead of three, and q and k normed and rotated as
-        one tensor (a decode step of a small model is per-op overhead; the arithmetic is
-        row by row, so the results are the same). The separate modules stay the
-        parameters' owners (checkpoint names, training)."""
+    def fuse_projections(
+        self, quantization: str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
+        """Inference (``dtype``: ``FrozenLinear``'s): one q|k|v matmul instead of three, and q
+        and k normed and rotated as one tensor (a decode step of a small model is per-op
+        overhead; the arithmetic is row by row, so the results are the same). The separate
+        modules stay the parameters' owners (checkpoint names, training)."""
         weight = concat_rows([linear_weight(p) for p in (self.q_proj, self.k_proj, self.v_proj)])
         bias = None
         if self.q_proj.bias is not None:
             bias = torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
-        self._qkv = FrozenLinear(weight, bias, quantization=quantization)
+        self._qkv = FrozenLinear(weight, bias, quantization=quantization, dtype=dtype)
         o = linear_weight(self.o_proj)
-        self._o = FrozenLinear(o, self.o_proj.bias, quantization=quantization)
+        self._o = FrozenLinear(o, self.o_proj.bias, quantization=quantization, dtype=dtype)
         del weight  # the concatenated copy: only what the FrozenLinear keeps of it stays
         release_weights(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
         if self.q_norm is not None and not self.q_norm.offset and not self.k_norm.offset:

@@ -153,20 +153,41 @@ class CausalLM(nn.Module):
             x = layer(x, rotary, attn, rows if i == last else None)
         return self.model.norm(x)
 
-    def fuse_projections(self, quantization: str | None = None) -> CausalLM:
+    def fuse_projections(
+        self, quantization: str | None = None, dtype: torch.dtype | None = None
+    ) -> CausalLM:
         """Inference: fuse q|k|v and gate|up matmuls, every matmul a ``FrozenLinear``
         (weights are copied once). quantization (``baton.model.quantize``): every matmul's
         weight, the head's too, kept quantized and the float one dropped (a head tied to
         the embedding keeps it: the embedding reads it); a pre-quantized checkpoint's
-        (``checkpoint_quantization``) is kept as it is whatever ``quantization`` says."""
+        (``checkpoint_quantization``) is kept as it is whatever ``quantization`` says.
+        dtype: the compute dtype where the parameters are bf16 and it is fp32
+        (``loader.load_fused_model``): one layer at a time, all but its matmuls' weights are
+        widened, its matmuls fused from bf16 (``FrozenLinear``'s ``dtype``), then anything
+        left widened -- the model is never whole in fp32; the embedding and norms last."""
         quantization = self.checkpoint_quantization or quantization
-        for module in self.modules():
-            if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections(quantization)
+        seen: set[int] = set()
+        for block in (*self.model.layers, self):
+            inside = [m for m in block.modules() if m is not self and id(m) not in seen]
+            seen.update(map(id, inside))
+            if dtype is not None:  # the embedding after the head (a tied head reads it)
+                _widen_all_but_matmuls(
+                    [m for m in inside if m is not self.model.embed_tokens], dtype
+                )
+            for module in inside:
+                if hasattr(module, "fuse_projections"):
+                    module.fuse_projections(quantization, dtype)
+            if dtype is not None and block is not self:
+                block.to(dtype)  # what no fuse_projections took (its matmuls are released)
         head = linear_weight(self.lm_head)
-        self.frozen_head = FrozenLinear(head, quantization=quantization)
-        if self.lm_head.weight is not self.model.embed_tokens.weight:
+        self.frozen_head = FrozenLinear(head, quantization=quantization, dtype=dtype)
+        tied = self.lm_head.weight is self.model.embed_tokens.weight
+        if not tied:
             release_weights(self.lm_head)
+        if dtype is not None:
+            self.to(dtype)
+            if tied:  # BLAS's copy of the head, where it has one, is the widened embedding
+                self.frozen_head.share(self.model.embed_tokens.weight)
         self.quantization = quantization
         return self
 
@@ -193,3 +214,12 @@ class CausalLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def _widen_all_but_matmuls(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """Each module's own parameters in ``dtype``, ``nn.Linear``'s excepted (``FrozenLinear``
+    takes those as they are)."""
+    for module in modules:
+        if not isinstance(module, nn.Linear):
+            for param in module.parameters(recurse=False):
+                param.data = param.data.to(dtype)

@@ -140,8 +140,17 @@ class FrozenLinear:
         bias: torch.Tensor | None = None,
         activation: str = "none",
         quantization: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        self.bias = None if bias is None else bias.detach()
+        """dtype: the compute dtype where the weight (and bias) are bf16 and it is fp32 -- a
+        bf16 checkpoint fused before it is widened (``CausalLM.fuse_projections``): the
+        panels take the weight as it is (the values ``_narrowed`` finds in the widened one),
+        what BLAS reads is widened."""
+        self._source_bias = None if bias is None else bias.detach()  # what ``rows`` packs
+        widen = dtype if dtype is not None and dtype != _float_dtype(weight, dtype) else None
+        self.bias = self._source_bias
+        if widen is not None and bias is not None:
+            self.bias = self._source_bias.to(widen)
         self.activation = activation
         self.quantized: QuantizedWeight | None = None
         if isinstance(weight, QuantizedWeight):  # a pre-quantized checkpoint's, as it is
@@ -152,7 +161,7 @@ class FrozenLinear:
             weight = weight.detach()
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            if weight is not None and can_pack(weight)
+            if weight is not None and widen is None and can_pack(weight)
             else None
         )
         self.weight = None if self.packed is not None else weight
@@ -191,6 +200,16 @@ class FrozenLinear:
         ):
             # Not packed (fp32 compute): the panels serve every call, large steps too
             self.weight = self._source = None
+        if widen is not None and self.weight is not None:
+            self.weight = self._source = self.weight.to(widen)  # for BLAS (and ``rows``)
+            self._source_bias = self.bias
+
+    def share(self, weight: torch.Tensor) -> None:
+        """Read ``weight`` -- the same values, held anyway (a head tied to the embedding it
+        was fused before: ``CausalLM.fuse_projections``) -- in place of BLAS's own copy."""
+        if self.weight is not None:
+            assert weight.shape == self.weight.shape and weight.dtype == self.weight.dtype
+            self.weight = self._source = weight.detach()
 
     @property
     def rounds_once(self) -> bool:
@@ -258,7 +277,7 @@ class FrozenLinear:
         """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
         value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same
         numbers in half the bytes, and a small step is a pass over its weights."""
-        weight, bias = self._source, self.bias
+        weight, bias = self._source, self._source_bias
         if weight.dtype != torch.float32:
             return weight, bias
         narrow = weight.to(torch.bfloat16)
@@ -352,6 +371,11 @@ class FrozenLinear:
             return self._panels(x, Epilogue.MUL if op == "mul" else Epilogue.ADD, other)
         y = self._blas(x)
         return y * other if op == "mul" else y + other
+
+
+def _float_dtype(weight: torch.Tensor | QuantizedWeight, default: torch.dtype) -> torch.dtype:
+    """A float weight's dtype (``default`` for a quantized one: nothing of it is widened)."""
+    return default if isinstance(weight, QuantizedWeight) else weight.dtype
 
 
 ACT_FNS = {

@@ -140,14 +140,17 @@ class GatedMLP(nn.Module):
         self._up: FrozenLinear | None = None
         self._down: FrozenLinear | None = None
 
-    def fuse_projections(self, quantization: str | None = None) -> None:
+    def fuse_projections(
+        self, quantization: str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """Inference: gate with its activation inside the matmul, up times it inside its
         own, down (plus the residual) likewise: every matmul a ``FrozenLinear`` (quantized:
-        see ``baton.model.quantize``)."""
+        see ``baton.model.quantize``; ``dtype``: ``FrozenLinear``'s)."""
         gate, up, down = self.gate_proj, self.up_proj, self.down_proj
-        self._gate = FrozenLinear(linear_weight(gate), gate.bias, self.act_name, quantization)
-        self._up = FrozenLinear(linear_weight(up), up.bias, quantization=quantization)
-        self._down = FrozenLinear(linear_weight(down), down.bias, quantization=quantization)
+        act = self.act_name
+        self._gate = FrozenLinear(linear_weight(gate), gate.bias, act, quantization, dtype)
+        self._up = FrozenLinear(linear_weight(up), up.bias, "none", quantization, dtype)
+        self._down = FrozenLinear(linear_weight(down), down.bias, "none", quantization, dtype)
         release_weights(gate, up, down)
 
     @property

@@ -169,13 +169,16 @@ class GatedDeltaNet(nn.Module):
         self._core: tuple[torch.Tensor, ...] | None = None
         """The native core's parameters in fp32 (``fuse_projections``), or None before."""
 
-    def fuse_projections(self, quantization: str | None = None) -> None:
+    def fuse_projections(
+        self, quantization: str | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """Inference: q|k|v, z, b and a as one matmul, out_proj (plus the residual) as
-        another, both ``FrozenLinear``s."""
+        another, both ``FrozenLinear``s (``dtype``: theirs)."""
         projections = (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         weight = concat_rows([linear_weight(p) for p in projections])
-        self._in = FrozenLinear(weight, quantization=quantization)
-        self._out = FrozenLinear(linear_weight(self.out_proj), quantization=quantization)
+        self._in = FrozenLinear(weight, quantization=quantization, dtype=dtype)
+        out = linear_weight(self.out_proj)
+        self._out = FrozenLinear(out, quantization=quantization, dtype=dtype)
         release_weights(*projections, self.out_proj)
         self._core = self._core_params()
 

@@ -170,16 +170,48 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, path: Path, key: str) -> No
         param.copy_(tensor)
 
 
-def load_model(model_dir: str | os.PathLike, dtype: str | torch.dtype | None = None) -> CausalLM:
-    """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's).
-    A pre-quantized checkpoint's projections carry their integer weights (``quantized``; the
-    float weights hold their values) and ``checkpoint_quantization`` says ``int8`` /
-    ``int4``."""
+def load_fused_model(
+    model_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    quantization: str | None = None,
+) -> CausalLM:
+    """``load_model(model_dir, dtype).fuse_projections(quantization)`` -- the same model --
+    without ever holding it whole in a dtype wider than the checkpoint's: a bf16 (or fp16)
+    checkpoint computed in fp32 is loaded as it is and each layer widened just before it is
+    fused (``CausalLM.fuse_projections``' ``dtype``), where the plain order held every
+    weight in fp32 first (Qwen3-1.7B: ~6.9 GB of fp32 parameters for a 3.4 GB checkpoint,
+    which fusing then turned into 2.4 GB of panels). A quantized model is quantized from
+    the layer so widened too."""
+    checkpoint = DTYPES[spec_from_config(read_json(Path(model_dir) / "config.json")).dtype]
+    torch_dtype = resolve_dtype(dtype, str(checkpoint).removeprefix("torch."))
+    model = load_model(model_dir, torch_dtype, narrow=True)
+    widen = torch_dtype if _is_narrower(checkpoint, torch_dtype) else None
+    return model.fuse_projections(quantization, dtype=widen)
+
+
+def _is_narrower(checkpoint: torch.dtype, compute: torch.dtype) -> bool:
+    """Loaded narrow: a bf16 checkpoint computed in fp32 (``FrozenLinear`` packs bf16
+    weights as they are; fp16 ones it would widen anyway)."""
+    return checkpoint == torch.bfloat16 and compute == torch.float32
+
+
+def load_model(
+    model_dir: str | os.PathLike,
+    dtype: str | torch.dtype | None = None,
+    narrow: bool = False,
+) -> CausalLM:
+    """Build and fill the target model of ``model_dir`` in ``dtype`` (default: checkpoint's);
+    with ``narrow``, in the checkpoint's dtype where that is the narrower one (the caller
+    widens it: ``load_fused_model``). A pre-quantized checkpoint's projections carry their
+    integer weights (``quantized``; the float weights hold their values) and
+    ``checkpoint_quantization`` says ``int8`` / ``int4``."""
     model_dir = Path(model_dir)
     config = read_json(model_dir / "config.json")
     quantization = check_config(config, str(model_dir))
     spec = spec_from_config(config)
     torch_dtype = resolve_dtype(dtype, spec.dtype)
+    if narrow and _is_narrower(DTYPES[spec.dtype], torch_dtype):
+        torch_dtype = DTYPES[spec.dtype]
     with torch.device("meta"):
         model = CausalLM(spec)
     model = model.to_empty(device="cpu").to(torch_dtype)
