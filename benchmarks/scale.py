@@ -98,9 +98,12 @@ def matmul_flops(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n**3 / min(seconds)
 
 
-def engine_for(model_dir: Path, dtype: str, threads: int, max_seqs: int) -> LLMEngine:
+def engine_for(
+    model_dir: Path, dtype: str, threads: int, max_seqs: int, weight_copies: int | None = None
+) -> LLMEngine:
     config = EngineConfig.from_kwargs(
         dtype=dtype,
+        weight_copies=weight_copies,
         num_threads=threads,
         speculative=False,
         enable_prefix_caching=False,

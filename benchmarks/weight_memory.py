@@ -12,7 +12,10 @@ file-backed parts: the checkpoint's mapped pages are the latter), a 512-token pr
   oneDNN does not pack (fp32 compute) is held in the panels alone and every matmul, a prompt
   chunk's too, runs linear.c;
 * ``blas``: that switch off -- the weight kept for ``F.linear`` (MKL's sgemm) beside the
-  panels, prompt chunks through BLAS.
+  panels, prompt chunks through BLAS;
+* ``once``: ``panels`` with ``weight_copies=1`` -- where oneDNN computes bf16, a weight is
+  held in the panels alone instead of beside oneDNN's packed copy (``--modes panels,once``
+  compares the two; ``panels`` then holds two copies).
 
 The modes differ only where oneDNN does not pack (``--dtype float32``, or a CPU without native
 bf16: ``BATON_CPU_ISA=avx2`` with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
@@ -43,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_facts, resolve_dtype_arg  # noqa: E402
 
 BUNDLED = REPO / "models" / "baton-stdlib-qwen3"
-MODES = ("panels", "blas")
+MODES = ("panels", "blas", "once")
 
 
 def model_dir(name: str) -> Path:
@@ -68,7 +71,7 @@ def child(name: str, dtype: str, mode: str, threads: int, prompt: int) -> dict:
 
     from baton.model import frozen_linear
 
-    frozen_linear.PANELS_FOR_EVERY_STEP = mode == "panels"
+    frozen_linear.PANELS_FOR_EVERY_STEP = mode != "blas"
     directory = model_dir(name)
     peaks = {"RssAnon": 0, "RssFile": 0}
     loading = threading.Event()
@@ -81,7 +84,8 @@ def child(name: str, dtype: str, mode: str, threads: int, prompt: int) -> dict:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    engine = scale.engine_for(directory, dtype, threads, max_seqs=8)
+    copies = 1 if mode == "once" else 2
+    engine = scale.engine_for(directory, dtype, threads, max_seqs=8, weight_copies=copies)
     load_s = time.perf_counter() - start
     loading.set()
     sampler.join()
@@ -124,6 +128,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--modes", default="panels,blas", help="the two modes compared (see above)")
     p.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/weight_memory.json")
     args = p.parse_args()
@@ -133,22 +138,30 @@ def main() -> int:
         return 0
     dtype = resolve_dtype_arg(args.dtype)
     result = {"machine": machine_facts(dtype, threads=args.threads), "models": {}}
+    first_mode, second_mode = modes = tuple(args.modes.split(","))
+    if len(modes) != 2 or not set(modes) <= set(MODES):
+        p.error(f"--modes: two of {', '.join(MODES)}, got {args.modes!r}")
     for name in args.models.split(","):
         rounds = []
         for i in range(args.rounds):
-            order = MODES if i % 2 == 0 else MODES[::-1]
+            order = modes if i % 2 == 0 else modes[::-1]
             rounds.append({mode: run_child(args, name, mode) for mode in order})
             print(f"{name} round {i + 1}: {json.dumps(rounds[-1])}", flush=True)
         keys = ("prefill_tok_s", "decode_b1_tok_s", "decode_b8_tok_s")
-        ratios = {k: statistics.median(r["panels"][k] / r["blas"][k] for r in rounds) for k in keys}
-        result["models"][name] = {"rounds": rounds, "panels_over_blas": ratios}
+        ratios = {
+            k: statistics.median(r[first_mode][k] / r[second_mode][k] for r in rounds) for k in keys
+        }
+        result["models"][name] = {"rounds": rounds, f"{first_mode}_over_{second_mode}": ratios}
         first = rounds[0]
+        memory = ", ".join(
+            f"{mode} {first[mode]['rss_gb']:.2f} GB (peak {first[mode]['load_peak_gb']:.2f}, "
+            f"anonymous {first[mode]['load_anon_peak_gb']:.2f}; load {first[mode]['load_s']:.1f} s)"
+            for mode in modes
+        )
         print(
-            f"{name} ({first['panels']['dtype']}, checkpoint "
-            f"{first['panels']['checkpoint_gb']:.2f} GB): RSS after load panels "
-            f"{first['panels']['rss_gb']:.2f} GB (peak {first['panels']['load_peak_gb']:.2f}), "
-            f"blas {first['blas']['rss_gb']:.2f} GB (peak {first['blas']['load_peak_gb']:.2f}); "
-            "panels / blas, medians of rounds: "
+            f"{name} ({first[first_mode]['dtype']}, checkpoint "
+            f"{first[first_mode]['checkpoint_gb']:.2f} GB): RSS after load {memory}; "
+            f"{first_mode} / {second_mode}, medians of rounds: "
             + ", ".join(f"{k} {v:.2f}x" for k, v in ratios.items()),
             flush=True,
         )

@@ -37,6 +37,7 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        weight_copies=args.weight_copies,
         kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads,
         speculative=None if args.speculative else False,

@@ -51,6 +51,15 @@ def _add_dtype_arg(p: argparse.ArgumentParser) -> None:
         "default: the checkpoint's weights",
     )
     p.add_argument(
+        "--weight-copies",
+        type=int,
+        default=None,
+        choices=(1, 2),
+        help="where the CPU computes bf16 natively: 2 holds each large weight twice (oneDNN's "
+        "copy for prompt steps, baton's panels for decode), 1 once (half the memory, prompt "
+        "steps ~10%% slower); default: 2 where both fit in half the memory available",
+    )
+    p.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=KV_CACHE_DTYPES,

@@ -32,6 +32,8 @@ def engine_options(args: argparse.Namespace) -> dict:
     options = {"dtype": args.dtype, "num_threads": args.threads}
     if args.quantization:
         options["quantization"] = args.quantization
+    if args.weight_copies is not None:
+        options["weight_copies"] = args.weight_copies
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
     if args.small_step_threads:

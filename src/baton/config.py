@@ -234,6 +234,11 @@ class EngineConfig:
     """Quantized weights for every matmul (``QUANTIZATIONS``: ``int8``, symmetric per output
     channel; ``int4``, symmetric per group of 32 inputs; quantized at load time, small steps
     W8A8 / W4A8: ``baton.model.quantize``); None computes with the checkpoint's weights."""
+    weight_copies: int | None = None
+    """Where oneDNN computes bf16 (a CPU with native bf16), how many copies of each large
+    weight are held: 2, oneDNN's packed one for prompt steps and linear.c's panels for small
+    steps; 1, the panels alone (half the memory; prompt steps ~0.9x); None: 2 where both fit
+    in half the memory available at start, else 1 (``loader.load_fused_model``)."""
     quantize_draft: bool = True
     """With ``quantization``: the MTP draft's own matmuls (its projection and layer) are
     quantized too; False keeps them as loaded (the head is the target's, quantized)."""
@@ -263,6 +268,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"
+            )
+        if self.weight_copies not in (None, 1, 2):
+            raise ValueError(
+                f"weight_copies must be 1, 2 or None (auto), got {self.weight_copies!r}"
             )
         if self.keep_warm_s < 0:
             raise ValueError(f"keep_warm_s must be >= 0 seconds, got {self.keep_warm_s}")

@@ -357,6 +357,7 @@ def _serve_args(model: str, options: dict, served_model_name: str | None) -> lis
     flags = {
         "dtype": "--dtype",
         "quantization": "--quantization",
+        "weight_copies": "--weight-copies",
         "kv_cache_dtype": "--kv-cache-dtype",
         "num_threads": "--threads",
         "max_model_len": "--max-model-len",

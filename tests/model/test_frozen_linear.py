@@ -153,3 +153,32 @@ def test_invariant_rows_do_not_depend_on_the_number_of_rows(dtype, n):
             part = (plain(x[a:b]), act(x[a:b]), plain.add(x[a:b], other[a:b]))
             for got, want in zip(part, whole, strict=True):
                 assert torch.equal(got, want[a:b]), (a, b)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 37, 300])
+@pytest.mark.parametrize("has_bias", [False, True])
+def test_a_bf16_weight_held_once_is_in_the_panels_alone(rows, has_bias, monkeypatch):
+    """``weights_held_once``: a weight oneDNN would pack lives in linear.c's panels alone and
+    every call, a prompt step's too, runs them -- F.linear's values (bf16 rounding apart),
+    no packed copy, no float weight."""
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)  # any CPU
+    monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", 96 * 64)
+    with frozen_linear.weights_held_once():
+        frozen = _check(torch.bfloat16, rows, has_bias)
+    if frozen.rows() is None:
+        pytest.skip("native layers off: nothing but oneDNN's copy can hold it")
+    assert frozen.packed is None and frozen.weight is None and frozen.panels_only
+    assert not frozen.rounds_once  # rounded, then each epilogue op: small and large alike
+
+
+def test_weights_held_once_spares_small_weights_and_ends(monkeypatch):
+    monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
+    big = torch.randn(96, 64).to(torch.bfloat16)
+    monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", big.numel() + 1)
+    with frozen_linear.weights_held_once():  # below PANELS_ONLY_MIN_WEIGHT: packed as ever
+        assert FrozenLinear(big).packed is not None
+    monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", big.numel())
+    with frozen_linear.weights_held_once(False):
+        assert FrozenLinear(big).packed is not None
+    assert FrozenLinear(big).packed is not None  # the context is over

@@ -121,6 +121,6 @@ def test_an_engine_loaded_narrow_serves_what_one_widened_first_does(
     monkeypatch.setattr(
         engine_module,
         "load_fused_model",
-        lambda d, dtype, q: load_model(d, dtype).fuse_projections(q),
+        lambda d, dtype, q, copies: load_model(d, dtype).fuse_projections(q),
     )
     assert narrow == run()

@@ -41,6 +41,7 @@ from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache, StateGroup
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry, check_declared
+from baton.model.frozen_linear import weights_held_once
 from baton.model.loader import load_draft, load_fused_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus, SamplingParams
 from baton.sampling.grammar import GrammarCompiler
@@ -94,7 +95,9 @@ class LLMEngine:
         # engine did not reuse; 1.3 GB of a Qwen3-1.7B's 6.2 GB loaded in fp32. (A finalizer
         # cannot do the first: it runs before the dropped engine's members are freed.)
         platform.release_free_memory()
-        self.model = load_fused_model(model_dir, config.dtype, config.quantization)
+        self.model = load_fused_model(
+            model_dir, config.dtype, config.quantization, config.weight_copies
+        )
         spec = self.model.spec
         # A directory without tokenizer.json serves token ids only (text stays empty).
         has_tokenizer = (Path(model_dir) / "tokenizer.json").is_file()
@@ -115,6 +118,7 @@ class LLMEngine:
         self.platform_line = (
             f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
             + (f"; weights {self.model.quantization}" if self.model.quantization else "")
+            + ("; weights held once" if self.model.weights_held_once else "")
             + (
                 f"; kv cache {self.kv_cache_dtype}{kv_auto}"
                 if self.kv_cache_dtype != "auto"
@@ -177,7 +181,8 @@ class LLMEngine:
         use_draft = config.speculative is not False and config.speculative_method == "mtp"
         draft = load_draft(self.model_dir, self.model) if use_draft else None
         if draft is not None:
-            draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
+            with weights_held_once(self.model.weights_held_once):
+                draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
         if config.speculative and use_draft and draft is None:
             raise ValueError(
                 f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json); "

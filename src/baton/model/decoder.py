@@ -130,6 +130,9 @@ class CausalLM(nn.Module):
         """The head as a ``FrozenLinear`` (``fuse_projections``), or None before."""
         self.quantization: str | None = None
         """The matmuls' quantization (``fuse_projections``), or None: as loaded."""
+        self.weights_held_once = False
+        """Set by ``loader.load_fused_model``: bf16 weights held in linear.c's panels alone
+        (``frozen_linear.weights_held_once``)."""
         self.checkpoint_quantization: str | None = None
         """Set by the loader of a pre-quantized checkpoint (its projections carry
         ``quantized`` weights): the quantization the model computes with."""

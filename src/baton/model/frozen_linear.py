@@ -49,6 +49,23 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+_held_once: ContextVar[bool] = ContextVar("held_once", default=False)
+
+
+@contextmanager
+def weights_held_once(active: bool = True) -> Iterator[None]:
+    """While active (``loader.load_fused_model`` with one weight copy), a bf16 weight
+    oneDNN would pack (``can_pack``) of at least ``PANELS_ONLY_MIN_WEIGHT`` values is held
+    in linear.c's panels alone, as fp32 compute holds them (``PANELS_FOR_EVERY_STEP``):
+    prompt steps run linear.c too (0.86-0.92x oneDNN's packed matmul at 512 rows on a Zen
+    4), and the model's matmuls take half the memory."""
+    token = _held_once.set(active)
+    try:
+        yield
+    finally:
+        _held_once.reset(token)
+
+
 ROW_BLOCK = 16
 """Inside ``step_invariant_rows``, every matmul runs a multiple of this many rows."""
 
@@ -159,9 +176,10 @@ class FrozenLinear:
             self.quantized, weight = QUANTIZERS[quantization](weight), None
         else:
             weight = weight.detach()
+        once = weight is not None and _held_once.get() and self._panels_can_hold(weight)
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            if weight is not None and widen is None and can_pack(weight)
+            if weight is not None and widen is None and not once and can_pack(weight)
             else None
         )
         self.weight = None if self.packed is not None else weight
@@ -192,17 +210,22 @@ class FrozenLinear:
             # of the weight (``effective_weight``): the float weight itself is no longer
             # read -- two copies where there were three (the module releases its own).
             self._source = None
-        elif (
-            PANELS_FOR_EVERY_STEP
-            and weight.numel() >= PANELS_ONLY_MIN_WEIGHT
-            and library() is not None
-            and self.rows() is not None
-        ):
+        elif self._panels_can_hold(weight) and self.rows() is not None:
             # Not packed (fp32 compute): the panels serve every call, large steps too
             self.weight = self._source = None
         if widen is not None and self.weight is not None:
             self.weight = self._source = self.weight.to(widen)  # for BLAS (and ``rows``)
             self._source_bias = self.bias
+
+    @staticmethod
+    def _panels_can_hold(weight: torch.Tensor) -> bool:
+        """A float weight linear.c's panels would hold alone where oneDNN does not pack it."""
+        return (
+            PANELS_FOR_EVERY_STEP
+            and weight.numel() >= PANELS_ONLY_MIN_WEIGHT
+            and native_layers_enabled()
+            and library() is not None
+        )
 
     def share(self, weight: torch.Tensor) -> None:
         """Read ``weight`` -- the same values, held anyway (a head tied to the embedding it

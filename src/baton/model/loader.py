@@ -28,6 +28,7 @@ from torch import nn
 from baton import platform
 from baton.model.decoder import CausalLM
 from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
+from baton.model.frozen_linear import weights_held_once
 from baton.model.prequantized import QuantizedTensors, check_config
 from baton.model.registry import spec_from_config
 from baton.model.spec import ModelSpec
@@ -170,10 +171,16 @@ def _copy(param: nn.Parameter, tensor: torch.Tensor, path: Path, key: str) -> No
         param.copy_(tensor)
 
 
+SECOND_COPY_SHARE = 0.5
+"""``weight_copies`` None (auto) holds a bf16 model's weights twice where both copies take
+at most this share of the memory available before loading."""
+
+
 def load_fused_model(
     model_dir: str | os.PathLike,
     dtype: str | torch.dtype | None = None,
     quantization: str | None = None,
+    weight_copies: int | None = None,
 ) -> CausalLM:
     """``load_model(model_dir, dtype).fuse_projections(quantization)`` -- the same model --
     without ever holding it whole in a dtype wider than the checkpoint's: a bf16 (or fp16)
@@ -181,12 +188,34 @@ def load_fused_model(
     fused (``CausalLM.fuse_projections``' ``dtype``), where the plain order held every
     weight in fp32 first (Qwen3-1.7B: ~6.9 GB of fp32 parameters for a 3.4 GB checkpoint,
     which fusing then turned into 2.4 GB of panels). A quantized model is quantized from
-    the layer so widened too."""
-    checkpoint = DTYPES[spec_from_config(read_json(Path(model_dir) / "config.json")).dtype]
+    the layer so widened too.
+
+    weight_copies: where oneDNN computes bf16 (``frozen_linear.can_pack``), a large weight
+    is held twice -- oneDNN's packed copy for prompt steps, linear.c's panels for small
+    ones -- or, with 1, in the panels alone (``frozen_linear.weights_held_once``: prompt
+    steps ~0.9x); None decides by memory (``SECOND_COPY_SHARE``). The model's
+    ``weights_held_once`` says which was done where it matters."""
+    model_dir = Path(model_dir)
+    checkpoint = DTYPES[spec_from_config(read_json(model_dir / "config.json")).dtype]
     torch_dtype = resolve_dtype(dtype, str(checkpoint).removeprefix("torch."))
+    if weight_copies is None:
+        weight_copies = _weight_copies_that_fit(model_dir)
     model = load_model(model_dir, torch_dtype, narrow=True)
     widen = torch_dtype if _is_narrower(checkpoint, torch_dtype) else None
-    return model.fuse_projections(quantization, dtype=widen)
+    packs = torch_dtype == torch.bfloat16 and platform.current().native_bf16
+    once = packs and weight_copies == 1 and not (model.checkpoint_quantization or quantization)
+    with weights_held_once(once):
+        model.fuse_projections(quantization, dtype=widen)
+    model.weights_held_once = once
+    return model
+
+
+def _weight_copies_that_fit(model_dir: Path) -> int:
+    """2 where two copies of the checkpoint's weights take at most ``SECOND_COPY_SHARE`` of
+    the memory available now (or it is unknown), else 1."""
+    available = platform.available_memory_bytes()
+    weights = sum(path.stat().st_size for path in _weight_files(model_dir))
+    return 1 if available is not None and 2 * weights > SECOND_COPY_SHARE * available else 2
 
 
 def _is_narrower(checkpoint: torch.dtype, compute: torch.dtype) -> bool:
