@@ -35,7 +35,7 @@ from prefix_cache import BUNDLED, workload  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.engine.keep_warm import KeepWarm  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 
 
 def idle(gap_s: float, warm: KeepWarm) -> float:

@@ -49,7 +49,7 @@ from quantization import held_out_ids  # noqa: E402
 from baton.engine.llm import LLM  # noqa: E402
 from baton.memory.state import PushPhase  # noqa: E402
 from baton.model.paged_attention import PagedAttention, Segment  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
 
 FULL = dict(

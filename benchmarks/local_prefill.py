@@ -39,7 +39,7 @@ from common import machine_facts  # noqa: E402
 from baton import platform  # noqa: E402
 from baton.config import EngineConfig, LocalPrefill  # noqa: E402
 from baton.corpus import held_out_texts  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
 from baton.transfer.decode import DecodeEngine  # noqa: E402
 

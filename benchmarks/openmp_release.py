@@ -31,7 +31,7 @@ from common import machine_facts, resolve_dtype_arg  # noqa: E402
 from offline import new_llm, token_stream  # noqa: E402
 
 from baton.engine.llm import LLM  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = REPO / "models" / "baton-stdlib-qwen3"
 NUM_PROMPTS, PROMPT_TOKENS, FIRST_STEPS = 8, 128, 7

@@ -44,7 +44,7 @@ from baton.config import EngineConfig  # noqa: E402
 from baton.corpus import held_out_texts  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
 from baton.engine.keep_warm import KeepWarm  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
 
 BUNDLED = REPO / "models" / "baton-stdlib-qwen3"

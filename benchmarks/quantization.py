@@ -49,7 +49,7 @@ from common import machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa:
 from baton.corpus import held_out_texts  # noqa: E402
 from baton.engine.llm import LLM  # noqa: E402
 from baton.model.reference import forward_step, new_cache  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 from baton.tokenizer import Tokenizer  # noqa: E402
 
 FULL = dict(

@@ -47,7 +47,7 @@ from common import machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa:
 from baton.config import EngineConfig  # noqa: E402
 from baton.cores import read_topology  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 
 SHAPES = {
     "qwen3-0.6b": ("qwen3", dict(vocab=151936, hidden=1024, intermediate=3072, layers=28,

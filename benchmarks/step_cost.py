@@ -62,7 +62,7 @@ from common import (  # noqa: E402
 from baton import platform  # noqa: E402
 from baton.config import EngineConfig  # noqa: E402
 from baton.engine.engine import LLMEngine  # noqa: E402
-from baton.request import SamplingParams  # noqa: E402
+from baton.sampling_params import SamplingParams  # noqa: E402
 
 BUNDLED = REPO / "models" / "baton-stdlib-qwen3"
 TWIN_SHAPE = {**BUNDLED_SHAPE, "hidden": 64, "intermediate": 192}

@@ -25,9 +25,9 @@ from baton import platform
 from baton.config import EngineConfig
 from baton.engine import grammar_greedy as grammar_greedy_module
 from baton.engine.engine import LLMEngine
-from baton.request import SamplingParams
 from baton.sampling import grammar as grammar_module
 from baton.sampling import sampler as sampler_module
+from baton.sampling_params import SamplingParams
 from baton.speculative import proposer as proposer_module
 
 SCHEMA = {

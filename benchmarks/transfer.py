@@ -375,7 +375,7 @@ def shm_raw_gbps(src: torch.Tensor, repeats: int) -> float:
 def ttft(directory: Path, length: int) -> dict:
     """Time to first token of one request, colocated vs PD in one process over shm (PD:
     reserve -> prefill computes -> push -> decode admits; the two sides take turns)."""
-    from baton.request import SamplingParams
+    from baton.sampling_params import SamplingParams
     from baton.transfer.protocol import request_id_of
     from baton.transfer.receiver import Receiver
     from baton.transfer.sender import Sender

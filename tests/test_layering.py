@@ -7,7 +7,7 @@ at module level or inside a function, ``if TYPE_CHECKING:`` blocks included (a t
 import is still a dependency of the reader). The layers, lowest first; a unit may import
 its own layer and the ones below it, never one above::
 
-    config, cores, request, platform, tokenizer, detokenizer    (base)
+    config, cores, sampling_params, request, platform, tokenizer, detokenizer    (base)
     kernels
     memory
     model
@@ -38,7 +38,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "baton"
 
 LAYERS: list[set[str]] = [
-    {"config", "cores", "request", "platform", "tokenizer", "detokenizer"},
+    {"config", "cores", "sampling_params", "request", "platform", "tokenizer", "detokenizer"},
     {"kernels"},
     {"memory"},
     {"model"},

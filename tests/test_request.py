@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.request import FinishReason, Request, RequestStatus
+from baton.sampling_params import SamplingParams
 
 
 def test_defaults_match_vllm():

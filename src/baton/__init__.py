@@ -1,6 +1,6 @@
 """baton: an LLM serving engine with prefill/decode disaggregation."""
 
-from baton.request import SamplingParams, StructuredOutputsParams
+from baton.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 

@@ -67,7 +67,8 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _router(args: argparse.Namespace) -> int:
     from baton.config import read_secret_env
-    from baton.router.router import Router, build_router_app
+    from baton.router.app import build_router_app
+    from baton.router.router import Router
     from baton.server.http import configure_logging
     from baton.server.http import server as http_server
 

@@ -253,7 +253,7 @@ class EngineConfig:
     draft model, for the models without an MTP head)."""
     num_speculative_tokens: int | None = None
     """Draft tokens proposed (and verified) per decode step; None: by the compute dtype
-    (``LLMEngine``'s ``DRAFT_TOKENS``: 4 in bf16, 3 in fp32)."""
+    (``engine.model_state.DRAFT_TOKENS``: 4 in bf16, 3 in fp32)."""
     debug_prefix_cache_skip_draft: bool = False
     """Debug switch: a prefix-cache hit restores the target's pages only; the draft's state
     starts empty at the hit (what a forgotten draft state costs in acceptance)."""

@@ -20,7 +20,8 @@ from baton.memory.state import (
 )
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
-from baton.request import FinishReason, RequestStatus, SamplingParams
+from baton.request import FinishReason, RequestStatus
+from baton.sampling_params import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.checksums import component_checksums
 from baton.transfer.sender import Sender

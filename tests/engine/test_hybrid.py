@@ -18,7 +18,7 @@ from baton.kernels import library
 from baton.memory.state import ComponentKind
 from baton.model import load_model
 from baton.model.reference import greedy_generate
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from tests.hf_tiny import VOCAB
 
 ARCH = "qwen3_5"

@@ -16,7 +16,7 @@ from baton.config import EngineConfig
 from baton.engine import keep_warm
 from baton.engine.engine import LLMEngine
 from baton.engine.keep_warm import PERIOD_S, KeepWarm
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.server.async_engine import AsyncEngine
 
 

@@ -24,7 +24,7 @@ from baton.kernels import library, linear
 from baton.memory import PagedPool, RingPool, StateRegistry, kv_format
 from baton.model.loader import resolve_dtype
 from baton.model.paged_attention import PagedAttention, Segment
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from tests.conftest import BUNDLED
 from tests.engine.test_native_attention import _reference, _segments, step_with_history

@@ -18,7 +18,7 @@ import torch
 from baton.engine.handoff import Handoff
 from baton.engine.llm import LLM
 from baton.kernels import openmp
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 LINUX = os.path.isdir("/proc/self/task")
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from baton.request import SamplingParams
 from baton.sampling.sampler import Sampler, SamplingState
+from baton.sampling_params import SamplingParams
 
 VOCAB = 64
 EOS = 1

@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
-from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
 from baton.sampling.grammar import GrammarCompiler, apply_masks, compute_masks
 from baton.sampling.sampler import Sampler
 from baton.sampling.sampling_state import SamplingState
+from baton.sampling_params import InvalidRequest, SamplingParams, StructuredOutputsParams
 from baton.speculative.verify import verify_chain
 
 MODEL = "baton-stdlib-qwen3"

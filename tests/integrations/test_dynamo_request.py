@@ -11,7 +11,7 @@ import pytest
 from baton import LLM, SamplingParams
 from baton.engine.core import PDRoute
 from baton.integrations.dynamo import request as dr
-from baton.request import InvalidRequest, StructuredOutputsParams
+from baton.sampling_params import InvalidRequest, StructuredOutputsParams
 
 PROMPT = [5, 6, 7, 8, 9]
 

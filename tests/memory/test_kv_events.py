@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 
 from baton.memory.prefix_cache import CacheEvent
 from baton.memory.state import Caching
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.server.kv_events import KVEventPublisher, block_hash
 from tests.memory.test_prefix_cache import (  # noqa: F401
     PAGE,

@@ -15,7 +15,7 @@ from baton.kernels import library
 from baton.memory.state import ComponentKind, PushPhase
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 VOCAB = 256
 PAGE = 8

@@ -23,7 +23,7 @@ from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.chain import NativeChain
 from baton.kernels.linear import MAX_ROWS, Epilogue, PackedRows, linear_rows
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from tests.conftest import BUNDLED
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"

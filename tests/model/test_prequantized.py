@@ -295,7 +295,7 @@ def test_prompt_logits_match_transformers_decompressed_model(name, checkpoint, d
 @pytest.mark.parametrize("name", ["w8a8", "w4a16", "w4a8"])
 def test_the_engine_serves_a_prequantized_checkpoint(name, checkpoint):
     from baton.engine.llm import LLM
-    from baton.request import SamplingParams
+    from baton.sampling_params import SamplingParams
 
     llm = LLM(checkpoint(name), dtype="float32")
     engine = llm.engine

@@ -32,7 +32,7 @@ from baton.model.quantize import (
     quantize_int4,
     quantize_int8,
 )
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from tests.conftest import BUNDLED
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from baton.engine.stats import EngineStats
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.server.async_engine import AsyncEngine, EngineFailed
 
 pytestmark = pytest.mark.integration

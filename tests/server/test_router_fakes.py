@@ -21,7 +21,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from baton.engine.outputs import HandoffReason
-from baton.router.router import Router, build_router_app
+from baton.router.app import build_router_app
+from baton.router.router import Router
 from baton.server.route_headers import HANDOFF_HEADER, LOCAL_PREFILL_HEADER, PREFILL_HEADER
 
 pytestmark = pytest.mark.integration

@@ -13,8 +13,8 @@ import llguidance
 import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 
-from baton.request import StructuredOutputsParams
 from baton.sampling.grammar import GrammarCompiler
+from baton.sampling_params import StructuredOutputsParams
 from baton.server.protocol import ApiError, ChatCompletionRequest
 from baton.server.tools import tool_use
 from baton.tokenizer import Tokenizer

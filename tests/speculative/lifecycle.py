@@ -10,7 +10,7 @@ from __future__ import annotations
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 MAX_STEPS = 2000
 """More steps than any test stream needs: an engine still busy after them is stuck."""

@@ -21,7 +21,7 @@ from baton.engine.engine import LLMEngine
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.chain import NativeChain
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from tests.conftest import BUNDLED
 
 OFF = "native kernels are off (no compiler, a failed build or BATON_NATIVE_KERNELS=0)"
@@ -152,7 +152,7 @@ def test_generation_with_the_chain_equals_without(onednn, monkeypatch):
 
 def test_draft_tokens_follow_the_compute_dtype_unless_set():
     """Unset, ``num_speculative_tokens`` is 4 in bf16 (the chain's steps are cheap there) and
-    3 in fp32 (``engine.DRAFT_TOKENS``); set, it is what was set; no draft, none."""
+    3 in fp32 (``model_state.DRAFT_TOKENS``); set, it is what was set; no draft, none."""
     for dtype, want in (("bfloat16", 4), ("float32", 3)):
         assert (
             LLMEngine(BUNDLED, EngineConfig.from_kwargs(dtype=dtype)).num_speculative_tokens == want

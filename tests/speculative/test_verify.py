@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from baton.request import SamplingParams
 from baton.sampling.sampler import Sampler, SamplingState
+from baton.sampling_params import SamplingParams
 from baton.speculative.verify import greedy_chain, verify_chain
 
 CHI2_999_5DOF = 20.52  # 0.999 quantile, 5 degrees of freedom

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.checksums import component_checksums
 from baton.transfer.protocol import ReserveState, StateDone, request_id_of

@@ -23,7 +23,7 @@ from baton.config import Deadlines, EngineConfig
 from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.channel_client import ControlClient
 from baton.transfer.decode import DecodeEngine
 from baton.transfer.prefill import PrefillServer

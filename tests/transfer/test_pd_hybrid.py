@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from baton.engine.engine import LLMEngine
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from tests.engine.test_hybrid import _config, _prompts, run
 from tests.hf_tiny import VOCAB

@@ -33,7 +33,7 @@ from baton.engine.parallel_sampling import ParallelSampling
 from baton.memory.allocator import SHM_DIR
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.decode import DecodeEngine
 from baton.transfer.handshake import PairingError
 from tests.transfer.conftest import TEST_PREFIX, our_segments, require_backend

@@ -33,7 +33,7 @@ from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffKind
 from baton.model import DraftSpec, MTPDraft, load_model
 from baton.model.loader import save_draft
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.checksums import component_checksums
 from baton.transfer.decode import DecodeEngine

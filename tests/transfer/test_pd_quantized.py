@@ -12,7 +12,7 @@ import pytest
 
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.sender import Sender

@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.memory.state import StateComponent
-from baton.request import SamplingParams, StructuredOutputsParams
 from baton.sampling.sampling_state import GrammarViolation
+from baton.sampling_params import SamplingParams, StructuredOutputsParams
 from baton.transfer.backends.loopback import LoopbackBackend
 from baton.transfer.handshake import PairingError, build_hello, check_pairing
 from baton.transfer.protocol import sampling_params_from_wire, sampling_params_to_wire

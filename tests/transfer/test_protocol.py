@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.transfer.protocol import (
     MAX_ID,
     MESSAGE_TYPES,

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from baton.engine.outputs import HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 from baton.tokenizer import Tokenizer
 
 

@@ -1,19 +1,19 @@
 """LLMEngine: one model, its state pools, a scheduler, a runner -- and each request's life.
 
-The engine owns one model, its ``ModelCache``s (pools registered in a ``StateRegistry``), a
-``Scheduler`` and a ``ModelRunner``, and every request's lifecycle, PD states included
-(the diagram is in docs/architecture.md): only the engine changes a request's status or
-frees its units, in one function (``free_units``). ``add_request`` checks everything about
-a request (its ``intake``, ``engine/intake.py``) before it touches any state, so a bad
-request raises ``ValueError`` and the others keep running. ``step`` runs one scheduled
-batch and returns the requests it advanced; its counters are ``engine/stats.py``. The PD handoff is
+The engine owns one model, its ``ModelCache``s (pools registered in a ``StateRegistry``;
+built with the proposer by ``engine/model_state.py``), a ``Scheduler`` and a
+``ModelRunner``, and every request's lifecycle, PD states included (the diagram is in
+docs/architecture.md): only the engine changes a request's status or frees its units, in
+one function (``free_units``). ``add_request`` checks everything about a request (its
+``intake``, ``engine/intake.py``) before it touches any state, so a bad request raises
+``ValueError`` and the others keep running. ``step`` runs one scheduled batch and returns
+the requests it advanced; its counters are ``engine/stats.py``. The PD handoff is
 ``engine.handoff`` (``engine/handoff.py``), a documented interface composed around the
 engine; nothing outside ``engine/`` touches its internals.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -29,6 +29,7 @@ from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.core import PDRoute
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
+from baton.engine.model_state import build_model_state, platform_line
 from baton.engine.outputs import RequestMetrics, RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
@@ -37,16 +38,15 @@ from baton.engine.tracks import HeldRequest, Track
 from baton.kernels import openmp
 from baton.memory import kv_format
 from baton.memory.allocator import StorageAllocator
-from baton.memory.aux import AuxPool
-from baton.memory.cache import ModelCache, StateGroup
+from baton.memory.cache import StateGroup
 from baton.memory.prefix_cache import PrefixCache
 from baton.memory.state import StateRegistry, check_declared
-from baton.model.frozen_linear import weights_held_once
-from baton.model.loader import load_draft, load_fused_model, resolve_dtype
-from baton.request import FinishReason, Request, RequestStatus, SamplingParams
+from baton.model.loader import load_fused_model, resolve_dtype
+from baton.request import FinishReason, Request, RequestStatus
 from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
 from baton.sampling.sampling_state import SamplingState
+from baton.sampling_params import SamplingParams
 from baton.speculative.ngram import NgramProposer
 from baton.speculative.proposer import DraftProposer
 from baton.tokenizer import Tokenizer
@@ -60,12 +60,6 @@ StateFactory = Callable[[StateRegistry, EngineConfig, StorageAllocator | None], 
 """Builds an extra per-request state component: registers it in the registry (as every
 pool does) and returns its owner. The engine grows, trims, frees and hands it off with the
 rest -- nothing else needs an edit."""
-
-DRAFT_TOKENS = {torch.bfloat16: 4, torch.float32: 3}
-"""``num_speculative_tokens`` when it is not set, by the compute dtype. Measured with the
-native draft chain (in-process, alternating; 8 prompts of 128 tokens, 128 new): in bf16 on a
-Zen 5, 4 vs 3 draft tokens gave +11% batch-1 and +15% batch-8 decode tok/s (4.03 vs 3.38
-tokens per verify step); in fp32 on the AVX2 path, 0-5% less at batch 8 -- so 3 there."""
 
 
 class LLMEngine:
@@ -106,36 +100,36 @@ class LLMEngine:
         self.registry = StateRegistry()
         dtype = resolve_dtype(config.dtype, spec.dtype)
         self.dtype_name = str(dtype).removeprefix("torch.")
-        auto = f" (auto; checkpoint {spec.dtype})" if config.dtype == "auto" else ""
         kv = config.cache.kv_cache_dtype
         self.kv_cache_dtype = kv_format.resolved(kv, dtype, spec.dtype, config.dtype == "auto")
         """How the K/V pools hold rows: ``--kv-cache-dtype``, ``auto`` resolved
         (``kv_format.resolved``)."""
-        kv_auto = " (auto)" if kv == "auto" else ""
-        fallback = ""
-        if RuntimeEnv.from_environ().native_kernels and kernels.library() is None:
-            fallback = " (native kernels unavailable: torch paths, see the warning above)"
-        self.platform_line = (
-            f"{platform.current().summary()}{fallback}; dtype {self.dtype_name}{auto}"
-            + (f"; weights {self.model.quantization}" if self.model.quantization else "")
-            + ("; weights held once" if self.model.weights_held_once else "")
-            + (
-                f"; kv cache {self.kv_cache_dtype}{kv_auto}"
-                if self.kv_cache_dtype != "auto"
-                else ""
-            )
-            + (f"; --threads {config.num_threads}" if config.num_threads else "")
-        )
-        """The start-up line: the CPU, its kernel level, and the dtype computed in."""
+        self.platform_line = platform_line(self.model, config, dtype, self.kv_cache_dtype)
+        """The start-up line (``model_state.platform_line``)."""
         log.info(self.platform_line)
         self.eos_token_ids = frozenset(spec.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= self.tokenizer.eos_token_ids
         self.grammars = GrammarCompiler.for_model(model_dir, spec.vocab_size, self.eos_token_ids)
         """Structured outputs' grammars for this model's tokenizer (None: no tokenizer)."""
-        self.proposer = self._build_state(dtype, allocator)
+        built = build_model_state(
+            self.model,
+            model_dir,
+            config,
+            dtype,
+            self.kv_cache_dtype,
+            self.registry,
+            allocator,
+            self.grammars,
+        )
         platform.release_free_memory()
-        proposer = self.proposer
+        self.cache, self.caches, self.aux = built.cache, built.caches, built.aux
+        self.proposer = proposer = built.proposer
+        """The MTP draft's proposer, or None."""
+        self.lookup = built.lookup
+        """N-gram speculation (``speculative_method="ngram"``), or None."""
+        self.num_speculative_tokens = built.num_speculative_tokens
+        """Draft tokens proposed per step (``DRAFT_TOKENS`` when not configured; 0: none)."""
         for factory in extra_state:
             factory(self.registry, config, allocator)
         check_declared(self.registry, [p for c in self.caches for p in c.pools] + [self.aux])
@@ -170,69 +164,6 @@ class LLMEngine:
         """Checks a request against the model and memory before anything of it is kept."""
         self.handoff = Handoff(self)
         """The PD handoff: reserve / admit (decode), add_for_prefill / release (prefill), fail."""
-
-    def _build_state(
-        self, dtype: torch.dtype, allocator: StorageAllocator | None
-    ) -> DraftProposer | None:
-        """The target's pools, the draft (if the directory has one, and speculation is not
-        off) with its pools, and the aux record; returns the draft's proposer."""
-        config, spec = self.config, self.model.spec
-        cache_config = dataclasses.replace(config.cache, kv_cache_dtype=self.kv_cache_dtype)
-        use_draft = config.speculative is not False and config.speculative_method == "mtp"
-        draft = load_draft(self.model_dir, self.model) if use_draft else None
-        if draft is not None:
-            with weights_held_once(self.model.weights_held_once):
-                draft.fuse_projections(self.model.quantization if config.quantize_draft else None)
-        if config.speculative and use_draft and draft is None:
-            raise ValueError(
-                f"speculative=True but {self.model_dir} has no MTP draft (mtp_config.json); "
-                "speculative_method='ngram' speculates without one"
-            )
-        ngram = config.speculative is not False and config.speculative_method == "ngram"
-        num_tokens = config.num_speculative_tokens or DRAFT_TOKENS.get(dtype, 3)
-        self.num_speculative_tokens = num_tokens if draft is not None or ngram else 0
-        """Draft tokens proposed per step (``DRAFT_TOKENS`` when not configured; 0: none)."""
-        self.lookup = NgramProposer(num_tokens) if ngram else None
-        """N-gram speculation (``speculative_method="ngram"``), or None."""
-        # Ring rows / kept positions beyond the window, so rejected draft tokens can roll back.
-        slack = self.num_speculative_tokens + 1 if self.num_speculative_tokens else 0
-        self.cache = ModelCache(
-            spec,
-            cache_config,
-            config.scheduler,
-            dtype,
-            self.registry,
-            slack=slack,
-            allocator=allocator,
-        )
-        self.caches = [self.cache]
-        proposer = None
-        if draft is not None:
-            draft_cache = ModelCache(
-                draft.spec,
-                cache_config,
-                config.scheduler,
-                dtype,
-                self.registry,
-                prefix="draft",
-                slack=2 * slack,
-                allocator=allocator,
-                token_lag=1,
-            )
-            self.caches.append(draft_cache)
-            proposer = DraftProposer(self.model, draft, draft_cache, self.num_speculative_tokens)
-        # The record a PD handoff writes last: nonce, first token, logprob, draft seed --
-        # and, derived from its first token, a structured request's grammar state.
-        derived = (self.grammars.declaration,) if self.grammars is not None else ()
-        self.aux = AuxPool(
-            2 * config.scheduler.max_num_seqs,
-            spec.hidden_size,
-            dtype,
-            self.registry,
-            allocator,
-            derived=derived,
-        )
-        return proposer
 
     @property
     def quantization(self) -> str | None:

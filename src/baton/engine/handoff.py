@@ -68,8 +68,9 @@ from baton.memory.state import (
     handoff_units,
     num_held_cached,
 )
-from baton.request import FinishReason, RequestStatus, SamplingParams
+from baton.request import FinishReason, RequestStatus
 from baton.sampling.sampling_state import GrammarViolation
+from baton.sampling_params import SamplingParams
 from baton.speculative.proposer import DraftProposer, PendingPairs
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from baton.request import InvalidRequest, SamplingParams
+from baton.sampling_params import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
     from baton.memory.state import StateRegistry

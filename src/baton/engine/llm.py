@@ -17,7 +17,7 @@ from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
 from baton.engine.parallel_sampling import ParallelSampling, num_samples, one_sample
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 Prompt = str | list[int] | dict
 

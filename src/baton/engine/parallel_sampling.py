@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from baton.engine.core import EngineCore, PDRoute
 from baton.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 
 def child_seed(seed: int | None, index: int) -> int | None:

@@ -105,7 +105,7 @@ int baton_gated_rows(const void *x, int64_t x_stride, int32_t m, int32_t k, cons
 /* layer.c's decoder layer. Matrices are packed in linear.c's panels, all in one format
  * (w_format: W_F32, W_BF16, W_INT8), their biases fp32 or bf16 (BIAS_AT); norm weights in
  * the activations' dtype. */
-typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
+typedef struct { /* field for field baton/kernels/layer_abi.py ``LayerArgs`` */
     const void *input_norm, *post_norm; /* [hidden] */
     const void *qkv, *qkv_bias;         /* [(heads + 2 kv_heads) * head_dim, hidden] */
     const void *qk_norm;                /* [heads + kv_heads, head_dim]: q heads, then k */
@@ -116,7 +116,7 @@ typedef struct { /* field for field baton/kernels/layer.py ``_Layer`` */
     int32_t w_format, round_once; /* round_once: EPI_ROUND_ONCE, as oneDNN's packed matmuls */
 } Layer;
 
-typedef struct { /* field for field baton/kernels/layer.py ``_Step`` */
+typedef struct { /* field for field baton/kernels/layer_abi.py ``StepArgs`` */
     void *x;               /* [tokens, hidden] in: the layer's input; out: its output */
     const void *cos, *sin; /* [tokens, head_dim] rotary tables of the tokens' positions */
     void *k_pool, *v_pool; /* this layer's keys and values in the pool (Args' k and v) */

@@ -63,14 +63,14 @@ int baton_decoder_layer(const Layer *L, const Step *s) {
     return status;
 }
 
-typedef struct { /* field for field baton/kernels/layer.py ``_StackLayer`` */
+typedef struct { /* field for field baton/kernels/layer_abi.py ``StackLayerArgs`` */
     const Layer *layer;
     const Args *attn; /* the step's index lists for this layer's pool */
     void *k_pool, *v_pool;
     int32_t batch; /* segments in attn */
 } StackLayer;
 
-typedef struct { /* field for field baton/kernels/layer.py ``_StackPlan`` */
+typedef struct { /* field for field baton/kernels/layer_abi.py ``StackPlanArgs`` */
     Args *args;                         /* the pool's plan (rows, window, is_ring set) */
     const int64_t *tables;              /* [batch] each segment's unit table (int32 *) */
     const int32_t *table_lens;          /* [batch] */
@@ -79,7 +79,7 @@ typedef struct { /* field for field baton/kernels/layer.py ``_StackPlan`` */
     int32_t keep, covers_own;
 } StackPlan;
 
-typedef struct { /* field for field baton/kernels/layer.py ``_Stack`` */
+typedef struct { /* field for field baton/kernels/layer_abi.py ``StackArgs`` */
     const int64_t *ids;             /* [tokens] */
     const void *embed, *norm;       /* [vocab, hidden], [hidden]: the activations' dtype */
     void *out;                      /* [tokens, hidden] the final-normed states */

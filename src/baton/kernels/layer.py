@@ -19,6 +19,7 @@ import torch
 
 from baton.config import RuntimeEnv
 from baton.kernels import DTYPES, library, small_step_threads
+from baton.kernels.layer_abi import LayerArgs, StackArgs, StackLayerArgs, StackPlanArgs, StepArgs
 from baton.kernels.linear import (
     ACTIVATIONS,
     MAX_ROWS,
@@ -36,128 +37,6 @@ oneDNN's packed bf16 matmuls up to ``linear.max_rows_beside_onednn`` of its larg
 
 NORMS = ("input_norm", "post_norm", "qk_norm")
 MATRICES = ("qkv", "o", "gate", "up", "down")
-_ptr, _i32, _f32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
-
-
-class _Layer(ctypes.Structure):
-    # Field for field the ``Layer`` struct of layer.c.
-    _fields_ = [
-        *(
-            (name, _ptr)
-            for name in (
-                "input_norm",
-                "post_norm",
-                "qkv",
-                "qkv_bias",
-                "qk_norm",
-                "o",
-                "o_bias",
-                "gate",
-                "gate_bias",
-                "up",
-                "up_bias",
-                "down",
-                "down_bias",
-            )
-        ),
-        *(
-            (name, _i32)
-            for name in (
-                "hidden",
-                "intermediate",
-                "heads",
-                "kv_heads",
-                "head_dim",
-                "act",
-            )
-        ),
-        ("eps", _f32),
-        ("norm_offset", _f32),
-        ("qk_eps", _f32),
-        ("w_format", _i32),
-        ("round_once", _i32),
-    ]
-
-
-class _Step(ctypes.Structure):
-    # Field for field the ``Step`` struct of layer.c.
-    _fields_ = [
-        ("x", _ptr),
-        ("cos", _ptr),
-        ("sin", _ptr),
-        ("k_pool", _ptr),
-        ("v_pool", _ptr),
-        ("attn", _ptr),
-        *(
-            (name, _i32)
-            for name in (
-                "tokens",
-                "batch",
-                "act_bf16",
-                "lanes",
-                "num_threads",
-            )
-        ),
-    ]
-
-
-class _StackLayer(ctypes.Structure):
-    # Field for field the ``StackLayer`` struct of layer.c.
-    _fields_ = [
-        ("layer", _ptr),
-        ("attn", _ptr),
-        ("k_pool", _ptr),
-        ("v_pool", _ptr),
-        ("batch", _i32),
-    ]
-
-
-class _StackPlan(ctypes.Structure):
-    # Field for field the ``StackPlan`` struct of layer.c.
-    _fields_ = [
-        *((name, _ptr) for name in ("args", "tables", "table_lens", "buffer")),
-        ("capacity", ctypes.c_int64),
-        ("keep", _i32),
-        ("covers_own", _i32),
-    ]
-
-
-class _Stack(ctypes.Structure):
-    # Field for field the ``Stack`` struct of layer.c.
-    _fields_ = [
-        *(
-            (name, _ptr)
-            for name in (
-                "ids",
-                "embed",
-                "norm",
-                "out",
-                "cos",
-                "sin",
-                "positions",
-                "layers",
-            )
-        ),
-        ("eps", _f32),
-        ("offset", _f32),
-        *(
-            (name, _i32)
-            for name in (
-                "num_layers",
-                "tokens",
-                "hidden",
-                "act_bf16",
-                "lanes",
-                "num_threads",
-                "table_rows",
-            )
-        ),
-        *((name, _ptr) for name in ("head", "head_bias", "best", "logprob")),
-        *((name, _i32) for name in ("vocab", "head_op", "head_w_format")),
-        ("plans", _ptr),
-        ("segs", _ptr),
-        *((name, _i32) for name in ("num_plans", "batch", "failed_plan")),
-    ]
 
 
 class StackPlans(Protocol):
@@ -171,7 +50,7 @@ class StackPlans(Protocol):
     """Segments."""
 
     def fill(self, plans: ctypes.Array) -> tuple[int, int]:
-        """Fill ``plans`` (one ``_StackPlan`` per pool) -> (the segments' int32 array
+        """Fill ``plans`` (one ``StackPlanArgs`` per pool) -> (the segments' int32 array
         address, the number of plans)."""
 
     def grow(self, index: int) -> None:
@@ -188,7 +67,7 @@ def enabled() -> bool:
 class NativeLayer:
     """One layer's weights, pointed to once; ``__call__`` runs the layer over a step."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor | PackedRows], layer: _Layer) -> None:
+    def __init__(self, tensors: dict[str, torch.Tensor | PackedRows], layer: LayerArgs) -> None:
         self._tensors = tensors  # keeps every pointer of ``layer`` valid
         self._layer = layer
         self._layer_ref = ctypes.byref(layer)
@@ -215,7 +94,7 @@ class NativeLayer:
         qk_eps: float,
         round_once: bool = False,
     ) -> NativeLayer | None:
-        """weights: ``_Layer``'s pointer fields by name: the matrices as ``PackedRows``, norms
+        """weights: ``LayerArgs``'s pointer fields by name: the matrices as ``PackedRows``, norms
         and biases (which may be None) as tensors; round_once: the matmuls' epilogues round
         once, as the oneDNN-packed matmuls they stand in for (``linear.ROUND_ONCE``). None
         when ``layer.c`` cannot run this layer."""
@@ -246,7 +125,7 @@ class NativeLayer:
             return None
         if head_dim % 2 or head_dim > MAX_DIM or any(not w.is_cpu for w in present.values()):
             return None
-        layer = _Layer()
+        layer = LayerArgs()
         for name, tensor in present.items():
             setattr(layer, name, tensor.data_ptr())
         layer.hidden, layer.intermediate = hidden, present["gate"].n
@@ -269,7 +148,7 @@ class NativeLayer:
         the backend's ``native_args`` -> the layer's output [1, T, hidden] (the step's keys
         and values stored in the pool)."""
         out = x.contiguous().clone()
-        step = _Step()
+        step = StepArgs()
         step.x, step.cos, step.sin = out.data_ptr(), cos.data_ptr(), sin.data_ptr()
         step.attn, step.batch, step.k_pool, step.v_pool = attention
         step.tokens = out.shape[0] * out.shape[1]
@@ -296,12 +175,12 @@ class NativeStack:
     ) -> None:
         self._layers = layers
         self._embed, self._norm = embed.detach().contiguous(), norm.detach().contiguous()
-        self._entries = (_StackLayer * len(layers))()
-        self._plans = (_StackPlan * len(layers))()  # at most a pool per layer
+        self._entries = (StackLayerArgs * len(layers))()
+        self._plans = (StackPlanArgs * len(layers))()  # at most a pool per layer
         self._attention: list[tuple[int, int, int, int]] = []  # what the entries hold
         for entry, layer in zip(self._entries, layers, strict=True):
             entry.layer = ctypes.addressof(layer._layer)
-        stack = self._stack = _Stack()
+        stack = self._stack = StackArgs()
         stack.embed, stack.norm = self._embed.data_ptr(), self._norm.data_ptr()
         stack.layers = ctypes.addressof(self._entries)
         stack.plans = ctypes.addressof(self._plans)

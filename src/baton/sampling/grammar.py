@@ -32,7 +32,7 @@ import llguidance
 import numpy as np
 import torch
 
-from baton.request import InvalidRequest, StructuredOutputsParams
+from baton.sampling_params import InvalidRequest, StructuredOutputsParams
 
 BACKEND = f"llguidance {llguidance.__version__}"
 """The grammar engine and its version: part of what a PD pair declares (the aux record's

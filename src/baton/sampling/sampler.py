@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.request import SamplingParams
 from baton.sampling.grammar import apply_masks, compute_masks
 from baton.sampling.sampling_state import SamplingState, TokenCounts
+from baton.sampling_params import SamplingParams
 
 _CDF_BLOCK = 1024
 """Columns per block of the two-level inverse CDF."""

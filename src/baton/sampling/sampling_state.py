@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from baton.request import SamplingParams
 from baton.sampling.grammar import GrammarMatcher
+from baton.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

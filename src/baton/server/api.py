@@ -7,7 +7,8 @@ never reaches the engine thread's state and never takes the server down. Each ro
 module-level function that finds what the routes share (``_Server``) on ``app.state``.
 
 This module owns the request side: parse and check the body, hand the prompt to the engine
-(``_run``), record metrics as outputs stream out (``_observed``). The response bodies (SSE
+(``_run``), record metrics as outputs stream out (``metrics.observed``); the PD route a
+request names is ``pd_route.py``'s. The response bodies (SSE
 chunks, logprobs, usage, the last output of a non-streamed request) are
 ``response_body.py``'s.
 """
@@ -28,9 +29,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from baton.engine.core import PDRoute
-from baton.engine.outputs import LOCAL_PREFILL_REASONS, HandoffReason, RequestOutput
+from baton.engine.outputs import RequestOutput
 from baton.server.async_engine import AsyncEngine, EngineFailed
-from baton.server.metrics import ServerMetrics
+from baton.server.metrics import ServerMetrics, observed
+from baton.server.pd_route import named_route
 from baton.server.prompt_batch import merged
 from baton.server.protocol import (
     ApiError,
@@ -59,13 +61,7 @@ from baton.server.response_body import (
     usage_of,
 )
 from baton.server.responses import ResponseBody, ResponsesRequest
-from baton.server.route_headers import (
-    HANDOFF_HEADER,
-    LOCAL_PREFILL_HEADER,
-    PREFILL_HEADER,
-    ROOM_HEADER,
-    route_problem,
-)
+from baton.server.route_headers import HANDOFF_HEADER
 
 
 def _error(exc: ApiError) -> JSONResponse:
@@ -355,102 +351,17 @@ async def _run(
         code = "prefill_failed" if server.engine.is_pd else None
         message = first.error or "the request failed before its first token"
         raise ApiError(message, 503, type="server_error", code=code, headers=headers)
-    return _observed(server.metrics, arrival, first, stream), headers
-
-
-async def _replayed(
-    first: RequestOutput, stream: AsyncIterator[RequestOutput]
-) -> AsyncIterator[RequestOutput]:
-    yield first
-    async for out in stream:
-        yield out
-
-
-async def _observed(
-    metrics: ServerMetrics,
-    arrival: float,
-    first: RequestOutput,
-    stream: AsyncIterator[RequestOutput],
-) -> AsyncIterator[RequestOutput]:
-    """``first``, then ``stream``, recording TTFT, ITL and token counts; closes ``stream``."""
-    last = None
-    try:
-        async for out in _replayed(first, stream):
-            num_new = len(out.delta.token_ids) if out.delta else 0
-            # NOTE: latencies follow the first choice alone: n choices advance in one step.
-            if num_new and out.delta.index == 0:
-                now = time.monotonic()
-                if last is None:
-                    metrics.ttft.observe(now - arrival)
-                else:
-                    metrics.itl.observe((now - last) / num_new)
-                last = now
-            metrics.generation_tokens.inc(num_new)
-            if out.finished:
-                metrics.prompt_tokens.inc(len(out.prompt_token_ids))
-                if (accepted := out.metrics.acceptance_length) is not None:
-                    metrics.acceptance.observe(accepted)
-            yield out
-    finally:
-        await stream.aclose()
+    return observed(server.metrics, arrival, first, stream), headers
 
 
 async def _route_of(
     request: Request, req: CompletionRequest | ChatCompletionRequest
 ) -> PDRoute | None:
-    """The route the request names (``_route``), else the platform's pick, else None."""
-    route = _route(request, req)
-    pick = _server(request).pick_prefill
+    """The route the request names (``pd_route.named_route``), else the platform's pick,
+    else None."""
+    server = _server(request)
+    route = named_route(request.headers, req, server.route_token, server.trust_bootstrap_fields)
+    pick = server.pick_prefill
     if route is None and pick is not None and (prefill := await pick()) is not None:
         route = PDRoute(prefill)
     return route
-
-
-def _route(request: Request, req: CompletionRequest | ChatCompletionRequest) -> PDRoute | None:
-    """The PD route a request names: a router's signed headers or llm-d's ``bootstrap_*``
-    body fields (None: neither); a 400 when malformed or both are given, a 403 when the
-    headers are not signed with this decode's route token or the fields are not trusted."""
-    server = _server(request)
-    headers = _header_route(request)
-    fields = req.bootstrap_route()
-    if fields is None:
-        return headers
-    if headers is not None:
-        raise ApiError(
-            "the PD route is named twice: by x-baton headers and by bootstrap_* fields",
-            param="bootstrap_room",
-        )
-    if server.route_token is not None and not server.trust_bootstrap_fields:
-        raise ApiError(
-            "bootstrap_host / bootstrap_port / bootstrap_room count only on a decode started "
-            "with --trust-bootstrap-fields (behind llm-d's sidecar); baton's router signs "
-            "x-baton headers instead",
-            403,
-            param="bootstrap_room",
-            type="permission_error",
-        )
-    prefill, room = fields
-    return PDRoute(prefill, room, None)
-
-
-def _header_route(request: Request) -> PDRoute | None:
-    """The router's choice from the request's headers (None: it names none); a 403 when they
-    are not signed with this decode's route token, a 400 when malformed."""
-    token = _server(request).route_token
-    if token is not None and (problem := route_problem(token, request.headers, time.time())):
-        raise ApiError(problem, 403, type="permission_error")
-    prefill = request.headers.get(PREFILL_HEADER) or None
-    local = request.headers.get(LOCAL_PREFILL_HEADER) or None
-    if local is not None and local not in LOCAL_PREFILL_REASONS:
-        known = ", ".join(sorted(LOCAL_PREFILL_REASONS))
-        raise ApiError(f"header {LOCAL_PREFILL_HEADER} must be one of {known}, got {local!r}")
-    room = request.headers.get(ROOM_HEADER)
-    if room is not None and (not room.isdigit() or not 0 < int(room) < 2**63):
-        raise ApiError(f"header {ROOM_HEADER} must be an integer in [1, 2**63), got {room!r}")
-    if prefill is None and local is None and room is None:
-        return None
-    return PDRoute(
-        prefill,
-        None if room is None else int(room),
-        None if local is None else HandoffReason(local),
-    )

@@ -36,7 +36,7 @@ from baton.engine.keep_warm import KeepWarm
 from baton.engine.outputs import RequestOutput
 from baton.engine.parallel_sampling import ParallelSampling
 from baton.engine.stats import EngineStats
-from baton.request import InvalidRequest, SamplingParams
+from baton.sampling_params import InvalidRequest, SamplingParams
 
 logger = logging.getLogger(__name__)
 

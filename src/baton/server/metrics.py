@@ -1,17 +1,21 @@
 """Prometheus metrics of an OpenAI server (colocated or PD decode): ``ServerMetrics``.
 
-Latency histograms and token counters are observed by ``api.py`` as outputs stream out;
+Latency histograms and token counters are observed as outputs stream out (``observed``, on
+``api.py``'s responses);
 gauges and the transfer counters are copied from the engine thread's snapshot
 (``AsyncEngine``) when ``/metrics`` is scraped, so no HTTP thread touches engine state.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 if TYPE_CHECKING:
+    from baton.engine.outputs import RequestOutput
     from baton.server.async_engine import AsyncEngine
 
 
@@ -138,3 +142,40 @@ class ServerMetrics:
         self.prompt_tokens_computed.set_total(stats.prompt_tokens_computed)
         for (outcome, reason), total in stats.handoffs.items():
             self.handoffs.set_total(total, outcome, reason)
+
+
+async def observed(
+    metrics: ServerMetrics,
+    arrival: float,
+    first: RequestOutput,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[RequestOutput]:
+    """``first``, then ``stream``, recording TTFT, ITL and token counts; closes ``stream``."""
+    last = None
+    try:
+        async for out in _replayed(first, stream):
+            num_new = len(out.delta.token_ids) if out.delta else 0
+            # NOTE: latencies follow the first choice alone: n choices advance in one step.
+            if num_new and out.delta.index == 0:
+                now = time.monotonic()
+                if last is None:
+                    metrics.ttft.observe(now - arrival)
+                else:
+                    metrics.itl.observe((now - last) / num_new)
+                last = now
+            metrics.generation_tokens.inc(num_new)
+            if out.finished:
+                metrics.prompt_tokens.inc(len(out.prompt_token_ids))
+                if (accepted := out.metrics.acceptance_length) is not None:
+                    metrics.acceptance.observe(accepted)
+            yield out
+    finally:
+        await stream.aclose()
+
+
+async def _replayed(
+    first: RequestOutput, stream: AsyncIterator[RequestOutput]
+) -> AsyncIterator[RequestOutput]:
+    yield first
+    async for out in stream:
+        yield out

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
+from baton.sampling_params import InvalidRequest, SamplingParams, StructuredOutputsParams
 from baton.server.prompt_batch import MAX_PROMPTS
 from baton.server.tools import ToolUse, message_tool_fields, tool_use, tools_grammar
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import llguidance
 
-from baton.request import InvalidRequest
+from baton.sampling_params import InvalidRequest
 
 TOOL_CHOICES = ("none", "auto", "required")
 """``tool_choice``'s strings; the fourth form names a function (``{"type": "function", ...}``)."""

@@ -47,7 +47,7 @@ from baton.engine.engine import LLMEngine
 from baton.engine.outputs import HandoffOutcome, HandoffReason, RequestOutput
 from baton.engine.stats import EngineStats
 from baton.memory.allocator import SharedMemoryAllocator, remove_orphan_segments
-from baton.request import InvalidRequest, SamplingParams
+from baton.sampling_params import InvalidRequest, SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS, TransferBackend, new_worker_backend
 from baton.transfer.decode_inbox import DecodeInbox
 from baton.transfer.handshake import build_hello

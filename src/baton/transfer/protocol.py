@@ -41,7 +41,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from baton.request import SamplingParams
+from baton.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 6
 """Bumped on any incompatible change to a message; peers of different versions never pair.

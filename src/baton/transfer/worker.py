@@ -28,7 +28,8 @@ from baton.config import (
     LocalPrefill,
     read_secret_env,
 )
-from baton.request import FinishReason, SamplingParams
+from baton.request import FinishReason
+from baton.sampling_params import SamplingParams
 from baton.transfer.backends import WORKER_BACKENDS
 from baton.transfer.channel import DEFAULT_HOST
 from baton.transfer.decode import DecodeEngine

@@ -25,7 +25,7 @@ from typing import Any
 
 from baton.engine.core import PDRoute
 from baton.engine.outputs import CompletionOutput, RequestOutput
-from baton.request import InvalidRequest, SamplingParams, StructuredOutputsParams
+from baton.sampling_params import InvalidRequest, SamplingParams, StructuredOutputsParams
 
 ROOM_LIMIT = 2**63
 """A room is in [1, 2**63): baton's rooms, and the signed 64-bit range Dynamo draws from."""

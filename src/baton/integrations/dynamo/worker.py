@@ -20,7 +20,7 @@ from dynamo.llm import exceptions as dynamo_errors
 from baton.engine.outputs import HandoffReason
 from baton.integrations.dynamo import request as dr
 from baton.integrations.dynamo.args import build_parser
-from baton.request import InvalidRequest
+from baton.sampling_params import InvalidRequest
 
 logger = logging.getLogger("baton.dynamo")
 
