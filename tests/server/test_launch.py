@@ -392,6 +392,8 @@ def test_engine_switches_reach_every_worker_as_given():
         "int8",
         "--speculative-method",
         "ngram",
+        "--weight-copies",
+        "1",
     ]
     options = engine_options(build_parser().parse_args(argv))
     config = EngineConfig.from_kwargs(**options)
@@ -403,6 +405,7 @@ def test_engine_switches_reach_every_worker_as_given():
     assert config.cache.sliding_mode == "ring"
     assert config.small_step_threads == 2
     assert config.keep_warm_s == 30
+    assert config.weight_copies == 1
     child = build_parser().parse_args(["serve", *_serve_args("m", options, None)])
     assert engine_options(child) == options
     default = engine_options(build_parser().parse_args(["serve"]))
@@ -411,6 +414,7 @@ def test_engine_switches_reach_every_worker_as_given():
     assert "small_step_threads" not in default  # as --threads
     assert "quantization" not in default and "speculative_method" not in default
     assert "keep_warm_s" not in default and EngineConfig().keep_warm_s == 0
+    assert "weight_copies" not in default and EngineConfig().weight_copies is None
     as_torch = engine_options(build_parser().parse_args(["serve", "--small-step-threads", "0"]))
     assert "small_step_threads" not in as_torch
 
