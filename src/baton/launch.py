@@ -83,7 +83,7 @@ def launch(
 
     configure_logging("launch", log_level)
     log_args = ["--log-level", log_level, *(["--access-log"] if access_log else [])]
-    options = _child_engine_options(model, engine_options)
+    options = _child_engine_options(model, engine_options, num_prefill + num_decode)
     _build_kernels()  # before any worker waits on them (they would each wait for the lock)
     if prefill_cpus is None and decode_cpus is None:
         prefill_share, decode_share = split_cores(num_prefill, num_decode)
@@ -136,12 +136,18 @@ def launch(
             signal.signal(sig, handler)
 
 
-def _child_engine_options(model: str, engine_options: dict | None) -> dict:
-    """The engine options every worker gets: the ones set, ``dtype`` made concrete."""
+def _child_engine_options(model: str, engine_options: dict | None, num_workers: int = 1) -> dict:
+    """The engine options every worker gets: the ones set, ``dtype`` and ``weight_copies``
+    made concrete (decided here once: each worker deciding by the memory left at its own
+    start could differ from its pair, which the handshake refuses)."""
     options = {k: v for k, v in (engine_options or {}).items() if v is not None}
     if options.get("dtype", "auto") == "auto":
         kv = options.get("kv_cache_dtype", "auto")
         options["dtype"], options["kv_cache_dtype"] = resolved_dtype(model, kv)
+    if "weight_copies" not in options:
+        from baton.model.loader import weight_copies_that_fit
+
+        options["weight_copies"] = weight_copies_that_fit(model, num_workers)
     return options
 
 

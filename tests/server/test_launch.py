@@ -623,3 +623,27 @@ def test_two_launches_on_a_busy_machine_build_the_kernels_once_and_get_ready(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("available_bytes", "given", "expected"),
+    [(None, None, 2), (10**12, None, 2), (10**6, None, 1), (10**6, 2, 2), (10**12, 1, 1)],
+)
+def test_launch_decides_the_weight_copies_once_for_every_worker(
+    monkeypatch, available_bytes, given, expected
+):
+    """Each worker deciding by the memory left at its own start could hold its weights
+    otherwise than its pair (which the handshake refuses): launch decides for all of them,
+    counting every worker's copies, and passes it on as ``--weight-copies``."""
+    from baton import platform
+    from baton.launch import _child_engine_options
+    from baton.model.loader import weight_copies_that_fit
+    from tests.conftest import BUNDLED
+
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda: available_bytes)
+    options = {"dtype": "float32"} | ({} if given is None else {"weight_copies": given})
+    assert _child_engine_options(str(BUNDLED), options, 2)["weight_copies"] == expected
+    weights = (BUNDLED / "model.safetensors").stat().st_size
+    monkeypatch.setattr(platform, "available_memory_bytes", lambda: 4 * weights * 3)
+    assert weight_copies_that_fit(BUNDLED, 3) == 2  # 2 copies x 3 engines = half of it
+    assert weight_copies_that_fit(BUNDLED, 4) == 1

@@ -226,7 +226,11 @@ def test_identities_hash_configs_and_weight_sizes(model_dir):
 
 def test_build_hello_from_an_engine(model_dir):
     engine = SimpleNamespace(
-        registry=make_registry(), config=EngineConfig(), num_speculative_tokens=3, quantization=None
+        registry=make_registry(),
+        config=EngineConfig(),
+        num_speculative_tokens=3,
+        quantization=None,
+        weights_held_once=False,
     )
     local = build_hello(engine, model_dir, worker_id="p0", role="prefill", backend="shm")
     assert local.speculative == SpeculativeConfig(enabled=True, num_speculative_tokens=3)
@@ -238,8 +242,36 @@ def test_build_hello_from_an_engine(model_dir):
         config=EngineConfig(speculative=False),
         num_speculative_tokens=0,
         quantization=None,
+        weights_held_once=False,
     )
     remote = build_hello(engine_off, model_dir, worker_id="d0", role="decode", backend="shm")
     assert remote.draft is None and not remote.speculative.enabled
     with pytest.raises(PairingError, match="prefill uses a draft model, decode has none"):
         check_pairing(local, remote)
+
+
+def test_a_pair_holding_its_weights_differently_is_refused_with_the_fix(model_dir):
+    """bf16 weights held once (``--weight-copies 1``) round the matmuls' epilogues as
+    F.linear does, twice (oneDNN's copy) once: a decode of the one does not continue a
+    prefill of the other as a colocated engine would."""
+
+    def engine(once: bool) -> SimpleNamespace:
+        return SimpleNamespace(
+            registry=make_registry(),
+            config=EngineConfig(speculative=False),
+            num_speculative_tokens=0,
+            quantization=None,
+            weights_held_once=once,
+        )
+
+    hellos = {
+        (role, once): build_hello(engine(once), model_dir, worker_id=role, role=role, backend="shm")
+        for role in ("prefill", "decode")
+        for once in (False, True)
+    }
+    check_pairing(hellos["decode", True], hellos["prefill", True])
+    with pytest.raises(PairingError) as info:
+        check_pairing(hellos["decode", True], hellos["prefill", False])
+    message = str(info.value)
+    assert "model identity: weight_copies differs (decode 1, prefill 2)" in message
+    assert "start both with the same --weight-copies" in message

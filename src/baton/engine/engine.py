@@ -172,6 +172,11 @@ class LLMEngine:
         return self.model.quantization
 
     @property
+    def weights_held_once(self) -> bool:
+        """bf16 weights held in linear.c's panels alone (``EngineConfig.weight_copies``)."""
+        return self.model.weights_held_once
+
+    @property
     def platform_info(self) -> dict:
         """``Platform.as_dict`` plus the compute dtype and the weights' quantization: what
         ``/health`` reports."""

@@ -199,7 +199,7 @@ def load_fused_model(
     checkpoint = DTYPES[spec_from_config(read_json(model_dir / "config.json")).dtype]
     torch_dtype = resolve_dtype(dtype, str(checkpoint).removeprefix("torch."))
     if weight_copies is None:
-        weight_copies = _weight_copies_that_fit(model_dir)
+        weight_copies = weight_copies_that_fit(model_dir)
     model = load_model(model_dir, torch_dtype, narrow=True)
     widen = torch_dtype if _is_narrower(checkpoint, torch_dtype) else None
     packs = torch_dtype == torch.bfloat16 and platform.current().native_bf16
@@ -210,12 +210,15 @@ def load_fused_model(
     return model
 
 
-def _weight_copies_that_fit(model_dir: Path) -> int:
-    """2 where two copies of the checkpoint's weights take at most ``SECOND_COPY_SHARE`` of
-    the memory available now (or it is unknown), else 1."""
+def weight_copies_that_fit(model_dir: str | os.PathLike, num_engines: int = 1) -> int:
+    """2 where ``num_engines`` engines' two copies of the checkpoint's weights take at most
+    ``SECOND_COPY_SHARE`` of the memory available now (or it is unknown), else 1 (``baton
+    launch`` decides once for all its workers: a prefill and a decode that differ cannot
+    pair)."""
     available = platform.available_memory_bytes()
-    weights = sum(path.stat().st_size for path in _weight_files(model_dir))
-    return 1 if available is not None and 2 * weights > SECOND_COPY_SHARE * available else 2
+    weights = sum(path.stat().st_size for path in _weight_files(Path(model_dir)))
+    needed = 2 * weights * num_engines
+    return 1 if available is not None and needed > SECOND_COPY_SHARE * available else 2
 
 
 def _is_narrower(checkpoint: torch.dtype, compute: torch.dtype) -> bool:

@@ -55,6 +55,7 @@ class EngineLike(Protocol):
     registry: RegistryLike
     config: EngineConfig
     quantization: str | None  # the weights' (``--quantization`` or the checkpoint's)
+    weights_held_once: bool  # bf16 weights in linear.c's panels alone (``--weight-copies 1``)
 
 
 # -- identities ------------------------------------------------------------------------------
@@ -139,7 +140,12 @@ def build_hello(
         worker_id=worker_id,
         role=role,
         # the weights decode computes with: quantized ones give other keys, values and tokens
-        model={**model_identity(model_dir), "quantization": engine.quantization or "none"},
+        # and how: held once, the matmuls' epilogues round as F.linear's (other bits)
+        model={
+            **model_identity(model_dir),
+            "quantization": engine.quantization or "none",
+            "weight_copies": 1 if engine.weights_held_once else 2,
+        },
         draft=draft,
         speculative=SpeculativeConfig(
             enabled=draft is not None,
@@ -198,6 +204,10 @@ def _compare_dicts(sides: _Sides, what: str, local: dict, remote: dict) -> list[
         for k in keys
         if local.get(k, _MISSING) != remote.get(k, _MISSING)
     ]
+
+
+def _but_copies(model: dict) -> dict:
+    return {k: v for k, v in model.items() if k != "weight_copies"}
 
 
 def _by_name(sides: str, schema: list[dict[str, Any]], problems: list[str]) -> dict[str, dict]:
@@ -281,7 +291,16 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
         )
     if {local.role, remote.role} != {"prefill", "decode"}:
         problems.append(f"a pair is one prefill and one decode, got {local.role} and {remote.role}")
-    problems += _compare_dicts(sides, "model identity: ", local.model, remote.model)
+    copies = local.model.get("weight_copies"), remote.model.get("weight_copies")
+    if copies[0] != copies[1]:
+        problems.append(
+            sides.differs("model identity: ", "weight_copies", *copies)
+            + ": start both with the same --weight-copies (baton launch decides it once for "
+            "all its workers)"
+        )
+    problems += _compare_dicts(
+        sides, "model identity: ", _but_copies(local.model), _but_copies(remote.model)
+    )
     if (local.draft is None) != (remote.draft is None):
         has, lacks = (sides.local, sides.remote) if local.draft else (sides.remote, sides.local)
         problems.append(f"{has} uses a draft model, {lacks} has none")
