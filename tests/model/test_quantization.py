@@ -422,3 +422,19 @@ def test_the_fused_layer_takes_quantized_matrices_under_either_activation_dtype(
 
     model = load_model(BUNDLED, dtype).fuse_projections(method)
     assert all(native_layer(layer) is not None for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantizing_rows_a_few_at_a_time_gives_the_same_weight(method, monkeypatch):
+    """Rows are their own (``QUANTIZE_ROWS`` at a time bounds the fp32 temporaries of a
+    vocabulary-sized head): any split gives the whole weight's integers and scales."""
+    from baton.model import quantize
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 70, generator=g).to(torch.bfloat16)
+    weight[5] = 0  # an all-zero row keeps scale 1
+    whole = quantize.QUANTIZERS[method](weight)
+    monkeypatch.setattr(quantize, "QUANTIZE_ROWS", 8)
+    split = quantize.QUANTIZERS[method](weight)
+    assert torch.equal(split.q, whole.q) and torch.equal(split.scale, whole.scale)
+    assert split.q.shape == (37, 70)
