@@ -9,6 +9,7 @@ import pytest
 from hypothesis import settings
 
 from tests.hf_tiny import (  # noqa: F401  (fixtures, registered by import)
+    bf16_checkpoint,
     hf_checkpoint,
     hybrid_mtp_checkpoint,
 )

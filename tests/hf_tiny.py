@@ -7,6 +7,9 @@ baton then loads the same directory a user would give it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -138,6 +141,30 @@ def hf_checkpoint(tmp_path_factory):
             directory = tmp_path_factory.mktemp(name)
             model.save_pretrained(directory)
             cache[name] = (directory, model)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bf16_checkpoint(hf_checkpoint, tmp_path_factory):
+    """name -> the directory of ``hf_checkpoint(name)`` saved in bf16, as models are
+    published."""
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            from safetensors.torch import load_file, save_file
+
+            source, _ = hf_checkpoint(name)
+            directory = tmp_path_factory.mktemp(f"{name}-bf16")
+            config = json.loads((source / "config.json").read_text())
+            config["torch_dtype"] = "bfloat16"
+            (directory / "config.json").write_text(json.dumps(config))
+            tensors = load_file(source / "model.safetensors")
+            tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
+            save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+            cache[name] = directory
         return cache[name]
 
     return get

@@ -145,9 +145,11 @@ def _child_engine_options(model: str, engine_options: dict | None, num_workers: 
         kv = options.get("kv_cache_dtype", "auto")
         options["dtype"], options["kv_cache_dtype"] = resolved_dtype(model, kv)
     if "weight_copies" not in options:
+        from baton import platform
         from baton.model.loader import weight_copies_that_fit
 
-        options["weight_copies"] = weight_copies_that_fit(model, num_workers)
+        available = platform.available_memory_bytes()
+        options["weight_copies"] = weight_copies_that_fit(model, available, num_workers)
     return options
 
 

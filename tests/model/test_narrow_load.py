@@ -4,36 +4,12 @@ whole in fp32."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from baton.model import DenseAttention, frozen_linear, load_model
 from baton.model.loader import load_fused_model
 from tests.hf_tiny import ARCHS, HYBRID_ARCHS, VOCAB
-
-
-@pytest.fixture(scope="module")
-def bf16_checkpoint(hf_checkpoint, tmp_path_factory):
-    """name -> the tiny checkpoint of ``name`` saved in bf16 (as published models are)."""
-    cache = {}
-
-    def get(name: str):
-        if name not in cache:
-            source, _ = hf_checkpoint(name)
-            directory = tmp_path_factory.mktemp(f"{name}-bf16")
-            config = json.loads((source / "config.json").read_text())
-            config["torch_dtype"] = "bfloat16"
-            (directory / "config.json").write_text(json.dumps(config))
-            tensors = load_file(source / "model.safetensors")
-            tensors = {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}
-            save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-            cache[name] = directory
-        return cache[name]
-
-    return get
 
 
 def _outputs(model, batch: int, length: int) -> torch.Tensor:

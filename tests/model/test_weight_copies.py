@@ -4,11 +4,8 @@ given."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from baton import platform
 from baton.model import DenseAttention, frozen_linear
@@ -21,16 +18,9 @@ native_bf16 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def bf16_qwen3(hf_checkpoint, tmp_path_factory):
-    source, hf = hf_checkpoint("qwen3")
-    directory = tmp_path_factory.mktemp("qwen3-bf16")
-    config = json.loads((source / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    (directory / "config.json").write_text(json.dumps(config))
-    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(source / "model.safetensors").items()}
-    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    return directory, hf
+@pytest.fixture
+def bf16_qwen3(bf16_checkpoint, hf_checkpoint):
+    return bf16_checkpoint("qwen3"), hf_checkpoint("qwen3")[1]
 
 
 def _frozen(model) -> list[FrozenLinear]:

@@ -644,6 +644,5 @@ def test_launch_decides_the_weight_copies_once_for_every_worker(
     options = {"dtype": "float32"} | ({} if given is None else {"weight_copies": given})
     assert _child_engine_options(str(BUNDLED), options, 2)["weight_copies"] == expected
     weights = (BUNDLED / "model.safetensors").stat().st_size
-    monkeypatch.setattr(platform, "available_memory_bytes", lambda: 4 * weights * 3)
-    assert weight_copies_that_fit(BUNDLED, 3) == 2  # 2 copies x 3 engines = half of it
-    assert weight_copies_that_fit(BUNDLED, 4) == 1
+    assert weight_copies_that_fit(BUNDLED, 4 * weights * 3, 3) == 2  # 2 x 3 engines: half
+    assert weight_copies_that_fit(BUNDLED, 4 * weights * 3, 4) == 1

@@ -163,11 +163,11 @@ class FrozenLinear:
         bf16 checkpoint fused before it is widened (``CausalLM.fuse_projections``): the
         panels take the weight as it is (the values ``_narrowed`` finds in the widened one),
         what BLAS reads is widened."""
-        self._source_bias = None if bias is None else bias.detach()  # what ``rows`` packs
-        widen = dtype if dtype is not None and dtype != _float_dtype(weight, dtype) else None
-        self.bias = self._source_bias
-        if widen is not None and bias is not None:
-            self.bias = self._source_bias.to(widen)
+        narrow = isinstance(weight, torch.Tensor) and dtype not in (None, weight.dtype)
+        widen = dtype if narrow else None
+        self.bias = None if bias is None else bias.detach()
+        if widen is not None and self.bias is not None:
+            self.bias = self.bias.to(widen)
         self.activation = activation
         self.quantized: QuantizedWeight | None = None
         if isinstance(weight, QuantizedWeight):  # a pre-quantized checkpoint's, as it is
@@ -215,7 +215,6 @@ class FrozenLinear:
             self.weight = self._source = None
         if widen is not None and self.weight is not None:
             self.weight = self._source = self.weight.to(widen)  # for BLAS (and ``rows``)
-            self._source_bias = self.bias
 
     @staticmethod
     def _panels_can_hold(weight: torch.Tensor) -> bool:
@@ -300,9 +299,9 @@ class FrozenLinear:
         """The weight and bias ``rows`` packs: as they are, or -- an fp32 weight whose every
         value is a bf16 value, as a bf16 checkpoint loaded in fp32 is -- in bf16: the same
         numbers in half the bytes, and a small step is a pass over its weights."""
-        weight, bias = self._source, self._source_bias
-        if weight.dtype != torch.float32:
-            return weight, bias
+        weight, bias = self._source, self.bias
+        if weight.dtype != torch.float32:  # (a bf16 weight's bias in bf16: exact, see dtype)
+            return weight, None if bias is None else bias.to(weight.dtype)
         narrow = weight.to(torch.bfloat16)
         if not torch.equal(narrow.float(), weight):
             return weight, bias
@@ -394,11 +393,6 @@ class FrozenLinear:
             return self._panels(x, Epilogue.MUL if op == "mul" else Epilogue.ADD, other)
         y = self._blas(x)
         return y * other if op == "mul" else y + other
-
-
-def _float_dtype(weight: torch.Tensor | QuantizedWeight, default: torch.dtype) -> torch.dtype:
-    """A float weight's dtype (``default`` for a quantized one: nothing of it is widened)."""
-    return default if isinstance(weight, QuantizedWeight) else weight.dtype
 
 
 ACT_FNS = {

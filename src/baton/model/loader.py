@@ -183,8 +183,8 @@ def load_fused_model(
     weight_copies: int | None = None,
 ) -> CausalLM:
     """``load_model(model_dir, dtype).fuse_projections(quantization)`` -- the same model --
-    without ever holding it whole in a dtype wider than the checkpoint's: a bf16 (or fp16)
-    checkpoint computed in fp32 is loaded as it is and each layer widened just before it is
+    without ever holding it whole in a dtype wider than the checkpoint's: a bf16 checkpoint
+    computed in fp32 is loaded as it is and each layer widened just before it is
     fused (``CausalLM.fuse_projections``' ``dtype``), where the plain order held every
     weight in fp32 first (Qwen3-1.7B: ~6.9 GB of fp32 parameters for a 3.4 GB checkpoint,
     which fusing then turned into 2.4 GB of panels). A quantized model is quantized from
@@ -195,13 +195,12 @@ def load_fused_model(
     ones -- or, with 1, in the panels alone (``frozen_linear.weights_held_once``: prompt
     steps ~0.9x); None decides by memory (``SECOND_COPY_SHARE``). The model's
     ``weights_held_once`` says which was done where it matters."""
-    model_dir = Path(model_dir)
-    checkpoint = DTYPES[spec_from_config(read_json(model_dir / "config.json")).dtype]
-    torch_dtype = resolve_dtype(dtype, str(checkpoint).removeprefix("torch."))
+    available = platform.available_memory_bytes()  # before the model takes its share
+    model = load_model(model_dir, dtype, narrow=True)
     if weight_copies is None:
-        weight_copies = weight_copies_that_fit(model_dir)
-    model = load_model(model_dir, torch_dtype, narrow=True)
-    widen = torch_dtype if _is_narrower(checkpoint, torch_dtype) else None
+        weight_copies = weight_copies_that_fit(model_dir, available)
+    torch_dtype = resolve_dtype(dtype, model.spec.dtype)
+    widen = torch_dtype if _is_narrower(DTYPES[model.spec.dtype], torch_dtype) else None
     packs = torch_dtype == torch.bfloat16 and platform.current().native_bf16
     once = packs and weight_copies == 1 and not (model.checkpoint_quantization or quantization)
     with weights_held_once(once):
@@ -210,12 +209,13 @@ def load_fused_model(
     return model
 
 
-def weight_copies_that_fit(model_dir: str | os.PathLike, num_engines: int = 1) -> int:
+def weight_copies_that_fit(
+    model_dir: str | os.PathLike, available: int | None, num_engines: int = 1
+) -> int:
     """2 where ``num_engines`` engines' two copies of the checkpoint's weights take at most
-    ``SECOND_COPY_SHARE`` of the memory available now (or it is unknown), else 1 (``baton
-    launch`` decides once for all its workers: a prefill and a decode that differ cannot
-    pair)."""
-    available = platform.available_memory_bytes()
+    ``SECOND_COPY_SHARE`` of ``available`` bytes (``platform.available_memory_bytes``; None:
+    unknown), else 1 (``baton launch`` decides once for all its workers: a prefill and a
+    decode that differ cannot pair)."""
     weights = sum(path.stat().st_size for path in _weight_files(Path(model_dir)))
     needed = 2 * weights * num_engines
     return 1 if available is not None and needed > SECOND_COPY_SHARE * available else 2

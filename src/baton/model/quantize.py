@@ -22,6 +22,7 @@ modules' ``fuse_projections`` (``release_weights``); the methods' names are
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,13 +98,13 @@ vocabulary-sized head (Qwen3-1.7B's: 1.2 GB each) were the load's peak."""
 def _by_rows(quantize: Callable[[torch.Tensor], QuantizedWeight]):
     """``quantize`` applied to ``QUANTIZE_ROWS`` rows at a time, the results stacked."""
 
+    @functools.wraps(quantize)
     def by_rows(weight: torch.Tensor) -> QuantizedWeight:
         if weight.shape[0] <= QUANTIZE_ROWS:
             return quantize(weight)
         parts = [quantize(rows) for rows in weight.split(QUANTIZE_ROWS)]
         return QuantizedWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
 
-    by_rows.__doc__ = quantize.__doc__
     return by_rows
 
 

@@ -8,9 +8,8 @@ module-level function that finds what the routes share (``_Server``) on ``app.st
 
 This module owns the request side: parse and check the body, hand the prompt to the engine
 (``_run``), record metrics as outputs stream out (``metrics.observed``); the PD route a
-request names is ``pd_route.py``'s. The response bodies (SSE
-chunks, logprobs, usage, the last output of a non-streamed request) are
-``response_body.py``'s.
+request names is ``pd_route.py``'s. The response bodies (SSE chunks, logprobs, usage, the
+last output of a non-streamed request) are ``response_body.py``'s.
 """
 
 from __future__ import annotations

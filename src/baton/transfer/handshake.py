@@ -197,17 +197,25 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _compare_dicts(sides: _Sides, what: str, local: dict, remote: dict) -> list[str]:
+MODEL_FIXES = {
+    "weight_copies": "start both with the same --weight-copies (baton launch decides it "
+    "once for all its workers)",
+}
+"""Model identity fields a user sets, and how to make a pair agree on them."""
+
+
+def _compare_dicts(
+    sides: _Sides, what: str, local: dict, remote: dict, fixes: dict[str, str] | None = None
+) -> list[str]:
+    """A line per field that differs, with its ``fixes`` entry where there is one."""
     keys = [*local, *(k for k in remote if k not in local)]
+    fixes = fixes or {}
     return [
         sides.differs(what, k, local.get(k, _MISSING), remote.get(k, _MISSING))
+        + (f": {fixes[k]}" if k in fixes else "")
         for k in keys
         if local.get(k, _MISSING) != remote.get(k, _MISSING)
     ]
-
-
-def _but_copies(model: dict) -> dict:
-    return {k: v for k, v in model.items() if k != "weight_copies"}
 
 
 def _by_name(sides: str, schema: list[dict[str, Any]], problems: list[str]) -> dict[str, dict]:
@@ -291,16 +299,7 @@ def pairing_problems(local: PeerInfo, remote: PeerInfo) -> list[str]:
         )
     if {local.role, remote.role} != {"prefill", "decode"}:
         problems.append(f"a pair is one prefill and one decode, got {local.role} and {remote.role}")
-    copies = local.model.get("weight_copies"), remote.model.get("weight_copies")
-    if copies[0] != copies[1]:
-        problems.append(
-            sides.differs("model identity: ", "weight_copies", *copies)
-            + ": start both with the same --weight-copies (baton launch decides it once for "
-            "all its workers)"
-        )
-    problems += _compare_dicts(
-        sides, "model identity: ", _but_copies(local.model), _but_copies(remote.model)
-    )
+    problems += _compare_dicts(sides, "model identity: ", local.model, remote.model, MODEL_FIXES)
     if (local.draft is None) != (remote.draft is None):
         has, lacks = (sides.local, sides.remote) if local.draft else (sides.remote, sides.local)
         problems.append(f"{has} uses a draft model, {lacks} has none")
