@@ -134,28 +134,33 @@ def test_kernel_stores_the_torch_paths_bytes_and_attends_the_stored_rows(
         (torch.float32, "int8"),
     ],
 )
-def test_a_task_of_several_kv_heads_gives_the_one_head_tasks_bits(window, dtype, kv_dtype):
-    """A step of many segments gives each task several kv heads, whole pool rows read
-    together (``baton_attention_heads_together``); each query's sums are still its own, in
-    the same order: the same output and the same stored bytes as one kv head per task."""
+@pytest.mark.parametrize("heads,longest", [(8, 4), (16, 8)])
+def test_a_task_of_several_kv_heads_gives_the_one_head_tasks_bits(
+    window, dtype, kv_dtype, heads, longest
+):
+    """A step of many segments gives each task several kv heads, taken block by block,
+    whole pool rows read together (``baton_attention_heads_together``) -- in groups whose
+    queries fit one task's (16 heads over 4 kv heads, 8 tokens: 32 queries a kv head, two
+    kv heads a group); each query's sums are still its own, in the same order: the same
+    output and the same stored bytes as one kv head per task."""
     import ctypes
 
     lib = library()
     switch = ctypes.c_int32.in_dll(lib, "baton_attention_heads_together")
-    heads, kv_heads, head_dim, batch = 8, 4, 64, 40  # 40 tiles: several heads per task
-    rng = random.Random(f"{dtype}-{kv_dtype}-{window}")
+    kv_heads, head_dim, batch = 4, 64, 40  # 40 tiles: several heads per task
+    rng = random.Random(f"{dtype}-{kv_dtype}-{window}-{heads}")
     torch.manual_seed(rng.randint(0, 1000))
     segments, offset = [], 0
     for i in range(batch):
-        n = rng.choice([1, 1, 1, 4])  # decode and verification segments
-        segments.append(Segment(f"r{i}", offset, rng.randint(0, 60), n))
+        n = rng.choice([1, 1, 1, longest])  # decode and verification segments
+        segments.append(Segment(f"r{i}", offset, rng.randint(0, 100), n))
         offset += n
 
     def attend(together: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool = PagedPool(
             "t.full" if window is None else "t.swa",
             (0,),
-            batch * 20,
+            batch * 30,
             PAGE,
             kv_heads,
             head_dim,

@@ -7,9 +7,11 @@
  * One task per (tile of a segment's queries, kv head): the tile's queries of the heads that
  * share the kv head are scored against the positions they can see in one pass (each key
  * row converted to fp32 once), soft-maxed per query in fp32, the value rows accumulated the
- * same way. A short tile (decode, verification) may give a task several kv heads, one after
- * the other, the first reading every head's rows ahead: whole pool rows, not one head's
- * piece of each (see touch_spans); each query's arithmetic is the same either way.
+ * same way. A short tile (decode, verification) may give a task several kv heads, taken
+ * block by block: each block of positions scored (then weighed) for every head before the
+ * next, its whole pool rows requested ahead -- not one head's piece of each (which memory
+ * streams at a fraction of its rate: a head's 256 bytes of each 2 KiB row), and not every
+ * head's rows again per head; each query's arithmetic is the same either way.
  * The query at position p of segment b sees positions
  *     max(first[b], p - W + 1) .. p          (W: the window; none: no lower bound but first)
  * Position kp of the segment lives at
@@ -54,6 +56,7 @@
 #define MAX_QUERIES 64 /* queries of one task: tile tokens x heads per kv head */
 #define TASKS_PER_THREAD 4 /* a task per tile and kv head, or per tile and several: at least these */
 #define SHORT_TILE 8       /* a tile of at most these tokens may take several kv heads */
+#define AHEAD 2 /* blocks: a block's rows are requested while the one this far before it is computed */
 
 /* Whether a task may take several kv heads (1), or one (0; tests compare the two bit for bit). */
 int32_t baton_attention_heads_together = 1;
@@ -422,30 +425,25 @@ static inline void widen_block(Block *blk, int which, int d, float *deq) {
     }
 }
 
-static inline void prefetch_rows(const void *const rows[BLOCK], int row_bytes) {
+/* Bytes [from, to) of each row of a block requested into L2 (prefetcht1), not loaded: the
+ * core goes on computing while they come. */
+static inline void prefetch_slice(const void *const rows[BLOCK], int from, int to) {
     for (int kk = 0; kk < BLOCK; kk++)
-        for (int at = 0; at < row_bytes; at += 64) __builtin_prefetch((const char *)rows[kk] + at);
+        for (int at = from; at < to; at += 64) __builtin_prefetch((const char *)rows[kk] + at, 0, 2);
 }
 
-/* The rows of every kv head of a task (`span` bytes from the first head's) read into the
- * cache: a pool row holds the kv heads side by side, so one head's rows are short pieces a
- * whole row apart, which memory streams at a fraction of its rate (a head's 256 bytes of
- * each 2 KiB: ~8 of ~30 GB/s here); whole rows come at its full rate. Loads, not prefetches:
- * a burst of software prefetches is dropped where the core has no room to track them. */
-static inline void touch_spans(const void *const rows[BLOCK], int span) {
-    uint64_t any = 0;
-    for (int kk = 0; kk < BLOCK; kk++)
-        for (int at = 0; at < span; at += 64) any |= *(const volatile uint64_t *)((const char *)rows[kk] + at);
-    (void)any;
-}
-
-/* Queries of tokens [t0, t1) of segment b, heads of kv head g; span > 0: the bytes of each
- * row, from this head's on, that the task reads (its other kv heads' too), to read ahead. */
-static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g, int t0,
-                                                          int t1, float *scratch, int stride,
-                                                          int span, const int d) {
+/* Queries of tokens [t0, t1) of segment b, heads of kv heads [g0, g0 + ng) (query i: kv head
+ * g0 + i / per_head, token t0 + i % per_head / rep, head (g0 + i / per_head) * rep + i % rep,
+ * per_head = (t1 - t0) * rep), block by block: each block of positions is scored (then
+ * weighed) for every kv head of the task before the next block, so a block's whole pool
+ * rows are read once, while in the cache; span > 0: the bytes of each row, from the first
+ * head's on, that the task reads, to read ahead (ng > 1). Each query's sums are its own and in
+ * the same order whatever ng is. */
+static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g0, int ng,
+                                                          int t0, int t1, float *scratch,
+                                                          int stride, int span, const int d) {
     const int rep = a->heads / a->kv_heads;
-    const int nq = (t1 - t0) * rep; /* query i: token t0 + i / rep, head g * rep + i % rep */
+    const int per_head = (t1 - t0) * rep, nq = ng * per_head;
     /* Positions the tile can see: from its first query's lowest to its last query. */
     const int p_first = a->q_start[b] + t0, p_last = a->q_start[b] + t1 - 1;
     int lo = a->first[b] > 0 ? a->first[b] : 0;
@@ -460,8 +458,9 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     float *deq = scores + (size_t)MAX_QUERIES * stride; /* a block's int8 or bf16 rows, converted */
     int64_t q_at[MAX_QUERIES];
     for (int i = 0; i < nq; i++) {
-        q_at[i] = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->q_token_stride +
-                  (int64_t)(g * rep + i % rep) * a->q_head_stride;
+        const int g = g0 + i / per_head, j = i % per_head;
+        q_at[i] = (int64_t)(a->q_offset[b] + t0 + j / rep) * a->q_token_stride +
+                  (int64_t)(g * rep + j % rep) * a->q_head_stride;
         load_row(qf + (int64_t)i * d, a->q, q_at[i], d, a->is_bf16);
     }
     /* int8 rows are read as bf16 where the AVX-512 BF16 path takes them, else as fp32 */
@@ -473,44 +472,44 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
     const int row_bytes = a->kv_int8 ? d + 4 : d * row_element(a);
     (void)avx2;
-    Block blk, next;
-    fill_block(a, b, g, base, lo, p_last, &next);
-    if (span > 0) {
-        touch_spans(next.k, span);
-        touch_spans(next.v, span);
+    Block blk, ahead;
+    /* The bytes of each row the task reads, requested AHEAD blocks ahead: a slice before
+     * each head's turn, so that the requests spread over the block's arithmetic. */
+    const int reach = span > 0 ? span : row_bytes, slice = (reach / ng + 63) / 64 * 64;
+    fill_block(a, b, g0, base, lo, p_last, &ahead);
+    prefetch_slice(ahead.k, 0, reach);
+    for (int j = BLOCK; j < AHEAD * BLOCK && j < padded; j += BLOCK) {
+        fill_block(a, b, g0, base + j, lo, p_last, &ahead);
+        prefetch_slice(ahead.k, 0, reach);
     }
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        blk = next; /* and the rows of the block after it on their way into the cache */
-        if (a->kv_int8) dequantize_block(&blk, 0, d, deq, fast);
-        if (widen) widen_block(&blk, 0, d, deq);
-        if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
-            if (span > 0) { /* the values too: the second pass finds them in the cache */
-                touch_spans(next.k, span);
-                touch_spans(next.v, span);
-            } else {
-                prefetch_rows(next.k, row_bytes);
-            }
-        }
-        for (int i = 0; i < nq; i++) {
-            const int p = a->q_start[b] + t0 + i / rep;
-            float *s = scores + (int64_t)i * stride + j0;
+        const int next = j0 + AHEAD * BLOCK;
+        if (next < padded) fill_block(a, b, g0, base + next, lo, p_last, &ahead);
+        for (int h = 0; h < ng; h++) {
+            if (next < padded) prefetch_slice(ahead.k, h * slice, h + 1 < ng ? (h + 1) * slice : reach);
+            fill_block(a, b, g0 + h, base + j0, lo, p_last, &blk);
+            if (a->kv_int8) dequantize_block(&blk, 0, d, deq, fast);
+            if (widen) widen_block(&blk, 0, d, deq);
+            for (int i = h * per_head; i < (h + 1) * per_head; i++) {
+                const int p = a->q_start[b] + t0 + i % per_head / rep;
+                float *s = scores + (int64_t)i * stride + j0;
 #if HAS_BF16_PATH
-            if (fast) {
-                score_block_bf16(a, b, &blk, (const uint16_t *)a->q + q_at[i], p, s, d);
-                continue;
-            }
+                if (fast) {
+                    score_block_bf16(a, b, &blk, (const uint16_t *)a->q + q_at[i], p, s, d);
+                    continue;
+                }
 #endif
 #if HAS_AVX2_PATH
-            if (avx2) {
-                if (row_bf16)
-                    score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 1);
-                else
-                    score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 0);
-                continue;
-            }
+                if (avx2) {
+                    if (row_bf16)
+                        score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 1);
+                    else
+                        score_block_avx2(a, b, &blk, qf + (int64_t)i * d, p, s, d, 0);
+                    continue;
+                }
 #endif
-            score_block(a, b, &blk, qf + (int64_t)i * d, p, rows, s, d, row_bf16);
+                score_block(a, b, &blk, qf + (int64_t)i * d, p, rows, s, d, row_bf16);
+            }
         }
     }
     /* Softmax numerators in place (soft-capped first where the model says so). */
@@ -536,56 +535,64 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #endif
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
-    fill_block(a, b, g, base, lo, p_last, &next);
+    fill_block(a, b, g0, base, lo, p_last, &ahead);
+    prefetch_slice(ahead.v, 0, reach);
+    for (int j = BLOCK; j < AHEAD * BLOCK && j < padded; j += BLOCK) {
+        fill_block(a, b, g0, base + j, lo, p_last, &ahead);
+        prefetch_slice(ahead.v, 0, reach);
+    }
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
-        blk = next;
-        if (a->kv_int8 && !fast) dequantize_block(&blk, 1, d, deq, 0); /* else paired below */
-        if (widen) widen_block(&blk, 1, d, deq);
-        if (j0 + BLOCK < padded) {
-            fill_block(a, b, g, base + j0 + BLOCK, lo, p_last, &next);
-            prefetch_rows(next.v, row_bytes);
-        }
+        const int next = j0 + AHEAD * BLOCK;
+        if (next < padded) fill_block(a, b, g0, base + next, lo, p_last, &ahead);
+        for (int h = 0; h < ng; h++) {
+            const int i0 = h * per_head, i1 = i0 + per_head;
+            if (next < padded) prefetch_slice(ahead.v, h * slice, h + 1 < ng ? (h + 1) * slice : reach);
+            fill_block(a, b, g0 + h, base + j0, lo, p_last, &blk);
+            if (a->kv_int8 && !fast) dequantize_block(&blk, 1, d, deq, 0); /* else paired below */
+            if (widen) widen_block(&blk, 1, d, deq);
 #if HAS_BF16_PATH
-        if (fast) { /* padding rows are read, never weighed */
-            if (a->kv_int8)
-                pair_values_int8(&blk, (uint32_t *)rows, d);
-            else
-                pair_values_bf16(&blk, (uint32_t *)rows, d);
-            for (int i = 0; i < nq; i++)
-                accumulate_block_bf16((const uint32_t *)(scores + (int64_t)i * stride) + j0 / 2,
-                                      (const uint32_t *)rows, acc + (int64_t)i * d, d);
-            continue;
-        }
-#endif
-#if HAS_AVX2_PATH
-        if (avx2) { /* padding rows weigh 0: never read */
-            for (int i = 0; i < nq; i++) {
-                const float *probs = scores + (int64_t)i * stride + j0;
-                if (row_bf16)
-                    accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 1);
+            if (fast) { /* padding rows are read, never weighed */
+                if (a->kv_int8)
+                    pair_values_int8(&blk, (uint32_t *)rows, d);
                 else
-                    accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 0);
-            }
-            continue;
-        }
-#endif
-        for (int kk = 0; kk < BLOCK; kk++) /* padding rows are read, never weighed */
-            load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, row_bf16);
-        for (int i = 0; i < nq; i++) {
-            const float *probs = scores + (int64_t)i * stride + j0;
-#if HAS_BF16_PATH
-            if (d % 16 == 0 && d <= 256) {
-                accumulate_block_avx512(probs, rows, acc + (int64_t)i * d, d);
+                    pair_values_bf16(&blk, (uint32_t *)rows, d);
+                for (int i = i0; i < i1; i++)
+                    accumulate_block_bf16((const uint32_t *)(scores + (int64_t)i * stride) + j0 / 2,
+                                          (const uint32_t *)rows, acc + (int64_t)i * d, d);
                 continue;
             }
 #endif
-            accumulate_block(probs, rows, acc + (int64_t)i * d, d);
+#if HAS_AVX2_PATH
+            if (avx2) { /* padding rows weigh 0: never read */
+                for (int i = i0; i < i1; i++) {
+                    const float *probs = scores + (int64_t)i * stride + j0;
+                    if (row_bf16)
+                        accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 1);
+                    else
+                        accumulate_block_avx2(probs, &blk, acc + (int64_t)i * d, d, 0);
+                }
+                continue;
+            }
+#endif
+            for (int kk = 0; kk < BLOCK; kk++) /* padding rows are read, never weighed */
+                load_row(rows + (int64_t)kk * d, blk.v[kk], 0, d, row_bf16);
+            for (int i = i0; i < i1; i++) {
+                const float *probs = scores + (int64_t)i * stride + j0;
+#if HAS_BF16_PATH
+                if (d % 16 == 0 && d <= 256) {
+                    accumulate_block_avx512(probs, rows, acc + (int64_t)i * d, d);
+                    continue;
+                }
+#endif
+                accumulate_block(probs, rows, acc + (int64_t)i * d, d);
+            }
         }
     }
     for (int i = 0; i < nq; i++) {
         const float inv = 1.0f / sums[i];
-        int64_t at = (int64_t)(a->q_offset[b] + t0 + i / rep) * a->out_token_stride +
-                     (int64_t)(g * rep + i % rep) * a->out_head_stride;
+        const int j = i % per_head;
+        int64_t at = (int64_t)(a->q_offset[b] + t0 + j / rep) * a->out_token_stride +
+                     (int64_t)((g0 + i / per_head) * rep + j % rep) * a->out_head_stride;
         for (int e = 0; e < d; e++) store(a->out, at + e, acc[(int64_t)i * d + e] * inv, a->is_bf16);
     }
 }
@@ -599,7 +606,8 @@ typedef struct {
     int head_bytes, width; /* bytes from one kv head's row to the next's; of one's row */
 } Job;
 
-/* One task: one tile of a segment's queries, one kv head or several. */
+/* One task: one tile of a segment's queries, one kv head or several -- in groups whose queries
+ * fit MAX_QUERIES, each group block by block (one_task). */
 static void one_tile(void *ctx, int t, int worker) {
     const Job *J = ctx;
     const Args *a = J->a;
@@ -607,15 +615,18 @@ static void one_tile(void *ctx, int t, int worker) {
     const int32_t *task = J->tasks + 4 * (int64_t)t;
     const int b = task[0], t0 = task[1], first = task[2], heads = task[3];
     const int t1 = t0 + J->tile < a->q_count[b] ? t0 + J->tile : a->q_count[b];
-    for (int g = first; g < first + heads; g++) {
-        /* the first head reads every head's rows ahead: the others find them in the cache */
-        const int span = g == first && heads > 1 ? (heads - 1) * J->head_bytes + J->width : 0;
+    const int per_head = (t1 - t0) * (a->heads / a->kv_heads);
+    const int group = MAX_QUERIES / per_head > 0 ? MAX_QUERIES / per_head : 1;
+    for (int g = first; g < first + heads; g += group) {
+        const int ng = first + heads - g < group ? first + heads - g : group;
+        /* several heads: whole rows read ahead (a pool row holds the kv heads side by side) */
+        const int span = ng > 1 ? (ng - 1) * J->head_bytes + J->width : 0;
         if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
-            one_task(a, b, g, t0, t1, scratch, J->stride, span, 64);
+            one_task(a, b, g, ng, t0, t1, scratch, J->stride, span, 64);
         else if (a->head_dim == 128)
-            one_task(a, b, g, t0, t1, scratch, J->stride, span, 128);
+            one_task(a, b, g, ng, t0, t1, scratch, J->stride, span, 128);
         else
-            one_task(a, b, g, t0, t1, scratch, J->stride, span, a->head_dim);
+            one_task(a, b, g, ng, t0, t1, scratch, J->stride, span, a->head_dim);
     }
 }
 
