@@ -436,9 +436,9 @@ static inline void prefetch_slice(const void *const rows[BLOCK], int from, int t
  * g0 + i / per_head, token t0 + i % per_head / rep, head (g0 + i / per_head) * rep + i % rep,
  * per_head = (t1 - t0) * rep), block by block: each block of positions is scored (then
  * weighed) for every kv head of the task before the next block, so a block's whole pool
- * rows are read once, while in the cache; span > 0: the bytes of each row, from the first
- * head's on, that the task reads, to read ahead (ng > 1). Each query's sums are its own and in
- * the same order whatever ng is. */
+ * rows are read once, while in the cache; span: the bytes of each row, from the first head's
+ * on, that the task reads (ng > 1; 0: one head's row), requested ahead. Each query's sums are
+ * its own and in the same order whatever ng is. */
 static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g0, int ng,
                                                           int t0, int t1, float *scratch,
                                                           int stride, int span, const int d) {
