@@ -437,8 +437,8 @@ static inline void prefetch_slice(const void *const rows[BLOCK], int from, int t
  * per_head = (t1 - t0) * rep), block by block: each block of positions is scored (then
  * weighed) for every kv head of the task before the next block, so a block's whole pool
  * rows are read once, while in the cache; span: the bytes of each row, from the first head's
- * on, that the task reads (ng > 1; 0: one head's row), requested ahead. Each query's sums are
- * its own and in the same order whatever ng is. */
+ * on, that the task reads, requested ahead. Each query's sums are its own and in the same
+ * order whatever ng is. */
 static inline __attribute__((always_inline)) void one_task(const Args *a, int b, int g0, int ng,
                                                           int t0, int t1, float *scratch,
                                                           int stride, int span, const int d) {
@@ -470,23 +470,22 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     const int widen = stored_bf16 && !fast && !a->kv_int8;
     const int row_bf16 = stored_bf16 && !widen;
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
-    const int row_bytes = a->kv_int8 ? d + 4 : d * row_element(a);
     (void)avx2;
     Block blk, ahead;
-    /* The bytes of each row the task reads, requested AHEAD blocks ahead: a slice before
-     * each head's turn, so that the requests spread over the block's arithmetic. */
-    const int reach = span > 0 ? span : row_bytes, slice = (reach / ng + 63) / 64 * 64;
+    /* The rows' bytes requested AHEAD blocks ahead: a slice before each head's turn, so that
+     * the requests spread over the block's arithmetic. */
+    const int slice = (span / ng + 63) / 64 * 64;
     fill_block(a, b, g0, base, lo, p_last, &ahead);
-    prefetch_slice(ahead.k, 0, reach);
+    prefetch_slice(ahead.k, 0, span);
     for (int j = BLOCK; j < AHEAD * BLOCK && j < padded; j += BLOCK) {
         fill_block(a, b, g0, base + j, lo, p_last, &ahead);
-        prefetch_slice(ahead.k, 0, reach);
+        prefetch_slice(ahead.k, 0, span);
     }
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         const int next = j0 + AHEAD * BLOCK;
         if (next < padded) fill_block(a, b, g0, base + next, lo, p_last, &ahead);
         for (int h = 0; h < ng; h++) {
-            if (next < padded) prefetch_slice(ahead.k, h * slice, h + 1 < ng ? (h + 1) * slice : reach);
+            if (next < padded) prefetch_slice(ahead.k, h * slice, h + 1 < ng ? (h + 1) * slice : span);
             fill_block(a, b, g0 + h, base + j0, lo, p_last, &blk);
             if (a->kv_int8) dequantize_block(&blk, 0, d, deq, fast);
             if (widen) widen_block(&blk, 0, d, deq);
@@ -536,17 +535,17 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     }
     memset(acc, 0, (size_t)nq * d * sizeof(float));
     fill_block(a, b, g0, base, lo, p_last, &ahead);
-    prefetch_slice(ahead.v, 0, reach);
+    prefetch_slice(ahead.v, 0, span);
     for (int j = BLOCK; j < AHEAD * BLOCK && j < padded; j += BLOCK) {
         fill_block(a, b, g0, base + j, lo, p_last, &ahead);
-        prefetch_slice(ahead.v, 0, reach);
+        prefetch_slice(ahead.v, 0, span);
     }
     for (int j0 = 0; j0 < padded; j0 += BLOCK) {
         const int next = j0 + AHEAD * BLOCK;
         if (next < padded) fill_block(a, b, g0, base + next, lo, p_last, &ahead);
         for (int h = 0; h < ng; h++) {
             const int i0 = h * per_head, i1 = i0 + per_head;
-            if (next < padded) prefetch_slice(ahead.v, h * slice, h + 1 < ng ? (h + 1) * slice : reach);
+            if (next < padded) prefetch_slice(ahead.v, h * slice, h + 1 < ng ? (h + 1) * slice : span);
             fill_block(a, b, g0 + h, base + j0, lo, p_last, &blk);
             if (a->kv_int8 && !fast) dequantize_block(&blk, 1, d, deq, 0); /* else paired below */
             if (widen) widen_block(&blk, 1, d, deq);
@@ -619,8 +618,9 @@ static void one_tile(void *ctx, int t, int worker) {
     const int group = MAX_QUERIES / per_head > 0 ? MAX_QUERIES / per_head : 1;
     for (int g = first; g < first + heads; g += group) {
         const int ng = first + heads - g < group ? first + heads - g : group;
-        /* several heads: whole rows read ahead (a pool row holds the kv heads side by side) */
-        const int span = ng > 1 ? (ng - 1) * J->head_bytes + J->width : 0;
+        /* the group's heads' pieces of each row: whole rows where it is every kv head (a pool
+         * row holds the kv heads side by side) */
+        const int span = (ng - 1) * J->head_bytes + J->width;
         if (a->head_dim == 64) /* constant sizes: unrolled inner loops */
             one_task(a, b, g, ng, t0, t1, scratch, J->stride, span, 64);
         else if (a->head_dim == 128)
