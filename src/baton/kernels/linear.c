@@ -326,12 +326,13 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
  * unsigned, x + 128 (x is -127..127: its sign bit flipped), so a column's sum is
  * sum (x + 128) w = sum x w + 128 sum w, and sum w comes from one more vpdpbusd per load
  * (with bytes of 1), shared by the rows: per row and quad a broadcast, an xor and the
- * vpdpbusd (with |w| and w's sign as the unsigned and signed sides, two more per load and
- * one more per row). Each row's sums are kept in INT8_CHAINS(R) independent chains of
+ * vpdpbusd (|w| as the unsigned side and x with w's sign as the signed one took two more
+ * per load and one more per row). Each row's sums are kept in INT8_CHAINS(R) independent chains of
  * quads, added at the end -- integer sums, the same in any order -- since a vpdpbusd waits
  * for the last one into its register (~5 cycles on a Zen 4): one chain held one row to a
  * fifth of the instruction's rate (a 1024 x 3072 matmul of one row 1.4x faster with 4). */
 #define INT8_CHAINS(R) ((R) == 1 ? 4 : (R) <= 4 ? 2 : 1)
+#define INT8_EVEN_GROUPS 1 /* tiles of 1-2 rows cost more a row than 3-6: some_panels */
 #define INT8_QUAD(R, c, jj)                                                                   \
     do {                                                                                      \
         const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)(jj)));        \
@@ -406,6 +407,9 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
                            p[64 * (int64_t)j + 4 * c + t];                                    \
             out[r * 16 + c] = sum;                                                            \
         }
+#endif
+#ifndef INT8_EVEN_GROUPS
+#define INT8_EVEN_GROUPS 0
 #endif
 DEFINE_INT8_TILE(1)
 DEFINE_INT8_TILE(2)
@@ -703,8 +707,12 @@ static void some_panels(const Job *J, int blk, int count) {
     const int int8 = J->w_format == W_INT8, int4 = J->w_format == W_INT4;
     const float *scale = int8 ? (const float *)((const char *)panel + 16 * (int64_t)J->kp) : NULL;
     const int group = int8 ? INT8_ROWS : int4 ? INT4_ROWS : GROUP;
-    for (int g = 0; g < m; g += group) {
-        const int rows = m - g < group ? m - g : group;
+    /* VNNI int8: the rows in groups of even sizes (8 rows: 4 + 4, not 6 + 2; INT8_CHAINS) --
+     * the sums are exact, a row's bits do not depend on its group. Elsewhere full groups
+     * (AVX2's int tiles ran 0.93-1.0x evened; the float tiles' order depends on R). */
+    const int even = int8 && INT8_EVEN_GROUPS, tiles = (m + group - 1) / group;
+    for (int g = 0, tile = 0, rows; g < m; g += rows, tile++) {
+        rows = even ? (m - g) / (tiles - tile) : m - g < group ? m - g : group;
         if (int8) {
             int32_t sums[GROUP * PANEL];
             INT8_TILES[rows](J->xq + (int64_t)g * J->kp, J->kp, J->kp / 4, panel, sums);
