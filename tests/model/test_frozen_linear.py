@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from baton import platform
 from baton.model import frozen_linear
-from baton.model.frozen_linear import FEW_ROWS_MIN_WEIGHT, FrozenLinear, step_invariant_rows
+from baton.model.frozen_linear import FEW_ROWS_MIN_WEIGHT, FrozenLinear
+from baton.model.matmul_context import step_invariant_rows, weights_held_once
 
 
 def _check(dtype: torch.dtype, rows: int, has_bias: bool) -> FrozenLinear:
@@ -163,7 +164,7 @@ def test_a_bf16_weight_held_once_is_in_the_panels_alone(rows, has_bias, monkeypa
     no packed copy, no float weight."""
     monkeypatch.setattr(frozen_linear, "can_pack", lambda weight: True)  # any CPU
     monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", 96 * 64)
-    with frozen_linear.weights_held_once():
+    with weights_held_once():
         frozen = _check(torch.bfloat16, rows, has_bias)
     if frozen.rows() is None:
         pytest.skip("native layers off: nothing but oneDNN's copy can hold it")
@@ -176,9 +177,9 @@ def test_weights_held_once_spares_small_weights_and_ends(monkeypatch):
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", lambda weight, n: weight)
     big = torch.randn(96, 64).to(torch.bfloat16)
     monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", big.numel() + 1)
-    with frozen_linear.weights_held_once():  # below PANELS_ONLY_MIN_WEIGHT: packed as ever
+    with weights_held_once():  # below PANELS_ONLY_MIN_WEIGHT: packed as ever
         assert FrozenLinear(big).packed is not None
     monkeypatch.setattr(frozen_linear, "PANELS_ONLY_MIN_WEIGHT", big.numel())
-    with frozen_linear.weights_held_once(False):
+    with weights_held_once(False):
         assert FrozenLinear(big).packed is not None
     assert FrozenLinear(big).packed is not None  # the context is over

@@ -21,7 +21,8 @@ from baton.config import EngineConfig
 from baton.engine.llm import LLM
 from baton.kernels import library
 from baton.kernels.linear import Epilogue, PackedRows, linear_rows
-from baton.model.frozen_linear import FrozenLinear, step_invariant_rows
+from baton.model.frozen_linear import FrozenLinear
+from baton.model.matmul_context import step_invariant_rows
 from baton.model.quantize import (
     DEQUANTIZE_BLOCK,
     QUANTIZERS,

@@ -22,8 +22,8 @@ from baton.memory.aux import AuxPool
 from baton.memory.cache import ModelCache
 from baton.memory.state import StateRegistry
 from baton.model.decoder import CausalLM
-from baton.model.frozen_linear import weights_held_once
 from baton.model.loader import load_draft
+from baton.model.matmul_context import weights_held_once
 from baton.sampling.grammar import GrammarCompiler
 from baton.speculative.ngram import NgramProposer
 from baton.speculative.proposer import DraftProposer

@@ -26,8 +26,8 @@ from baton.kernels.logits import argmax_rows, head_greedy, logsumexp_rows
 from baton.memory.cache import ModelCache
 from baton.model.decoder import CausalLM
 from baton.model.executor import NativeExecutor
-from baton.model.frozen_linear import step_invariant_rows
 from baton.model.layers import take_rows
+from baton.model.matmul_context import step_invariant_rows
 from baton.model.paged_attention import PagedAttention, Segment
 from baton.sampling.sampler import Sampler, SamplerOutput, SamplingState
 from baton.speculative.ngram import NgramProposer
@@ -98,7 +98,7 @@ class ModelRunner:
         rows = self._rows_read(batch.chunks, segments, len(input_ids))
         # A prompt's keys and values (and the draft's) come out the same whatever the step's
         # size, so that a prefix-cache hit restores the bytes a cold run writes: no fused
-        # layer, and matmuls in blocks of rows (frozen_linear.step_invariant_rows).
+        # layer, and matmuls in blocks of rows (matmul_context.step_invariant_rows).
         computes_prompt = batch.computes_prompt
         attn = PagedAttention(self.cache, segments, native_layers=not computes_prompt)
         hidden, greedy = None, None

@@ -132,7 +132,7 @@ class CausalLM(nn.Module):
         """The matmuls' quantization (``fuse_projections``), or None: as loaded."""
         self.weights_held_once = False
         """Set by ``loader.load_fused_model``: bf16 weights held in linear.c's panels alone
-        (``frozen_linear.weights_held_once``)."""
+        (``matmul_context.weights_held_once``)."""
         self.checkpoint_quantization: str | None = None
         """Set by the loader of a pre-quantized checkpoint (its projections carry
         ``quantized`` weights): the quantization the model computes with."""

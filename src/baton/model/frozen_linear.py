@@ -1,19 +1,15 @@
 """FrozenLinear: the inference matmul every projection of a loaded model runs.
 
 Owns the choice of path per call -- oneDNN's packed bf16 matmul (activation and residual
-inside it), ``F.linear``, or ``linear.c``'s few-row kernel (``baton.kernels.linear``) -- and
-``step_invariant_rows``, the context in which a row's result does not depend on the call's
-number of rows. Pure torch plus those kernels; holds no parameters of its own (it reads the
-module's) and never touches the engine. Who calls it: ``attention``, ``decoder``, ``draft``
-and ``layers.GatedMLP`` (built in ``fuse_projections``; ``few_rows_kernel`` / ``few_rows_now``
-hand its panels to the native chain and head); the runner enters ``step_invariant_rows``.
+inside it), ``F.linear``, or ``linear.c``'s few-row kernel (``baton.kernels.linear``) -- as
+the contexts of ``matmul_context`` ask (``step_invariant_rows``: a row's result does not
+depend on the call's number of rows). Pure torch plus those kernels; holds no parameters of
+its own (it reads the module's) and never touches the engine. Who calls it: ``attention``,
+``decoder``, ``draft`` and ``layers.GatedMLP`` (built in ``fuse_projections``;
+``few_rows_kernel`` / ``few_rows_now`` hand its panels to the native chain and head).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +25,7 @@ from baton.kernels.linear import (
     linear_rows,
     max_rows_beside_onednn,
 )
+from baton.model.matmul_context import holding_once, in_row_blocks, rows_invariant
 from baton.model.quantize import (
     QUANTIZERS,
     QuantizedWeight,
@@ -47,66 +44,6 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.device.type == "cpu"
         and platform.current().native_bf16
     )
-
-
-_held_once: ContextVar[bool] = ContextVar("held_once", default=False)
-
-
-@contextmanager
-def weights_held_once(active: bool = True) -> Iterator[None]:
-    """While active (``loader.load_fused_model`` with one weight copy), a bf16 weight
-    oneDNN would pack (``can_pack``) of at least ``PANELS_ONLY_MIN_WEIGHT`` values is held
-    in linear.c's panels alone, as fp32 compute holds them (``PANELS_FOR_EVERY_STEP``):
-    prompt steps run linear.c too (0.86-0.92x oneDNN's packed matmul at 512 rows on a Zen
-    4), and the model's matmuls take half the memory."""
-    token = _held_once.set(active)
-    try:
-        yield
-    finally:
-        _held_once.reset(token)
-
-
-ROW_BLOCK = 16
-"""Inside ``step_invariant_rows``, every matmul runs a multiple of this many rows."""
-
-_invariant_rows: ContextVar[bool] = ContextVar("invariant_rows", default=False)
-
-
-@contextmanager
-def step_invariant_rows(active: bool = True) -> Iterator[None]:
-    """While active (the engine's steps that compute prompt tokens), ``FrozenLinear`` gives
-    a row the same result whatever the number of rows in the call: it pads each call to a
-    multiple of ``ROW_BLOCK`` rows and always takes BLAS / oneDNN (never ``linear_rows``,
-    whose sums depend on the row group). A prompt's keys and values then come out the same
-    whether a cold run computes them in one chunk of 29 tokens or a prefix-cache hit in
-    one of 13 -- the restored bytes equal a cold run's. NOTE: measured on an AMD EPYC Zen 5,
-    MKL's fp32 sgemm gives a row of a 1-3, 5-7 or 9-11-row call other bits than the same
-    row in a larger call (Zen 3's did not); calls of a multiple of 4 rows agreed with
-    16-row calls up to 512 rows (``tests/model/test_frozen_linear.py`` checks it on the
-    machine it runs on)."""
-    token = _invariant_rows.set(active)
-    try:
-        yield
-    finally:
-        _invariant_rows.reset(token)
-
-
-def _in_row_blocks(
-    fn: Callable[..., torch.Tensor], x: torch.Tensor, other: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``fn(x[, other])`` with x's (and other's) rows padded with zeros to a multiple of
-    ``ROW_BLOCK``, the padding's outputs dropped."""
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    pad = -rows % ROW_BLOCK
-    if pad == 0 or rows == 0:
-        return fn(x) if other is None else fn(x, other)
-
-    def padded(t: torch.Tensor) -> torch.Tensor:
-        flat = t.reshape(rows, t.shape[-1])
-        return torch.cat((flat, flat.new_zeros(pad, t.shape[-1])))
-
-    y = fn(padded(x)) if other is None else fn(padded(x), padded(other))
-    return y[:rows].reshape(*x.shape[:-1], y.shape[-1])
 
 
 PANELS_FOR_EVERY_STEP = True
@@ -176,7 +113,7 @@ class FrozenLinear:
             self.quantized, weight = QUANTIZERS[quantization](weight), None
         else:
             weight = weight.detach()
-        once = weight is not None and _held_once.get() and self._panels_can_hold(weight)
+        once = weight is not None and holding_once() and self._panels_can_hold(weight)
         self.packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             if weight is not None and widen is None and not once and can_pack(weight)
@@ -287,7 +224,7 @@ class FrozenLinear:
     def few_rows_now(self, rows: int) -> tuple[PackedRows, torch.Tensor | None, bool] | None:
         """``few_rows_kernel`` where ``__call__`` would take linear.c for ``rows`` rows now
         (at most ``max_few_rows``, outside ``step_invariant_rows``); else None."""
-        if _invariant_rows.get() or rows > self._max_few_rows:
+        if rows_invariant() or rows > self._max_few_rows:
             return None
         return self.few_rows_kernel()
 
@@ -313,8 +250,8 @@ class FrozenLinear:
         return narrow, None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if _invariant_rows.get():
-            return _in_row_blocks(self._blas, x)
+        if rows_invariant():
+            return in_row_blocks(self._blas, x)
         if self._few_rows and self._takes_few(x):
             weight, bias = self.rows()
             y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation], None, self.rounds_once)
@@ -372,9 +309,9 @@ class FrozenLinear:
 
     def _binary(self, x: torch.Tensor, other: torch.Tensor, op: str) -> torch.Tensor:
         assert self.activation == "none", "a binary op follows the bare matmul"
-        if _invariant_rows.get():
+        if rows_invariant():
             if other.shape[:-1] == x.shape[:-1]:
-                return _in_row_blocks(lambda a, b: self._binary_blas(a, b, op), x, other)
+                return in_row_blocks(lambda a, b: self._binary_blas(a, b, op), x, other)
             y = self(x)
             return y * other if op == "mul" else y + other
         if self._few_rows and self._takes_few(x):

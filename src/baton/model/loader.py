@@ -28,7 +28,7 @@ from torch import nn
 from baton import platform
 from baton.model.decoder import CausalLM
 from baton.model.draft import DRAFT_CONFIG_FILE, DraftSpec, MTPDraft
-from baton.model.frozen_linear import weights_held_once
+from baton.model.matmul_context import weights_held_once
 from baton.model.prequantized import QuantizedTensors, check_config
 from baton.model.registry import spec_from_config
 from baton.model.spec import ModelSpec
@@ -192,7 +192,7 @@ def load_fused_model(
 
     weight_copies: where oneDNN computes bf16 (``frozen_linear.can_pack``), a large weight
     is held twice -- oneDNN's packed copy for prompt steps, linear.c's panels for small
-    ones -- or, with 1, in the panels alone (``frozen_linear.weights_held_once``: prompt
+    ones -- or, with 1, in the panels alone (``matmul_context.weights_held_once``: prompt
     steps ~0.9x); None decides by memory (``SECOND_COPY_SHARE``). The model's
     ``weights_held_once`` says which was done where it matters."""
     available = platform.available_memory_bytes()  # before the model takes its share
