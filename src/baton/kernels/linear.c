@@ -323,16 +323,17 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
  * 16 columns x 4 inputs, and vpdpbusd adds each column's 4 products of an unsigned byte and
  * a signed one into its 32-bit sum in one instruction -- exact, no 16-bit stage. The
  * weights are the signed operand as they are (-128 included); the row's bytes are made
- * unsigned, x + 128 (x is -127..127: its sign bit flipped), so a column's sum is
- * sum (x + 128) w = sum x w + 128 sum w, and sum w comes from one more vpdpbusd per load
- * (with bytes of 1), shared by the rows: per row and quad a broadcast, an xor and the
- * vpdpbusd (|w| as the unsigned side and x with w's sign as the signed one took two more
- * per load and one more per row). Each row's sums are kept in INT8_CHAINS(R) independent chains of
+ * unsigned, x + 128 (x is -127..127: run() flips their sign bits once per call), so a
+ * column's sum is sum (x + 128) w = sum x w + 128 sum w, and sum w comes from one more
+ * vpdpbusd per load (with bytes of 1), shared by the rows: per row and quad a broadcast and
+ * the vpdpbusd (|w| as the unsigned side and x with w's sign as the signed one took two
+ * more per load and one more per row; 6-row tiles ~1.35x faster without). Each row's sums are kept in INT8_CHAINS(R) independent chains of
  * quads, added at the end -- integer sums, the same in any order -- since a vpdpbusd waits
  * for the last one into its register (~5 cycles on a Zen 4): one chain held one row to a
  * fifth of the instruction's rate (a 1024 x 3072 matmul of one row 1.4x faster with 4). */
 #define INT8_CHAINS(R) ((R) == 1 ? 4 : (R) <= 4 ? 2 : 1)
 #define INT8_EVEN_GROUPS 1 /* tiles of 1-2 rows cost more a row than 3-6: some_panels */
+#define INT8_ROWS_UNSIGNED 1 /* xq holds x + 128: run() flips the sign bits once */
 #define INT8_QUAD(R, c, jj)                                                                   \
     do {                                                                                      \
         const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)(jj)));        \
@@ -340,14 +341,12 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
             int32_t sq;                                                                       \
             memcpy(&sq, xq + r * stride + 4 * (int64_t)(jj), 4);                              \
-            const __m512i xs = _mm512_xor_si512(_mm512_set1_epi32(sq), flip);                 \
-            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], xs, w);                                \
+            acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], _mm512_set1_epi32(sq), w);             \
         }                                                                                     \
     } while (0)
 #define INT8_TILE_BODY(R)                                                                     \
     enum { C = INT8_CHAINS(R) };                                                              \
     const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi8(1);                  \
-    const __m512i flip = _mm512_set1_epi8((char)0x80);                                        \
     __m512i acc[R][C], wsum[C];                                                               \
     _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                     \
         wsum[c] = zero;                                                                       \
@@ -410,6 +409,9 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
 #endif
 #ifndef INT8_EVEN_GROUPS
 #define INT8_EVEN_GROUPS 0
+#endif
+#ifndef INT8_ROWS_UNSIGNED
+#define INT8_ROWS_UNSIGNED 0
 #endif
 DEFINE_INT8_TILE(1)
 DEFINE_INT8_TILE(2)
@@ -793,6 +795,8 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
         if (int8) {
             xs[r] = quantize_row(x, (int64_t)r * x_stride, k, kp, job->act_bf16,
                                  xq + (int64_t)r * kp);
+            if (INT8_ROWS_UNSIGNED && job->w_format == W_INT8) /* x + 128 (padding too) */
+                for (int i = 0; i < kp; i++) xq[(int64_t)r * kp + i] ^= (int8_t)0x80;
             for (int q = 0; q < groups; q++) {
                 int32_t sum = 0;
                 for (int i = 0; i < INT4_GROUP; i++) sum += xq[(int64_t)r * kp + q * INT4_GROUP + i];
