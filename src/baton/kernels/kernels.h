@@ -199,7 +199,8 @@ int baton_threads_for(int64_t work, int64_t per_thread, int threads);
 
 /* A packed weight's format (linear.c's panels; baton/kernels/linear.py ``WEIGHT_FORMATS``):
  * fp32, bf16, int8 (symmetric per output column: each panel's 16 columns x k int8 values in
- * quads of inputs, k padded to whole quads, then its 16 columns' fp32 scales) or int4
+ * quads of inputs, k padded to whole quads, then its 16 columns' fp32 scales, then their
+ * int32 sums of the values, which the VNNI tiles' unsigned rows need) or int4
  * (symmetric per column and group of INT4_GROUP inputs, k padded to whole groups: per group
  * its 16 x 32 values in 256 bytes, two per byte, then the group's 16 column scales). The bias
  * of an int8 or int4 weight is fp32. */
@@ -214,7 +215,7 @@ static inline int64_t baton_int4_groups(int64_t k) { return (k + INT4_GROUP - 1)
 
 /* The bytes of one panel of `k` inputs in format `w_format`. */
 static inline int64_t baton_panel_bytes(int64_t k, int w_format) {
-    if (w_format == W_INT8) return 64 * baton_int8_quads(k) + 16 * (int64_t)sizeof(float);
+    if (w_format == W_INT8) return 64 * baton_int8_quads(k) + 16 * (int64_t)(4 + 4);
     if (w_format == W_INT4) return INT4_GROUP_BYTES * baton_int4_groups(k);
     return 16 * k * (w_format ? 2 : 4);
 }

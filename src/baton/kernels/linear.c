@@ -324,10 +324,10 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
  * a signed one into its 32-bit sum in one instruction -- exact, no 16-bit stage. The
  * weights are the signed operand as they are (-128 included); the row's bytes are made
  * unsigned, x + 128 (x is -127..127: run() flips their sign bits once per call), so a
- * column's sum is sum (x + 128) w = sum x w + 128 sum w, and sum w comes from one more
- * vpdpbusd per load (with bytes of 1), shared by the rows: per row and quad a broadcast and
- * the vpdpbusd (|w| as the unsigned side and x with w's sign as the signed one took two
- * more per load and one more per row; 6-row tiles ~1.35x faster without). Each row's sums are kept in INT8_CHAINS(R) independent chains of
+ * column's sum is sum (x + 128) w = sum x w + 128 sum w, sum w stored in the panel (after
+ * the scales): per row and quad a broadcast and the vpdpbusd, nothing per load but the
+ * load (|w| as the unsigned side and x with w's sign as the signed one took two more per
+ * load and one more per row; 6-row tiles ~1.5x faster without). Each row's sums are kept in INT8_CHAINS(R) independent chains of
  * quads, added at the end -- integer sums, the same in any order -- since a vpdpbusd waits
  * for the last one into its register (~5 cycles on a Zen 4): one chain held one row to a
  * fifth of the instruction's rate (a 1024 x 3072 matmul of one row 1.4x faster with 4). */
@@ -336,8 +336,8 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
 #define INT8_ROWS_UNSIGNED 1 /* xq holds x + 128: run() flips the sign bits once */
 #define INT8_QUAD(R, c, jj)                                                                   \
     do {                                                                                      \
-        const __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)(jj)));        \
-        wsum[c] = _mm512_dpbusd_epi32(wsum[c], ones, w);                                      \
+        __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)(jj)));              \
+        __asm__("" : "+v"(w)); /* one load for the R rows: not folded into each vpdpbusd */    \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                 \
             int32_t sq;                                                                       \
             memcpy(&sq, xq + r * stride + 4 * (int64_t)(jj), 4);                              \
@@ -346,12 +346,10 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
     } while (0)
 #define INT8_TILE_BODY(R)                                                                     \
     enum { C = INT8_CHAINS(R) };                                                              \
-    const __m512i zero = _mm512_setzero_si512(), ones = _mm512_set1_epi8(1);                  \
-    __m512i acc[R][C], wsum[C];                                                               \
-    _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                     \
-        wsum[c] = zero;                                                                       \
+    const __m512i zero = _mm512_setzero_si512();                                              \
+    __m512i acc[R][C];                                                                        \
+    _Pragma("GCC unroll 4") for (int c = 0; c < C; c++)                                       \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) acc[r][c] = zero;                 \
-    }                                                                                         \
     int j = 0;                                                                                \
     for (; j + C <= quads; j += C) {                                                          \
         _Pragma("GCC unroll 4") for (int c = 0; c < C; c++) {                                 \
@@ -360,9 +358,8 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
         }                                                                                     \
     }                                                                                         \
     for (; j < quads; j++) INT8_QUAD(R, 0, j);                                                \
-    __m512i bias = wsum[0];                                                                   \
-    _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) bias = _mm512_add_epi32(bias, wsum[c]); \
-    bias = _mm512_slli_epi32(bias, 7);                                                        \
+    const __m512i bias = _mm512_slli_epi32(                                                   \
+        _mm512_loadu_si512((const void *)(p + 64 * (int64_t)quads + 16 * 4)), 7);            \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
         __m512i sum = acc[r][0];                                                              \
         _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) sum = _mm512_add_epi32(sum, acc[r][c]); \

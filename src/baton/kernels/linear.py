@@ -85,7 +85,8 @@ class PackedRows:
         """An int8 weight ``q`` [n, k] whose row j means ``q[j] * scale[j]`` (fp32 [n]): each
         panel's integers by quads of inputs (k padded with zeros to whole quads; quad j
         holds ``w[16 b + c, 4 j + t]`` at ``[j, c, t]``), then its 16 columns' fp32 scales
-        (linear.c's ``W_INT8``). A scale of [n, groups]: int4 (``_int4``)."""
+        and their int32 sums of the integers (linear.c's ``W_INT8``). A scale of
+        [n, groups]: int4 (``_int4``)."""
         n, k = q.shape
         if scale.dim() == 2:
             return cls._int4(q, scale)
@@ -98,8 +99,10 @@ class PackedRows:
         values = panels.reshape(-1, PANEL, quads, 4).transpose(1, 2).contiguous()
         values = values.reshape(-1, quads * 4 * PANEL)
         scales = _panels(scale.detach().reshape(n, 1)).contiguous().reshape(-1, PANEL)
+        sums = _panels(q.sum(dim=1, dtype=torch.int32).reshape(n, 1)).contiguous()
+        parts = (values, scales, sums.reshape(-1, PANEL))
         self = cls.__new__(cls)
-        self.data = torch.cat((values.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+        self.data = torch.cat([part.view(torch.uint8) for part in parts], dim=1)
         self.n, self.k, self.dtype = n, k, torch.int8
         return self
 
