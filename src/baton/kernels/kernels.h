@@ -215,7 +215,8 @@ static inline int64_t baton_int4_groups(int64_t k) { return (k + INT4_GROUP - 1)
 
 /* The bytes of one panel of `k` inputs in format `w_format`. */
 static inline int64_t baton_panel_bytes(int64_t k, int w_format) {
-    if (w_format == W_INT8) return 64 * baton_int8_quads(k) + 16 * (int64_t)(4 + 4);
+    if (w_format == W_INT8) /* values, then 16 fp32 scales and 16 int32 column sums */
+        return 64 * baton_int8_quads(k) + 16 * (int64_t)(sizeof(float) + sizeof(int32_t));
     if (w_format == W_INT4) return INT4_GROUP_BYTES * baton_int4_groups(k);
     return 16 * k * (w_format ? 2 : 4);
 }

@@ -327,13 +327,15 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
  * column's sum is sum (x + 128) w = sum x w + 128 sum w, sum w stored in the panel (after
  * the scales): per row and quad a broadcast and the vpdpbusd, nothing per load but the
  * load (|w| as the unsigned side and x with w's sign as the signed one took two more per
- * load and one more per row; 6-row tiles ~1.5x faster without). Each row's sums are kept in INT8_CHAINS(R) independent chains of
- * quads, added at the end -- integer sums, the same in any order -- since a vpdpbusd waits
- * for the last one into its register (~5 cycles on a Zen 4): one chain held one row to a
- * fifth of the instruction's rate (a 1024 x 3072 matmul of one row 1.4x faster with 4). */
+ * load and one more per row; 6-row tiles ~1.5x faster without). Each row's sums are kept
+ * in INT8_CHAINS(R) independent chains of quads, added at the end -- integer sums, the same
+ * in any order -- since a vpdpbusd waits for the last one into its register (~5 cycles on a
+ * Zen 4): one chain held one row to a fifth of the instruction's rate (a 1024 x 3072
+ * matmul of one row 1.4x faster with 4). INT8_VNNI: run() hands these tiles x + 128, and
+ * some_panels gives them rows in groups of even sizes (tiles of 1-2 rows cost more a row
+ * than 3-6). */
+#define INT8_VNNI 1
 #define INT8_CHAINS(R) ((R) == 1 ? 4 : (R) <= 4 ? 2 : 1)
-#define INT8_EVEN_GROUPS 1 /* tiles of 1-2 rows cost more a row than 3-6: some_panels */
-#define INT8_ROWS_UNSIGNED 1 /* xq holds x + 128: run() flips the sign bits once */
 #define INT8_QUAD(R, c, jj)                                                                   \
     do {                                                                                      \
         __m512i w = _mm512_loadu_si512((const void *)(p + 64 * (int64_t)(jj)));              \
@@ -362,7 +364,8 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
         _mm512_loadu_si512((const void *)(p + 64 * (int64_t)quads + 16 * 4)), 7);            \
     _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                     \
         __m512i sum = acc[r][0];                                                              \
-        _Pragma("GCC unroll 4") for (int c = 1; c < C; c++) sum = _mm512_add_epi32(sum, acc[r][c]); \
+        _Pragma("GCC unroll 4") for (int c = 1; c < C; c++)                                   \
+            sum = _mm512_add_epi32(sum, acc[r][c]);                                           \
         _mm512_storeu_si512((void *)(out + r * 16), _mm512_sub_epi32(sum, bias));             \
     }
 #elif defined(HAVE_AVX512) || defined(HAVE_AVX2)
@@ -404,11 +407,8 @@ static const pair_tile_fn PAIR_TILES[2][GROUP + 1] = { /* [panels at once - 1][r
             out[r * 16 + c] = sum;                                                            \
         }
 #endif
-#ifndef INT8_EVEN_GROUPS
-#define INT8_EVEN_GROUPS 0
-#endif
-#ifndef INT8_ROWS_UNSIGNED
-#define INT8_ROWS_UNSIGNED 0
+#ifndef INT8_VNNI
+#define INT8_VNNI 0
 #endif
 DEFINE_INT8_TILE(1)
 DEFINE_INT8_TILE(2)
@@ -709,7 +709,7 @@ static void some_panels(const Job *J, int blk, int count) {
     /* VNNI int8: the rows in groups of even sizes (8 rows: 4 + 4, not 6 + 2; INT8_CHAINS) --
      * the sums are exact, a row's bits do not depend on its group. Elsewhere full groups
      * (AVX2's int tiles ran 0.93-1.0x evened; the float tiles' order depends on R). */
-    const int even = int8 && INT8_EVEN_GROUPS, tiles = (m + group - 1) / group;
+    const int even = int8 && INT8_VNNI, tiles = (m + group - 1) / group;
     for (int g = 0, tile = 0, rows; g < m; g += rows, tile++) {
         rows = even ? (m - g) / (tiles - tile) : m - g < group ? m - g : group;
         if (int8) {
@@ -792,7 +792,7 @@ static int run(Job *job, const void *x, int64_t x_stride, int num_threads) {
         if (int8) {
             xs[r] = quantize_row(x, (int64_t)r * x_stride, k, kp, job->act_bf16,
                                  xq + (int64_t)r * kp);
-            if (INT8_ROWS_UNSIGNED && job->w_format == W_INT8) /* x + 128 (padding too) */
+            if (INT8_VNNI && job->w_format == W_INT8) /* x + 128 (padding too) */
                 for (int i = 0; i < kp; i++) xq[(int64_t)r * kp + i] ^= (int8_t)0x80;
             for (int q = 0; q < groups; q++) {
                 int32_t sum = 0;
