@@ -25,12 +25,11 @@ import torch
 from baton import kernels, platform
 from baton.config import EngineConfig, RuntimeEnv, resolve_model_dir
 from baton.cores import read_topology
-from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from baton.engine.core import PDRoute
 from baton.engine.handoff import Handoff
 from baton.engine.intake import RequestIntake
 from baton.engine.model_state import build_model_state, platform_line
-from baton.engine.outputs import RequestMetrics, RequestOutput
+from baton.engine.outputs import RequestOutput
 from baton.engine.runner import Committed, ModelRunner
 from baton.engine.scheduler import Scheduler
 from baton.engine.stats import EngineStats, prefix_stats, record_acceptance
@@ -45,7 +44,6 @@ from baton.model.loader import load_fused_model, resolve_dtype
 from baton.request import FinishReason, Request, RequestStatus
 from baton.sampling.grammar import GrammarCompiler
 from baton.sampling.sampler import Sampler
-from baton.sampling.sampling_state import SamplingState
 from baton.sampling_params import SamplingParams
 from baton.speculative.ngram import NgramProposer
 from baton.speculative.proposer import DraftProposer
@@ -212,37 +210,19 @@ class LLMEngine:
     def new_track(
         self, prompt: str | list[int] | dict, params: SamplingParams | None, request_id: str | None
     ) -> Track:
-        """A request checked (``intake``) and its bookkeeping created; touches no memory."""
-        params = params or SamplingParams()
-        text, token_ids = self.intake.encode_prompt(prompt)
-        max_tokens = self.intake.validate(token_ids, params)
-        grammar = self.intake.grammar(params)
-        request_id = request_id if request_id is not None else self.intake.next_request_id()
-        if request_id in self.tracks or request_id in self.held or request_id in self.quarantined:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, token_ids, params)
-        seed = params.seed if params.seed is not None else self.intake.next_seed()
-        detok = (
-            IncrementalDetokenizer(
-                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
-            )
-            if self.tokenizer is not None
-            else NullDetokenizer()
-        )
-        self.tracks[request_id] = Track(
-            request=request,
-            prompt=text,
-            sampling=SamplingState(
-                params, token_ids, self.model.spec.vocab_size, seed=seed, grammar=grammar
-            ),
-            detok=detok,
-            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
-            max_tokens=max_tokens,
-            logprobs=[] if params.logprobs is not None else None,
-        )
+        """A request checked and its bookkeeping made (``intake.new_track``), kept in
+        ``tracks``; touches no memory."""
+        track = self.intake.new_track(prompt, params, request_id, self._id_in_use)
+        request_id = track.request.request_id
+        self.tracks[request_id] = track
         if self.proposer is not None and self.config.debug_empty_draft_prompt_state:
-            self.proposer.context_floor[request_id] = len(token_ids) - 1
-        return self.tracks[request_id]
+            self.proposer.context_floor[request_id] = track.request.num_prompt_tokens - 1
+        return track
+
+    def _id_in_use(self, request_id: str) -> bool:
+        return (
+            request_id in self.tracks or request_id in self.held or request_id in self.quarantined
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a live request now (None if there is none). Its units are freed now, except

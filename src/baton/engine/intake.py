@@ -3,17 +3,24 @@
 ``encode_prompt`` turns text, token ids or a ``{"prompt", "prompt_token_ids"}`` dict into
 ids; ``validate`` checks them against the vocabulary, the context and the pools' sizes and
 returns the request's ``max_tokens``; ``next_request_id`` / ``next_seed`` draw what a request
-does not name. It holds no request and writes nothing: the engine creates a request's
-bookkeeping (``LLMEngine.new_track``) only after these checks passed, so a bad request keeps
-nothing. Callers: ``LLMEngine`` (``add_request`` and ``new_track``, which ``Handoff`` calls
-too) and ``LLM.generate`` (validates every prompt before queueing any).
+does not name; ``new_track`` makes a request's bookkeeping (its ``Track``) only after these
+checks passed. It holds no request and writes nothing: the engine keeps the track
+(``LLMEngine.new_track``), so a bad request keeps nothing. Callers: ``LLMEngine``
+(``add_request`` and ``new_track``, which ``Handoff`` calls too) and ``LLM.generate``
+(validates every prompt before queueing any).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from baton.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from baton.engine.outputs import RequestMetrics
+from baton.engine.tracks import Track
+from baton.request import Request
+from baton.sampling.sampling_state import SamplingState
 from baton.sampling_params import InvalidRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -126,3 +133,38 @@ class RequestIntake:
     def next_seed(self) -> int:
         """The seed of a request that names none (the engine's seed makes the sequence)."""
         return next(self._seeds)
+
+    def new_track(
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams | None,
+        request_id: str | None,
+        in_use: Callable[[str], bool],
+    ) -> Track:
+        """A request checked (the prompt, its params, its grammar) and its ``Track`` made,
+        kept by nobody yet; ``ValueError`` where ``in_use`` says its id is taken."""
+        params = params or SamplingParams()
+        text, token_ids = self.encode_prompt(prompt)
+        max_tokens = self.validate(token_ids, params)
+        grammar = self.grammar(params)
+        request_id = request_id if request_id is not None else self.next_request_id()
+        if in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, token_ids, params)
+        seed = params.seed if params.seed is not None else self.next_seed()
+        detok = (
+            IncrementalDetokenizer(
+                self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+            if self.tokenizer is not None
+            else NullDetokenizer()
+        )
+        return Track(
+            request=request,
+            prompt=text,
+            sampling=SamplingState(params, token_ids, self.vocab_size, seed=seed, grammar=grammar),
+            detok=detok,
+            metrics=RequestMetrics(request.arrival_time, num_prompt_tokens=len(token_ids)),
+            max_tokens=max_tokens,
+            logprobs=[] if params.logprobs is not None else None,
+        )
