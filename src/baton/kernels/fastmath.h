@@ -56,4 +56,26 @@ static inline float exp_nonpositive(float x) {
     return p * scale;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* exp_nonpositive, 8 lanes: the same steps (its reductions and polynomial as fused
+ * multiply-adds), for the loops GCC leaves scalar. */
+static inline __m256 exp8_nonpositive(__m256 x) {
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(0.0013888889f), _mm256_set1_ps(0.0083333333f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.041666668f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.16666667f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), e);
+}
+#endif
+
 #endif

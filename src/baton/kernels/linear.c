@@ -642,7 +642,8 @@ static inline float tanh_of(float z) {
  * same steps as its scalar loops -- which GCC leaves scalar (a one-row 768 x 256 int8 matmul
  * spent ~1.3 ns an output there, ~3.5 with silu, as long as the tile's multiply-adds took
  * for k = 256): exp_nonpositive, silu, tanh_of and round_to lane for lane, within an ulp or
- * two of them (fused multiply-adds where GCC may or may not fuse the scalar ones). */
+ * two of them (fused multiply-adds where GCC may or may not fuse the scalar ones;
+ * exp8_nonpositive: fastmath.h). */
 #define VECTOR_FINISH 1
 static inline __m256 round8(__m256 f) { /* round_to(f, 1): nearest even, NaN kept */
     const __m256i b = _mm256_castps_si256(f);
@@ -658,22 +659,6 @@ static inline __m256 load8_at(const void *p, int64_t i, int bf16) { /* to_f32, 8
         return _mm256_castsi256_ps(_mm256_slli_epi32(
             _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
     return _mm256_loadu_ps((const float *)p + i);
-}
-static inline __m256 exp8_nonpositive(__m256 x) { /* exp_nonpositive, 8 lanes */
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(0.0013888889f), _mm256_set1_ps(0.0083333333f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.041666668f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.16666667f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(r, p, _mm256_set1_ps(1.0f));
-    const __m256i bits = _mm256_slli_epi32(
-        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ), e);
 }
 static inline __m256 abs8(__m256 u) {
     return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u);

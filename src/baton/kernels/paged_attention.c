@@ -466,8 +466,10 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
     /* int8 rows are read as bf16 where the AVX-512 BF16 path takes them, else as fp32 */
     const int fast = HAS_BF16_PATH && a->is_bf16 && d % 32 == 0 && d <= 256;
     const int stored_bf16 = (a->is_bf16 || a->kv_bf16) && (!a->kv_int8 || fast);
-    /* bf16 rows off the AVX-512 BF16 path: widened once per block, then read as fp32 */
-    const int widen = stored_bf16 && !fast && !a->kv_int8;
+    /* bf16 rows off the AVX-512 BF16 path: widened once per block, then read as fp32, where
+     * a head's row is read by more than 2 queries; by 1-2 (decode), widened as read -- the
+     * same fp32 values (widening is exact), a pass over the block's rows less. */
+    const int widen = stored_bf16 && !fast && !a->kv_int8 && per_head > 2;
     const int row_bf16 = stored_bf16 && !widen;
     const int avx2 = HAS_AVX2_PATH && d % 16 == 0 && d <= 128; /* unused without AVX2 */
     (void)avx2;
@@ -522,12 +524,27 @@ static inline __attribute__((always_inline)) void one_task(const Args *a, int b,
 #pragma omp simd reduction(max : m)
         for (int j = 0; j < padded; j++) m = s[j] > m ? s[j] : m;
         float total = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__) /* 8 lanes (padded: whole blocks); GCC left it scalar */
+        __m256 lanes = _mm256_setzero_ps();
+        const __m256 top = _mm256_set1_ps(m), none = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < padded; j += 8) {
+            const __m256 x = _mm256_loadu_ps(s + j);
+            const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, none, _CMP_EQ_OQ),
+                                              exp8_nonpositive(_mm256_sub_ps(x, top)));
+            _mm256_storeu_ps(s + j, e);
+            lanes = _mm256_add_ps(lanes, e);
+        }
+        float lane[8];
+        _mm256_storeu_ps(lane, lanes);
+        total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+#else
 #pragma omp simd reduction(+ : total)
         for (int j = 0; j < padded; j++) {
             float e = s[j] == -INFINITY ? 0.0f : exp_nonpositive(s[j] - m);
             s[j] = e;
             total += e;
         }
+#endif
         sums[i] = total;
 #if HAS_BF16_PATH
         if (fast) probs_to_bf16_pairs(s, padded);
