@@ -13,6 +13,8 @@ import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from baton.config import EngineConfig
 from baton.engine.engine import LLMEngine
 from baton.engine.outputs import RequestOutput
@@ -77,10 +79,11 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         wanted = set(ids)
         try:
-            while len(done) < len(ids):
-                for out in self.requests.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
+            with torch.inference_mode():  # once, not per step (ModelRunner.execute)
+                while len(done) < len(ids):
+                    for out in self.requests.step():
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
         except BaseException:
             for request_id in ids:
                 if request_id not in done:

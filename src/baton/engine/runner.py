@@ -15,6 +15,7 @@ sampler (``_plain_greedy``), with the head in the same native call where it take
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -74,8 +75,13 @@ class ModelRunner:
         self.num_computed_tokens = 0
         self.num_computed_prompt_tokens = 0
 
-    @torch.inference_mode()
     def execute(self, batch: SchedulerOutput, states: dict[str, SamplingState]) -> StepResult:
+        if torch.is_inference_mode_enabled():  # a caller's (LLM.generate's): entered once
+            return self._execute(batch, states)
+        with torch.inference_mode():
+            return self._execute(batch, states)
+
+    def _execute(self, batch: SchedulerOutput, states: dict[str, SamplingState]) -> StepResult:
         spec = [c.request.request_id for c in batch.chunks if c.num_lookahead]
         grammars = {rid: states[rid].grammar for rid in spec if states[rid].grammar is not None}
         chains = self.proposer.propose(spec, grammars) if spec else {}
@@ -121,7 +127,7 @@ class ModelRunner:
         result = StepResult()
         # After a prompt's matmuls (OpenMP's threads), small native calls run inline: see
         # kernels.inline_small_calls. The same bits either way.
-        with inline_small_calls(computes_prompt):
+        with inline_small_calls() if computes_prompt else nullcontext():
             self._sample(batch.chunks, segments, hidden, states, result, greedy)
             verified = [
                 (c, s) for c, s in zip(batch.chunks, segments, strict=True) if c.num_lookahead

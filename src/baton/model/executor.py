@@ -108,6 +108,7 @@ class NativeExecutor:
         if model.model.embed_scale == 1.0:
             embed = model.model.embed_tokens.weight
             self.stack = NativeStack.build(self.layers, embed, norm.weight, norm.eps, norm.offset)
+        self._rotary = model.model.rotary_emb  # read every step: no module lookups
         # The stack's attention arguments; with a stack every layer is an attention layer.
         self.attention_specs = (
             [layer.attention_spec for layer in model.model.layers] if self.stack is not None else []
@@ -187,7 +188,7 @@ class NativeExecutor:
             attention = attn.native_args(self.attention_specs)
         if attention is None:
             return None
-        rotary = self.model.model.rotary_emb
+        rotary = self._rotary
         out = stack(input_ids, positions, rotary.tables(0, stack.dtype), attention, head)
         if out is None:  # a position past the tables: grown, then the same call
             last = positions.max() if isinstance(positions, torch.Tensor) else max(positions)
