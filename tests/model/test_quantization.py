@@ -12,6 +12,8 @@ checks that generation stays close.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -272,6 +274,41 @@ def test_a_large_quantized_weights_prompt_steps_are_w8a8_and_step_invariant(act,
         torch.testing.assert_close(whole.float(), w8a8_reference(x, qw, bias), **tol)
         for a, b in ((0, 13), (13, 29), (29, 80)):
             assert torch.equal(lin(x[:, a:b]), whole[:, a:b])
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_without_vnni_int8_prompt_rows_are_step_invariant_unpadded(act, monkeypatch):
+    """Without VNNI an int8 weight's prompt steps take the panels' W8A8: exact integer
+    sums, each row's epilogue its own -- so a call of any number of rows is not padded to
+    ``ROW_BLOCK`` (never ``in_row_blocks``), and a row's bits still do not depend on the
+    rows beside it in the call."""
+    import baton.model.frozen_linear as fl
+
+    real = platform.current()
+    monkeypatch.setattr(platform, "current", lambda: dataclasses.replace(real, has_vnni=False))
+
+    def padded(*args):
+        raise AssertionError("an exact int8 weight's prompt rows were padded")
+
+    monkeypatch.setattr(fl, "in_row_blocks", padded)
+    g = torch.Generator().manual_seed(10)
+    n, k = 96, 200
+    w = (torch.randn(n, k, generator=g) / 30).to(act)
+    bias = torch.randn(n, generator=g).to(act)
+    lin = FrozenLinear(w, bias, quantization="int8")
+    lin.rows()  # the panels (built on first use, as the native layers do)
+    x = torch.randn(1, 41, k, generator=g).to(act)
+    other = torch.randn(1, 41, n, generator=g).to(act)
+    tol = dict(rtol=1e-5, atol=2e-5) if act == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    with step_invariant_rows():
+        whole, added = lin(x), lin.add(x, other)
+        torch.testing.assert_close(
+            whole.float(), w8a8_reference(x, QUANTIZERS["int8"](w), bias), **tol
+        )
+        for a, b in ((0, 1), (1, 14), (14, 30), (30, 41)):
+            assert torch.equal(lin(x[:, a:b]), whole[:, a:b])
+            assert torch.equal(lin.add(x[:, a:b], other[:, a:b]), added[:, a:b])
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)

@@ -249,9 +249,17 @@ class FrozenLinear:
             return narrow, narrow_bias
         return narrow, None
 
+    @property
+    def _rows_exact(self) -> bool:
+        """Every call takes linear.c's W8A8 (``_quantized_panels_only``, int8): each row's
+        sums are exact integers and its epilogue its own, so a row's bits never depend on
+        the call's number of rows -- ``step_invariant_rows`` needs no padding (a prompt of
+        8 tokens is not computed as 16)."""
+        return self.quantization == "int8" and self._quantized_panels_only
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if rows_invariant():
-            return in_row_blocks(self._blas, x)
+            return self._blas(x) if self._rows_exact else in_row_blocks(self._blas, x)
         if self._few_rows and self._takes_few(x):
             weight, bias = self.rows()
             y = linear_rows(x, weight, bias, ACTIVATIONS[self.activation], None, self.rounds_once)
@@ -311,6 +319,8 @@ class FrozenLinear:
         assert self.activation == "none", "a binary op follows the bare matmul"
         if rows_invariant():
             if other.shape[:-1] == x.shape[:-1]:
+                if self._rows_exact:
+                    return self._binary_blas(x, other, op)
                 return in_row_blocks(lambda a, b: self._binary_blas(a, b, op), x, other)
             y = self(x)
             return y * other if op == "mul" else y + other
