@@ -32,6 +32,7 @@ from baton.model.quantize import (
     check_quantization,
     dequantize,
     int8_linear,
+    int_mm,
     quantize_int4,
     quantize_int8,
 )
@@ -309,6 +310,46 @@ def test_without_vnni_int8_prompt_rows_are_step_invariant_unpadded(act, monkeypa
         for a, b in ((0, 1), (1, 14), (14, 30), (30, 41)):
             assert torch.equal(lin(x[:, a:b]), whole[:, a:b])
             assert torch.equal(lin.add(x[:, a:b], other[:, a:b]), added[:, a:b])
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.usefixtures("kernel_level")
+def test_int8_sums_from_the_panels_are_int_mms_integers():
+    """``linear.int8_sums`` (the small steps' tiles over the panels) gives the exact int32
+    sums ``int_mm`` gives for the weight's rows taken out of them, -128 weights included,
+    at every level, for row counts that fill no tile and several."""
+    from baton.kernels.linear import int8_sums, quantize_rows
+
+    g = torch.Generator().manual_seed(12)
+    for n, k, m in ((17, 3, 1), (40, 70, 5), (48, 200, 37), (300, 1024, 70)):
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        q[:, :2] = -128
+        packed = PackedRows.quantized(q, torch.rand(n, generator=g) / 100)
+        xq, _ = quantize_rows(torch.randn(m, k, generator=g), packed.int8_width)
+        rows, _ = packed.int8_rows(0, n)
+        assert torch.equal(int8_sums(xq, packed), int_mm(xq, rows)), (n, k, m)
+
+
+@pytest.mark.skipif(library() is None, reason=OFF)
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_int8_prompt_rows_give_the_same_bits_from_the_panels_or_taken_out(act, monkeypatch):
+    """``int8_linear`` takes a call of few rows' sums from the panels
+    (``SUMS_FROM_PANELS_ROWS``) and a larger one's from the rows taken out: a row's output
+    is the same bits either way, so a prompt's keys and values do not depend on its chunks."""
+    import baton.model.quantize as quantize
+
+    g = torch.Generator().manual_seed(13)
+    n, k = 96, 300
+    qw = QUANTIZERS["int8"](torch.randn(n, k, generator=g) / 20)
+    packed = PackedRows.quantized(qw.q, qw.scale)
+    x = torch.randn(40, k, generator=g).to(act)
+    bias = torch.randn(n, generator=g).float()
+    monkeypatch.setattr(quantize, "SUMS_FROM_PANELS_ROWS", 64)
+    few = quantize.int8_linear(x, packed, bias)
+    monkeypatch.setattr(quantize, "SUMS_FROM_PANELS_ROWS", 0)
+    taken_out = quantize.int8_linear(x, packed, bias)
+    assert torch.equal(few, taken_out)
+    assert torch.equal(few, quantize.int8_linear(x, qw, bias))  # the torch ops' bits
 
 
 @pytest.mark.skipif(library() is None, reason=OFF)

@@ -312,6 +312,8 @@ def library_for(level: str) -> ctypes.CDLL | None:
     lib.baton_int8_rows.argtypes = [ptr, i32, i32, i32, i32, ptr, i32, ptr, i32]
     lib.baton_scale_int32.restype = ctypes.c_int
     lib.baton_scale_int32.argtypes = [ptr, i32, i32, ptr, ptr, ptr, ptr, i64, i32, i32, i32]
+    lib.baton_int8_sums.restype = ctypes.c_int
+    lib.baton_int8_sums.argtypes = [ptr, i32, i32, ptr, i32, i32, ptr, i32]
     lib.baton_gated_rows.restype = ctypes.c_int
     lib.baton_gated_rows.argtypes = [
         ptr,

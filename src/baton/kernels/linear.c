@@ -1134,6 +1134,58 @@ int baton_int8_rows(const void *w, int32_t k, int32_t w_format, int32_t row0, in
     return 0;
 }
 
+/* The exact int32 sums out [m, n] of int8 rows xq [m, kq] (baton_quantize_rows' rows: kq =
+ * 4 x the weight's quads, zero-padded) times an int8 weight's panels (W_INT8), by the small
+ * steps' tiles -- the same integers as oneDNN's int8 matmul of baton_int8_rows' rows, without
+ * taking the weight's integers out of the panels first (a pass over every weight per call:
+ * a third of a Zen 4's 8-token int8 prefill). Panels in tasks on OpenMP's threads (a prompt
+ * step's call). Returns 0, or 1 without scratch memory. */
+typedef struct {
+    const int8_t *xq;
+    const uint8_t *w;
+    int32_t *out;
+    int64_t panel_bytes;
+    int32_t m, kq, n, per_task;
+} Sums;
+
+static void sums_task(void *ctx, int task, int worker) {
+    const Sums *S = ctx;
+    const int panels = (S->n + PANEL - 1) / PANEL, first = task * S->per_task;
+    const int stop = first + S->per_task < panels ? first + S->per_task : panels;
+    int32_t sums[GROUP * PANEL];
+    (void)worker;
+    for (int blk = first; blk < stop; blk++) {
+        const int8_t *panel = (const int8_t *)(S->w + blk * S->panel_bytes);
+        const int c0 = blk * PANEL, cols = S->n - c0 < PANEL ? S->n - c0 : PANEL;
+        for (int g = 0, rows; g < S->m; g += rows) {
+            rows = S->m - g < INT8_ROWS ? S->m - g : INT8_ROWS;
+            INT8_TILES[rows](S->xq + (int64_t)g * S->kq, S->kq, S->kq / 4, panel, sums);
+            for (int r = 0; r < rows; r++)
+                memcpy(S->out + (int64_t)(g + r) * S->n + c0, sums + r * PANEL,
+                       (size_t)cols * sizeof(int32_t));
+        }
+    }
+}
+
+int baton_int8_sums(const int8_t *xq, int32_t m, int32_t kq, const void *w, int32_t k,
+                    int32_t n, int32_t *out, int32_t num_threads) {
+    int8_t *flipped = NULL;
+    if (INT8_VNNI) { /* the VNNI tiles take x + 128 (see run()) */
+        flipped = malloc((size_t)m * kq > 0 ? (size_t)m * kq : 1);
+        if (flipped == NULL) return 1;
+        for (int64_t i = 0; i < (int64_t)m * kq; i++) flipped[i] = (int8_t)(xq[i] ^ 0x80);
+    }
+    const int panels = (n + PANEL - 1) / PANEL;
+    const int threads = baton_threads_for((int64_t)m * n * k, MACS_PER_THREAD, num_threads);
+    int per_task = panels / (TASKS_PER_THREAD * threads);
+    if (per_task < 1) per_task = 1;
+    const Sums S = {flipped != NULL ? flipped : xq, w, out, baton_panel_bytes(k, W_INT8), m, kq, n,
+                    per_task};
+    baton_parallel_openmp(sums_task, (void *)&S, (panels + per_task - 1) / per_task, threads);
+    free(flipped);
+    return 0;
+}
+
 /* y[r, j0 + j] = round(acc[r, j] xs[r] ws[j] + bias[j]) for an int32 block acc [m, n]:
  * (acc xs) ws, then + bias (fp32, or NULL), each product and sum rounded in fp32 as torch's
  * elementwise ops round them (no fused multiply-add), once to y's dtype; y's rows y_stride

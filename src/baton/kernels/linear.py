@@ -178,6 +178,12 @@ class PackedRows:
         )
         return q, scales
 
+    def column_scales(self) -> torch.Tensor:
+        """An int8 weight's scales [n] (fp32), read from its panels (a view's copy)."""
+        assert self.dtype == torch.int8
+        at = 64 * (self.int8_width // 4)  # after the panel's values
+        return self.data[:, at : at + 64].contiguous().view(torch.float32).reshape(-1)[: self.n]
+
     @property
     def int8_width(self) -> int:
         """``int8_rows``' row length: k padded to whole quads (int8) or groups (int4)."""
@@ -347,6 +353,29 @@ def quantize_rows(x: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tens
         torch.get_num_threads(),
     )
     return q, scales
+
+
+def int8_sums(xq: torch.Tensor, weight: PackedRows) -> torch.Tensor:
+    """The exact int32 sums [m, n] of ``quantize_rows``' rows xq [m, ``int8_width``] times an
+    int8 weight in its panels (linear.c's ``baton_int8_sums``, the small steps' tiles): the
+    integers ``int_mm`` gives for ``int8_rows``' rows, without taking those out first."""
+    lib = library()
+    assert lib is not None and weight.dtype == torch.int8
+    assert xq.dtype == torch.int8 and xq.is_contiguous() and xq.shape[1] == weight.int8_width
+    out = torch.empty(xq.shape[0], weight.n, dtype=torch.int32)
+    status = lib.baton_int8_sums(
+        xq.data_ptr(),
+        xq.shape[0],
+        xq.shape[1],
+        weight.data_ptr(),
+        weight.k,
+        weight.n,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    if status != 0:
+        raise MemoryError(f"int8 sums kernel: no scratch memory for {xq.shape[0]} rows")
+    return out
 
 
 def scale_int32(
