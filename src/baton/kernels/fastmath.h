@@ -58,6 +58,14 @@ static inline float exp_nonpositive(float x) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
+/* to_f32 of elements i .. i + 7 (bf16 or fp32), 8 lanes. */
+static inline __m256 load8_f32(const void *p, int64_t i, int is_bf16) {
+    if (is_bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
 /* exp_nonpositive, 8 lanes: the same steps (its reductions and polynomial as fused
  * multiply-adds), for the loops GCC leaves scalar. */
 static inline __m256 exp8_nonpositive(__m256 x) {

@@ -562,12 +562,7 @@ static inline __m512 load_lanes(const void *x, int64_t i, int bf) {
 }
 #elif defined(HAVE_AVX2)
 enum { QUANT_LANES = 8 };
-static inline __m256 load_lanes(const void *x, int64_t i, int bf) {
-    if (bf)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)x + i))), 16));
-    return _mm256_loadu_ps((const float *)x + i);
-}
+static inline __m256 load_lanes(const void *x, int64_t i, int bf) { return load8_f32(x, i, bf); }
 #endif
 
 /* Row r of x (k values, bf16 or fp32) as int8: xq = round(x * 127 / max |x|) (ties to even),
@@ -654,12 +649,6 @@ static inline __m256 round8(__m256 f) { /* round_to(f, 1): nearest even, NaN kep
     return _mm256_blendv_ps(_mm256_castsi256_ps(r), f, _mm256_cmp_ps(f, f, _CMP_UNORD_Q));
 }
 static inline __m256 round8_to(__m256 f, int bf) { return bf ? round8(f) : f; }
-static inline __m256 load8_at(const void *p, int64_t i, int bf16) { /* to_f32, 8 lanes */
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
-    return _mm256_loadu_ps((const float *)p + i);
-}
 static inline __m256 abs8(__m256 u) {
     return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), u);
 }
@@ -696,11 +685,11 @@ static void finish16(const float *d, const float *scale, int j0, const void *bia
     for (int h = 0; h < PANEL; h += 8) {
         __m256 v = _mm256_loadu_ps(d + h);
         if (scale != NULL) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + h));
-        if (bias != NULL) v = _mm256_add_ps(v, load8_at(bias, j0 + h, w_format == W_BF16));
+        if (bias != NULL) v = _mm256_add_ps(v, load8_f32(bias, j0 + h, w_format == W_BF16));
         v = round8_to(v, first);
         switch (op) {
-        case EPI_ADD: v = round8_to(_mm256_add_ps(v, load8_at(other, other_at + h, bf)), bf); break;
-        case EPI_MUL: v = round8_to(_mm256_mul_ps(v, load8_at(other, other_at + h, bf)), bf); break;
+        case EPI_ADD: v = round8_to(_mm256_add_ps(v, load8_f32(other, other_at + h, bf)), bf); break;
+        case EPI_MUL: v = round8_to(_mm256_mul_ps(v, load8_f32(other, other_at + h, bf)), bf); break;
         case EPI_SILU: v = round8_to(silu8(v), bf); break;
         case EPI_GELU: v = round8_to(gelu8(v), bf); break;
         default: v = first != bf ? round8(v) : v; break; /* none, rounding once: here */

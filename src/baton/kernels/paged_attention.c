@@ -299,15 +299,6 @@ static inline void accumulate_block_bf16(const uint32_t *probs, const uint32_t *
 #include <immintrin.h>
 #define HAS_AVX2_PATH 1
 
-/* Eight fp32 values of a bf16 or fp32 row from element e. */
-static inline __m256 load8_row(const void *row, int e, const int is_bf16) {
-    if (is_bf16) {
-        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + e));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    return _mm256_loadu_ps((const float *)row + e);
-}
-
 /* r[k] = sum of the lanes of v[k], k < 8. */
 static inline __m256 reduce8(const __m256 v[8]) {
     const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
@@ -329,8 +320,8 @@ static inline __attribute__((always_inline)) void score_block_avx2(
             const void *k = blk->k[h + kk];
             __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
             for (int e = 0; e < d; e += 16) {
-                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8_row(k, e, is_bf16), s0);
-                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8_row(k, e + 8, is_bf16), s1);
+                s0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e), load8_f32(k, e, is_bf16), s0);
+                s1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + e + 8), load8_f32(k, e + 8, is_bf16), s1);
             }
             part[kk] = _mm256_add_ps(s0, s1);
         }
@@ -354,7 +345,7 @@ static inline __attribute__((always_inline)) void accumulate_block_avx2(
         if (probs[kk] == 0.0f) continue;
         const __m256 pk = _mm256_set1_ps(probs[kk]);
         _Pragma("GCC unroll 16") for (int c = 0; c < d / 8; c++)
-            r[c] = _mm256_fmadd_ps(pk, load8_row(blk->v[kk], 8 * c, is_bf16), r[c]);
+            r[c] = _mm256_fmadd_ps(pk, load8_f32(blk->v[kk], 8 * c, is_bf16), r[c]);
     }
     _Pragma("GCC unroll 16") for (int c = 0; c < d / 8; c++) _mm256_storeu_ps(acc + 8 * c, r[c]);
 }
