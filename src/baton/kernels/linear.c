@@ -634,11 +634,10 @@ static inline float tanh_of(float z) {
 
 #if defined(HAVE_AVX512) || defined(HAVE_AVX2)
 /* finish() of a whole panel, 8 lanes at a time (AVX2; the AVX-512 builds run it too): the
- * same steps as its scalar loops -- which GCC leaves scalar (a one-row 768 x 256 int8 matmul
- * spent ~1.3 ns an output there, ~3.5 with silu, as long as the tile's multiply-adds took
- * for k = 256): exp_nonpositive, silu, tanh_of and round_to lane for lane, within an ulp or
- * two of them (fused multiply-adds where GCC may or may not fuse the scalar ones;
- * exp8_nonpositive: fastmath.h). */
+ * same steps as its scalar loops, which GCC leaves scalar (at k = 256 they took as long as
+ * the tile's multiply-adds: docs/measurements/2026-12-07-zen4.md): exp_nonpositive, silu,
+ * tanh_of and round_to lane for lane, within an ulp or two of them (fused multiply-adds where
+ * GCC may or may not fuse the scalar ones; exp8_nonpositive, load8_f32: fastmath.h). */
 #define VECTOR_FINISH 1
 static inline __m256 round8(__m256 f) { /* round_to(f, 1): nearest even, NaN kept */
     const __m256i b = _mm256_castps_si256(f);

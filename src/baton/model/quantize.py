@@ -147,11 +147,9 @@ SUMS_FROM_PANELS_ROWS = 256
 """Up to this many rows an int8 weight's prompt-path sums come from its panels by the small
 steps' tiles (``linear.int8_sums``), not from oneDNN's int8 matmul of its rows taken out of
 the panels: exact integers either way, so the same bits; the taking out was a pass over every
-weight per call. On a Zen 4 (VNNI, 2 threads), random Qwen3-0.6B int8, a prompt of 8 / 64 /
-128 / 256 / 512 / 1,024 tokens in 0.41x / 0.63x / 0.79x / 0.88x / 0.95x / 1.01x the time with
-the panels' sums (at any size, for the measurement).
-Not on an AMX CPU (``Platform.has_amx``; not measured there), whose oneDNN int8 matmul runs
-on tiles these kernels do not use."""
+weight per call (on a Zen 4 the panels' way led up to ~512 rows, tied at 1,024:
+docs/measurements/2026-12-07-zen4.md). Not on an AMX CPU (``Platform.has_amx``; not
+measured there), whose oneDNN int8 matmul runs on tiles these kernels do not use."""
 
 
 def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
