@@ -20,7 +20,7 @@ import baton.kernels.paged_attention as kernel
 from baton import platform
 from baton.config import CacheConfig, EngineConfig
 from baton.engine.engine import LLMEngine
-from baton.kernels import library, linear
+from baton.kernels import int8_prompt, library
 from baton.memory import PagedPool, RingPool, StateRegistry, kv_format
 from baton.model.loader import resolve_dtype
 from baton.model.paged_attention import PagedAttention, Segment
@@ -58,7 +58,7 @@ def test_rows_quantize_as_linear_c_quantizes_activations(dtype):
     torch.manual_seed(0)
     x = (torch.randn(37, 64) * torch.logspace(-3, 2, 37)[:, None]).to(dtype)
     x[5] = 0  # a zero row: scale 0, values 0
-    q, scales = linear.quantize_rows(x, 64)
+    q, scales = int8_prompt.quantize_rows(x, 64)
     rows = kv_format.quantize(x)
     assert rows.dtype == torch.int8 and rows.shape == (37, 68)
     assert torch.equal(rows[:, :64], q)

@@ -315,10 +315,10 @@ def test_without_vnni_int8_prompt_rows_are_step_invariant_unpadded(act, monkeypa
 @pytest.mark.skipif(library() is None, reason=OFF)
 @pytest.mark.usefixtures("kernel_level")
 def test_int8_sums_from_the_panels_are_int_mms_integers():
-    """``linear.int8_sums`` (the small steps' tiles over the panels) gives the exact int32
+    """``int8_prompt.int8_sums`` (the small steps' tiles over the panels) gives the exact int32
     sums ``int_mm`` gives for the weight's rows taken out of them, -128 weights included,
     at every level, for row counts that fill no tile and several."""
-    from baton.kernels.linear import int8_sums, quantize_rows
+    from baton.kernels.int8_prompt import int8_sums, quantize_rows
 
     g = torch.Generator().manual_seed(12)
     for n, k, m in ((17, 3, 1), (40, 70, 5), (48, 200, 37), (300, 1024, 70)):

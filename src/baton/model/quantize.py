@@ -33,7 +33,7 @@ from torch import nn
 
 from baton import platform
 from baton.config import QUANTIZATIONS
-from baton.kernels import linear as linear_kernels
+from baton.kernels import int8_prompt
 from baton.kernels.linear import INT4_GROUP
 from baton.kernels.linear import PANEL as PANEL_ROWS
 
@@ -145,7 +145,7 @@ def dequantize(weight: QuantizedWeight, dtype: torch.dtype = torch.float32) -> t
 
 SUMS_FROM_PANELS_ROWS = 256
 """Up to this many rows an int8 weight's prompt-path sums come from its panels by the small
-steps' tiles (``linear.int8_sums``), not from oneDNN's int8 matmul of its rows taken out of
+steps' tiles (``int8_prompt.int8_sums``), not from oneDNN's int8 matmul of its rows taken out of
 the panels: exact integers either way, so the same bits; the taking out was a pass over every
 weight per call (on a Zen 4 the panels' way led up to ~512 rows, tied at 1,024:
 docs/measurements/2026-12-07-zen4.md). Not on an AMX CPU (``Platform.has_amx``; not
@@ -169,19 +169,19 @@ def int8_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Ten
     if isinstance(weight, QuantizedWeight):
         return _int8_linear_torch(x2, weight, bias, rows).reshape(*lead, n)
     x2 = x2.contiguous()
-    xq, x_scale = linear_kernels.quantize_rows(x2, weight.int8_width)
+    xq, x_scale = int8_prompt.quantize_rows(x2, weight.int8_width)
     y = torch.empty(x2.shape[0], n, dtype=x.dtype)
     bias = None if bias is None else bias.float().contiguous()
     from_panels = 0 if platform.current().has_amx else SUMS_FROM_PANELS_ROWS
     if weight.dtype == torch.int8 and x2.shape[0] <= from_panels:
-        acc = linear_kernels.int8_sums(xq, weight)  # the same integers: the same bits
-        linear_kernels.scale_int32(acc, x_scale, weight.column_scales(), bias, y, 0)
+        acc = int8_prompt.int8_sums(xq, weight)  # the same integers: the same bits
+        int8_prompt.scale_int32(acc, x_scale, weight.column_scales(), bias, y, 0)
         return y.reshape(*lead, n)
     for j in range(0, n, rows):
         count = min(rows, n - j)
         q, scale = weight.int8_rows(j, count)
         acc = int_mm(xq, q)
-        linear_kernels.scale_int32(acc, x_scale, scale, None if bias is None else bias[j:], y, j)
+        int8_prompt.scale_int32(acc, x_scale, scale, None if bias is None else bias[j:], y, j)
     return y.reshape(*lead, n)
 
 
