@@ -45,6 +45,37 @@ def save_random_qwen3(out_dir: Path, dtype: torch.dtype, window: int | None, **s
     return out_dir
 
 
+def decode_weights(model: torch.nn.Module) -> tuple[int, int]:
+    """(values, bytes) of the weights a decode step reads: every ``FrozenLinear``'s packed
+    panels (what ``linear.c`` computes with -- q|k|v, o, gate, up, down, the head: a tied
+    embedding once, as the head; quantized ones in their own bytes) and the parameters of
+    everything but the embedding tables (norms; any weight no ``FrozenLinear`` holds), whose
+    rows a step gathers but does not stream. Not ``model.parameters()``: the packed weights
+    are not parameters (a model keeps one copy of a weight, in the panels)."""
+    from baton.kernels.linear import PackedRows
+    from baton.model.frozen_linear import FrozenLinear
+
+    linears: dict[int, FrozenLinear] = {}
+    for module in model.modules():
+        for attr in vars(module).values():
+            if isinstance(attr, FrozenLinear):
+                linears[id(attr)] = attr
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    # each parameter once (a tied head is the embedding's); fused modules' are empty
+    params = {id(p): p for p in model.parameters() if id(p) not in tables}
+    values = sum(p.numel() for p in params.values())
+    size = sum(p.numel() * p.element_size() for p in params.values())
+    for linear in linears.values():
+        rows = linear.rows()
+        w = linear.effective_weight() if rows is None else rows[0]  # None: native layers off
+        if isinstance(w, PackedRows):
+            values, size = values + w.n * w.k, size + w.nbytes
+        else:  # a float weight, or a QuantizedWeight's values (its scales aside)
+            w = getattr(w, "q", w)
+            values, size = values + w.numel(), size + w.numel() * w.element_size()
+    return values, size
+
+
 def memcpy_bytes_per_s(num_mib: int, repeats: int = 5) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` of ``num_mib`` MiB (median of
     ``repeats`` after one warm-up)."""

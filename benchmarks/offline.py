@@ -56,6 +56,7 @@ import transformers
 from common import (
     BUNDLED_SHAPE,
     PAD_ID,
+    decode_weights,
     memcpy_bytes_per_s,
     resolve_dtype_arg,
     save_random_qwen3,
@@ -303,8 +304,7 @@ def bench_bandwidth(args: argparse.Namespace, sizes: Sizes, tmp: Path) -> dict:
     shape = dict(sizes.big_shape)
     model_dir = save_random_qwen3(tmp / "big", getattr(torch, args.dtype), None, **shape)
     llm = new_llm(model_dir, args, 4096)
-    params = list(llm.engine.model.parameters())  # tied embeddings count once
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    num_params, weight_bytes = decode_weights(llm.engine.model)  # a tied head once
     engine, n = llm.engine, sizes.big_decode_steps
     step_seconds: list[float] = []
     sampling = SamplingParams(temperature=0, max_tokens=n + 1, ignore_eos=True)
@@ -322,7 +322,7 @@ def bench_bandwidth(args: argparse.Namespace, sizes: Sizes, tmp: Path) -> dict:
     achieved = weight_bytes / step
     return {
         "shape": shape,
-        "num_params": sum(p.numel() for p in params),
+        "num_params": num_params,
         "weight_bytes": weight_bytes,
         # K/V read per step is under 1% of the weights at this context; it is not counted.
         "context_tokens": 16 + n,

@@ -13,7 +13,8 @@ unquantized model and against llama.cpp's q8_0 / q4_0, on this CPU (printed firs
    configuration's batch-1 decode once and one ``llama-bench`` tg repetition of each GGUF):
    decode-only tok/s at batch 1 (plain and MTP), per-round ratios int8 / int4 against the
    unquantized model and against llama.cpp's GGUFs, their medians; then 32 mixed requests
-   (prompt 64-192 tokens, 32-96 new) total tok/s, and a 512-token prefill, per configuration.
+   (prompt 64-192 tokens, 32-96 new) total tok/s and a 512-token prefill, the configurations
+   in turns too (``repeats`` rounds), per-round ratios against the unquantized model.
 3. The weight bytes a decode step reads per configuration, and memcpy's bandwidth measured
    in the same run: the bandwidth bound of batch-1 decode.
 
@@ -44,7 +45,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent / "src")]
 import llama_cpp_peer as peer  # noqa: E402
 import offline  # noqa: E402
 import torch  # noqa: E402
-from common import machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa: E402
+from common import decode_weights, machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa: E402
 
 from baton.corpus import held_out_texts  # noqa: E402
 from baton.engine.llm import LLM  # noqa: E402
@@ -64,7 +65,7 @@ FULL = dict(
     tg_tokens=128,
     mixed_requests=32,
     prefill_tokens=512,
-    repeats=3,
+    repeats=5,
 )
 QUICK = FULL | dict(
     windows=3,
@@ -79,7 +80,7 @@ QUICK = FULL | dict(
     prefill_tokens=64,
     repeats=1,
 )
-REAL = FULL | dict(new_tokens=32, rounds=3, tg_tokens=32, mixed_requests=16, repeats=1)
+REAL = FULL | dict(new_tokens=32, rounds=3, tg_tokens=32, mixed_requests=16, repeats=3)
 """A real-size random model: speed only, fewer tokens (each ~100x the bundled model's work)."""
 
 CONFIGS = {"none": {}, "int8": {"quantization": "int8"}, "int4": {"quantization": "int4"}}
@@ -178,17 +179,10 @@ def quality(model_dir: Path, dtype: str, threads: int, sizes: dict) -> dict:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """The bytes of the matrices a decode step reads through linear.c (embeddings aside)."""
-    total = 0
-    for module in [llm.engine.model, *([llm.engine.proposer.draft] if _draft(llm) else [])]:
-        for m in module.modules():
-            for name in ("_qkv", "_o", "_gate", "_up", "_down", "frozen_head", "frozen_eh"):
-                lin = getattr(m, name, None)
-                if lin is None:
-                    continue
-                rows = lin.rows()
-                total += rows[0].nbytes if rows else 0
-    return total
+    """The bytes of the weights a decode step reads (``common.decode_weights``), the draft's
+    too where there is one."""
+    models = [llm.engine.model, *([llm.engine.proposer.draft] if _draft(llm) else [])]
+    return sum(decode_weights(m)[1] for m in models)
 
 
 def _draft(llm: LLM) -> bool:
@@ -253,7 +247,8 @@ def speed(model_dir: Path, dtype: str, threads: int, sizes: dict, llama: dict | 
                         x[f"{q}_{mode}"] / x[f"llama_{gname}"] for x in rounds
                     )
         r["batch1_median_ratios"] = ratios
-        # mixed batch and prefill: plain engines (the MTP ones as well where they exist)
+        # mixed batch and prefill, in turns as batch 1 (one pass of each per round: a
+        # configuration's passes minutes apart would compare the host's phases)
         import random
 
         rng = random.Random(0)
@@ -262,21 +257,39 @@ def speed(model_dir: Path, dtype: str, threads: int, sizes: dict, llama: dict | 
         prompts = [stream[s : s + rng.randint(64, 192)] for s in starts]
         news = [rng.randint(32, 96) for _ in range(k)]
         long = stream[: sizes["prefill_tokens"]]
-        for name, llm in llms.items():
-            mixed = offline.bench_mixed(llm, None, prompts, news, sizes["repeats"])
-            pp = offline.medians(
-                {"pp": lambda llm=llm: offline.baton_generate(llm, [long], [1])}, sizes["repeats"]
-            )["pp"]
+        tokens = {"mixed": sum(map(len, prompts)) + sum(news), "prefill": len(long)}
+        runs = {
+            "mixed": lambda llm: offline.baton_generate(llm, prompts, news),
+            "prefill": lambda llm: offline.baton_generate(llm, [long], [1]),
+        }
+        for llm in llms.values():  # warm-up: the batch's and the long prompt's first steps
+            for fn in runs.values():
+                fn(llm)
+        turns = []
+        for i in range(sizes["repeats"]):
+            row = {}
+            for name in list(llms) if i % 2 == 0 else list(reversed(llms)):
+                for what, fn in runs.items():
+                    t = time.perf_counter()
+                    fn(llms[name])
+                    row[f"{name}_{what}"] = tokens[what] / (time.perf_counter() - t)
+            turns.append(row)
+            print(f"turn {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
+        r["mixed_prefill_rounds"] = turns
+        pp = f"prefill{sizes['prefill_tokens']}_tokens_per_s"
+        for name in llms:
             r[name] = {
-                "mixed_total_tokens_per_s": mixed["baton_total_tokens_per_s"],
-                "mixed_generated_tokens_per_s": mixed["baton_generated_tokens_per_s"],
-                f"prefill{sizes['prefill_tokens']}_tokens_per_s": len(long) / pp,
+                "mixed_total_tokens_per_s": statistics.median(x[f"{name}_mixed"] for x in turns),
+                pp: statistics.median(x[f"{name}_prefill"] for x in turns),
             }
-            print(f"{name}: {r[name]}", flush=True)
-    for mode in ("plain", "mtp") if has_draft else ("plain",):
-        for q in ("int8", "int4"):
-            a, b = r[f"{q}_{mode}"], r[f"none_{mode}"]
-            r[f"ratios_{q}_{mode}"] = {key: a[key] / b[key] for key in a}
+        for mode in ("plain", "mtp") if has_draft else ("plain",):
+            for q in ("int8", "int4"):
+                r[f"ratios_{q}_{mode}"] = {  # medians of the turns' ratios
+                    key: statistics.median(
+                        x[f"{q}_{mode}_{what}"] / x[f"none_{mode}_{what}"] for x in turns
+                    )
+                    for key, what in (("mixed_total_tokens_per_s", "mixed"), (pp, "prefill"))
+                }
     del llms
     gc.collect()
     return r
@@ -315,6 +328,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--skip-quality", action="store_true")
+    p.add_argument("--rounds", type=int, help="batch-1 rounds (default: the sizes')")
+    p.add_argument("--repeats", type=int, help="mixed and prefill rounds (default: the sizes')")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     stand_in = peer.avx2_stand_in()
@@ -330,6 +345,7 @@ def main() -> int:
 
         model_dir = peer.real_size_model(args.model) if args.model in SHAPES else Path(args.model)
     sizes = QUICK if args.quick else FULL if model_dir == peer.BUNDLED else REAL
+    sizes = sizes | {k: getattr(args, k) for k in ("rounds", "repeats") if getattr(args, k)}
     r: dict = {
         "machine": machine_facts(dtype, threads=args.threads, loadavg_start=os.getloadavg()),
         "model": str(model_dir),

@@ -9,13 +9,15 @@ half and all of the usable cores, ``baton.cores``):
 
 * **decode tok/s** at batch 1, 8, 32, 64 (``--batches``): requests past a 32-token prompt,
   the median engine step over ``--steps`` steps, ``batch / step``; beside it the lower of
-  two bounds -- **weight bandwidth**: a step reads every weight once, so at most
-  ``memcpy bytes/s / weight bytes`` steps per second (memcpy measured in this run, read +
+  two bounds -- **weight bandwidth**: a step reads every weight once (the packed copies the
+  kernels read, ``common.decode_weights``), so at most ``memcpy bytes/s / weight bytes``
+  steps per second (memcpy measured in this run, read +
   written counted: reads alone go faster, so decode can pass 100 % of it), and **matmul**:
   ``peak FLOP/s / (2 * parameters)`` tokens per second -- ``of_bound`` is decode's share of
   it, ``bound`` says which;
 * **prefill tok/s** at 512 and 2,048 tokens (``--prompts``): one request's time to its first
-  token; beside it the **matmul bound**: ``peak FLOP/s / (2 * parameters)`` tokens per second,
+  token; beside it the **matmul bound**: ``peak FLOP/s / (2 * parameters but the head's)``
+  tokens per second (a prompt's tokens but its last skip the head; attention not counted),
   the peak a large ``torch.mm`` in the compute dtype reaches at that thread count here.
 
 Every cell past ``--budget-s`` (per model) is reported as skipped rather than run, so the
@@ -42,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from common import machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa: E402
+from common import decode_weights, machine_facts, memcpy_bytes_per_s, resolve_dtype_arg  # noqa: E402
 
 from baton.config import EngineConfig  # noqa: E402
 from baton.cores import read_topology  # noqa: E402
@@ -160,8 +162,7 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
         batches = [int(b) for b in args.batches.split(",")]
         for threads in thread_counts(args.threads):
             engine = engine_for(model_dir, dtype, threads, max(batches))
-            params = sum(p.numel() for p in engine.model.parameters())
-            weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+            params, weight_bytes = decode_weights(engine.model)
             peak = matmul_flops(torch_dtype)
             cell: dict = {"matmul_flops": peak, "decode": {}, "prefill": {}}
             result.update(parameters=params, weight_bytes=weight_bytes)
@@ -184,7 +185,8 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
                     cell["prefill"][length] = "skipped (budget)"
                     continue
                 tok_s = prefill_tok_s(engine, length, shape["vocab"])
-                bound = peak / (2 * params)
+                # a prompt's tokens but its last skip the head (attention's share not counted)
+                bound = peak / (2 * (params - shape["vocab"] * shape["hidden"]))
                 cell["prefill"][length] = {
                     "tok_s": tok_s,
                     "bound_tok_s": bound,

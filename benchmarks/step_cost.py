@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from common import (  # noqa: E402
     BUNDLED_SHAPE,
+    decode_weights,
     machine_facts,
     memcpy_bytes_per_s,
     save_random_qwen3,
@@ -223,8 +224,8 @@ def measure(args: argparse.Namespace, twin_dir: Path, layers: str) -> dict[str, 
 
 def measure_bandwidth(args: argparse.Namespace, model_dir: Path, layers: str) -> dict:
     engine, timer = decoding_engine(model_dir, 1, False, args.threads, layers, args.dtype)
-    # Tied embeddings count once; the fused q|k|v copy is read instead of q, k, v: same bytes.
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    # the packed weights the step reads (a tied head once; q|k|v as one fused copy)
+    _, weight_bytes = decode_weights(engine.model)
     step = time_steps(engine, timer, args.bandwidth_steps)["step_s"]
     del engine
     copy = memcpy_bytes_per_s(256)
