@@ -1,5 +1,6 @@
 """Benchmark: baton's int8 / int4 weights (``--quantization int8|int4``) against the
-unquantized model and against llama.cpp's q8_0 / q4_0, on this CPU (printed first), one run.
+unquantized model and against llama.cpp's q8_0 / q4_0 / q4_K_M, on this CPU (printed first),
+one run.
 
 1. Quality (the bundled model only: a random checkpoint's perplexity means nothing), baton's
    compute dtype on this CPU: perplexity on held-out code (``baton.corpus.held_out_texts``:
@@ -20,11 +21,11 @@ unquantized model and against llama.cpp's q8_0 / q4_0, on this CPU (printed firs
 
 ``--model`` as ``llama_cpp_peer.py``'s (``bundled``, or a random real-size shape such as
 ``qwen3-0.6b`` -- speed only). llama.cpp's sources, build and converter: ``llama_cpp_peer``'s
-(q8_0 converted by the vendored converter, q4_0 by the built ``llama-quantize`` where it
-exists). Writes ``benchmarks/results/quantization-<model>.json``. With ``BATON_CPU_ISA=avx2``
-on an AVX-512 CPU the run stands in for an AVX2 one as ``llama_cpp_peer.py``'s does: torch
-and oneDNN held to AVX2 (the script starts itself again with their variables), llama.cpp
-built without AVX-512.
+(q8_0 converted by the vendored converter, q4_0 and q4_K_M by the built ``llama-quantize``
+where it exists). Writes ``benchmarks/results/quantization-<model>.json``. With
+``BATON_CPU_ISA=avx2`` on an AVX-512 CPU the run stands in for an AVX2 one as
+``llama_cpp_peer.py``'s does: torch and oneDNN held to AVX2 (the script starts itself again
+with their variables), llama.cpp built without AVX-512.
 """
 
 from __future__ import annotations
@@ -314,10 +315,11 @@ def llama_side(model_dir: Path, threads: int, skip: bool) -> dict | None:
             ["nice", "-n", "10", "cmake", "--build", build_dir, "-j", str(threads)]
             + ["--target", "llama-quantize"]
         )
-    out = ggufs["f32"].with_name(ggufs["f32"].name.replace("-f32", "-q4_0"))
-    if not out.is_file():
-        peer.run([str(quantize), str(ggufs["f32"]), str(out), "q4_0"], capture_output=True)
-    ggufs["q4_0"] = out
+    for kind in ("q4_0", "q4_K_M"):  # the plain 4-bit blocks and the k-quant users pick
+        out = ggufs["f32"].with_name(ggufs["f32"].name.replace("-f32", f"-{kind.lower()}"))
+        if not out.is_file():
+            peer.run([str(quantize), str(ggufs["f32"]), str(out), kind], capture_output=True)
+        ggufs[kind.lower()] = out
     return {"bin_dir": bin_dir, "ggufs": ggufs, "build": info}
 
 
