@@ -5,7 +5,8 @@
 #
 #   host.txt            lscpu, the Python and torch there, baton's platform line, the levels
 #   kernel-tests.log    the native kernels' tests at every level the host executes
-#   scale.json/.log     benchmarks/scale.py: the 0.6B model at 2, 4, 8 and 16 threads
+#   scale.json/.log     benchmarks/scale.py: the 0.6B model at 16, 8, 4 and 2 threads (decode
+#                       at batch 1 / 32 / 64, 32 mixed requests, prefill 512 / 2,048)
 #   quantization.json   benchmarks/quantization.py: the 0.6B int8 / int4 / unquantized, speed
 #
 # Run it from the repository root with baton's dependencies the host lacks carried as wheels
@@ -19,7 +20,7 @@ PY=${PYTHON:-python3}
 SCALE_S=${SCALE_S:-170}
 TESTS_S=${TESTS_S:-120}
 QUANT_S=${QUANT_S:-75}
-THREADS=${THREADS:-2,4,8,16}
+THREADS=${THREADS:-16,8,4,2}  # all cores first: a budget cut takes the fewest
 mkdir -p "$OUT"
 start=$(date +%s)
 if [ "${SKIP_WHEELS:-0}" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
@@ -54,7 +55,7 @@ stamp "host facts done"
 
 stamp "scale.py (limit ${SCALE_S} s)"
 timeout "$SCALE_S" "$PY" benchmarks/scale.py --models qwen3-0.6b --threads "$THREADS" \
-    --batches 1,32,64 --prompts 512,2048 --budget-s $((SCALE_S - 25)) --out "$OUT/scale.json" \
+    --batches 1,32,64 --prompts 512,2048 --mixed 32 --budget-s $((SCALE_S - 25)) --out "$OUT/scale.json" \
     >"$OUT/scale.log" 2>&1
 stamp "scale.py exit $?"
 

@@ -15,6 +15,8 @@ half and all of the usable cores, ``baton.cores``):
   written counted: reads alone go faster, so decode can pass 100 % of it), and **matmul**:
   ``peak FLOP/s / (2 * parameters)`` tokens per second -- ``of_bound`` is decode's share of
   it, ``bound`` says which;
+* **mixed batch**: ``--mixed`` requests at once (prompts of 64-192 tokens, 32-96 new), total
+  and generated tok/s, prompts included (the issue's "32 mixed requests");
 * **prefill tok/s** at 512 and 2,048 tokens (``--prompts``): one request's time to its first
   token; beside it the **matmul bound**: ``peak FLOP/s / (2 * parameters but the head's)``
   tokens per second (a prompt's tokens but its last skip the head; attention not counted),
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -145,6 +148,25 @@ def prefill_tok_s(engine: LLMEngine, length: int, vocab: int) -> float:
     return length / (time.perf_counter() - start)
 
 
+def mixed_tok_s(engine: LLMEngine, num_requests: int, vocab: int) -> dict:
+    """``num_requests`` requests at once (prompts of 64-192 random ids, 32-96 new tokens):
+    total and generated tokens per second of the whole batch, prompts included -- the
+    issue's "32 mixed requests" cell (``offline.py``'s mix, on random ids)."""
+    rng = random.Random(num_requests)
+    lengths = [rng.randint(64, 192) for _ in range(num_requests)]
+    prompts = [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    news = [rng.randint(32, 96) for _ in prompts]
+    start = time.perf_counter()
+    for prompt, n in zip(prompts, news, strict=True):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request({"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    seconds = time.perf_counter() - start
+    total = sum(map(len, prompts)) + sum(news)
+    return {"total_tok_s": total / seconds, "generated_tok_s": sum(news) / seconds}
+
+
 def thread_counts(arg: str | None) -> list[int]:
     usable = read_topology().usable
     if arg:
@@ -161,7 +183,7 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
         result: dict = {"shape": shape, "family": family, "threads": {}}
         batches = [int(b) for b in args.batches.split(",")]
         for threads in thread_counts(args.threads):
-            engine = engine_for(model_dir, dtype, threads, max(batches))
+            engine = engine_for(model_dir, dtype, threads, max(*batches, args.mixed))
             params, weight_bytes = decode_weights(engine.model)
             peak = matmul_flops(torch_dtype)
             cell: dict = {"matmul_flops": peak, "decode": {}, "prefill": {}}
@@ -192,6 +214,12 @@ def run_model(name: str, args: argparse.Namespace, dtype: str, copy_bps: float) 
                     "bound_tok_s": bound,
                     "of_bound": tok_s / bound,
                 }
+            if args.mixed:
+                cell["mixed"] = (
+                    "skipped (budget)"
+                    if time.monotonic() > deadline
+                    else mixed_tok_s(engine, args.mixed, shape["vocab"])
+                )
             result["threads"][threads] = cell
             del engine
             print_cell(name, threads, cell, flush=True)
@@ -211,6 +239,12 @@ def print_cell(name: str, threads: int, cell: dict, flush: bool = False) -> None
         print(f"  decode batch {batch:>3}: {show(entry)}")
     for length, entry in cell["prefill"].items():
         print(f"  prefill {length:>5}:    {show(entry)}", flush=flush)
+    mixed = cell.get("mixed")
+    if isinstance(mixed, dict):
+        print(f"  mixed batch: {mixed['total_tok_s']:9.1f} tok/s total, "
+              f"{mixed['generated_tok_s']:.1f} generated", flush=flush)  # fmt: skip
+    elif mixed is not None:
+        print(f"  mixed batch: {mixed}", flush=flush)
 
 
 def main() -> int:
@@ -220,6 +254,7 @@ def main() -> int:
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--prompts", default="512,2048")
     p.add_argument("--steps", type=int, default=5, help="decode steps timed per batch")
+    p.add_argument("--mixed", type=int, default=32, help="requests of the mixed batch (0: none)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--budget-s", type=float, default=120.0, help="per model")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "scale.json")
