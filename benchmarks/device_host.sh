@@ -69,8 +69,9 @@ timeout "$TESTS_S" "$PY" -m pytest -q -p no:cacheprovider "${workers[@]}" \
     tests/engine/test_kv_formats.py tests/model/test_int4_range.py >"$OUT/kernel-tests.log" 2>&1
 stamp "kernel tests exit $?"
 
-stamp "quantization.py (limit ${QUANT_S} s)"
+stamp "quantization.py (limit ${QUANT_S} s)"  # one thread a physical core, as an engine
+cores=$("$PY" -c 'from baton.cores import read_topology; print(read_topology().usable)')
 timeout "$QUANT_S" "$PY" benchmarks/quantization.py --model qwen3-0.6b --skip-llama \
-    --skip-quality --threads "$(nproc)" --rounds 2 --repeats 1 --out "$OUT/quantization.json" \
+    --skip-quality --threads "$cores" --rounds 2 --repeats 1 --out "$OUT/quantization.json" \
     >"$OUT/quantization.log" 2>&1
 stamp "quantization.py exit $?"
