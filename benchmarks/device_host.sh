@@ -55,8 +55,8 @@ stamp "host facts done"
 
 stamp "scale.py (limit ${SCALE_S} s)"
 timeout "$SCALE_S" "$PY" benchmarks/scale.py --models qwen3-0.6b --threads "$THREADS" \
-    --batches 1,32,64 --prompts 512,2048 --mixed 32 --budget-s $((SCALE_S - 25)) --out "$OUT/scale.json" \
-    >"$OUT/scale.log" 2>&1
+    --batches 1,32,64 --prompts 512,2048 --mixed 32 --budget-s $((SCALE_S - 25)) \
+    --out "$OUT/scale.json" >"$OUT/scale.log" 2>&1
 stamp "scale.py exit $?"
 
 stamp "kernel tests (limit ${TESTS_S} s)"
