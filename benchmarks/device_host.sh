@@ -25,7 +25,8 @@ mkdir -p "$OUT"
 start=$(date +%s)
 if [ "${SKIP_WHEELS:-0}" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { echo "error: the carried wheels did not install"; exit 1; }
+        --target /tmp/site .whl/*.whl ||
+        { echo "error: the carried wheels did not install"; exit 1; }
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 # baton from this tree (no install step there), the tests importable as a package
@@ -37,7 +38,8 @@ stamp "host facts"
 {
     lscpu
     echo
-    "$PY" -c 'import sys, torch; print(sys.version); print("torch", torch.__version__); print(torch.__config__.show())'
+    "$PY" -c 'import sys, torch
+print(sys.version, "\ntorch", torch.__version__, "\n" + torch.__config__.show())'
     # every level's kernels built at once (one compiler each), the platform line
     "$PY" - <<'EOF'
 from concurrent.futures import ThreadPoolExecutor
